@@ -1,0 +1,88 @@
+"""Per-token log-probabilities of completion tokens, without a B x L x V float32 log-softmax.
+
+Shared by the ref server (frozen model, inference mode) and the trainer (with autograd).
+We run the decoder body once, pick the hidden states that predict completion tokens, and
+push them through the LM head a chunk of positions at a time: logp = logit[target] -
+logsumexp(logits). Only one chunk of float32 logits exists at a time; under autograd each
+chunk is checkpointed, so backward recomputes it instead of keeping every chunk alive.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits, (...) int targets -> (...) float32 log p(target). Upcasts once, per call."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def completion_index(prompt_lens: torch.Tensor, completion_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of completion token j in row i, shape (B, T), and the (B, T) validity mask.
+
+    Padding entries point at the row's first completion token so every index is in range.
+    """
+    T = int(completion_lens.max())
+    j = torch.arange(T, device=prompt_lens.device)
+    valid = j[None, :] < completion_lens[:, None]
+    pos = prompt_lens[:, None] + j[None, :]
+    return torch.where(valid, pos, prompt_lens[:, None].expand_as(pos)), valid
+
+
+def attention_mask_from_lengths(total_lens: torch.Tensor, L: int) -> torch.Tensor:
+    return (torch.arange(L, device=total_lens.device)[None, :] < total_lens[:, None]).long()
+
+
+def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
+                         chunk_tokens: int = 256, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """hidden (B, T, H) predicting targets (B, T) -> logps (B, T) float32 [, entropy (B, T)]."""
+    B, T, _ = hidden.shape
+    step = max(1, chunk_tokens // max(B, 1))
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+
+    def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return logprobs_from_logits(lm_head(h), t)
+
+    out, ents = [], []
+    for s in range(0, T, step):
+        h, t = hidden[:, s:s + step], targets[:, s:s + step]
+        out.append(checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t))
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(_entropy_from_logits(lm_head(h.detach())))
+    return torch.cat(out, dim=1), (torch.cat(ents, dim=1) if with_entropy else None)
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
+                      completion_lens: torch.Tensor, chunk_tokens: int = 256, with_entropy: bool = False
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM).
+
+    input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).
+    Returns (B, T) float32 with T = max(completion_lens), zeros past each row's length.
+    """
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    prompt_lens, completion_lens = prompt_lens.to(device), completion_lens.to(device)
+    B, L = input_ids.shape
+    mask = attention_mask_from_lengths(prompt_lens + completion_lens, L)
+    body = getattr(model, model.base_model_prefix)  # decoder without the LM head
+    hidden = body(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    pos, valid = completion_index(prompt_lens, completion_lens)
+    h = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # state before each token
+    targets = input_ids.gather(1, pos)
+    logps, ent = logprobs_from_hidden(h, model.get_output_embeddings(), targets, chunk_tokens, with_entropy)
+    logps = logps.masked_fill(~valid, 0.0)
+    if ent is not None:
+        ent = ent.masked_fill(~valid, 0.0)
+    return logps, ent

@@ -1,0 +1,67 @@
+"""Model and tokenizer loading: only through from_pretrained, so any HF path or id works."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_path(path_or_id: str) -> str:
+    """'tiny' names the embedded default (built once, then cached); anything else is passed through."""
+    if path_or_id == "tiny":
+        from common.tiny_model import ensure_tiny_model
+        return str(ensure_tiny_model())
+    return path_or_id
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":  # bf16 where the hardware has it, exact float32 on CPU
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
+    return table[dtype]
+
+
+def load_tokenizer(path_or_id: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path_or_id))
+    if tok.pad_token_id is None:
+        # Qwen base models ship pad == eos or no pad at all; masks come from lengths, so any id works.
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # generation pads on the left
+    return tok
+
+
+def load_model(path_or_id: str, device: str | torch.device = "cpu", dtype: str = "auto", trainable: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    td = pick_dtype(dtype, dev)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path_or_id), dtype=td)
+    model.to(dev)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def eos_ids(tokenizer, model=None) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos plus the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    gc = getattr(model, "generation_config", None)
+    if gc is not None and gc.eos_token_id is not None:
+        ids.update(gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id])
+    return sorted(i for i in ids if i is not None)
