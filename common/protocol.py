@@ -241,3 +241,45 @@ def validate_batch(b: RolloutBatch, vocab_size: Optional[int] = None, max_seq_le
             raise ProtocolError("'rewards' must be B finite values")
     if not isinstance(b.policy_version, int) or b.policy_version < 0:
         raise ProtocolError("policy_version must be a non-negative integer")
+
+
+# ---------------------------------------------------------------------------------------
+def _pad_cat(ts: list[torch.Tensor], width: int) -> torch.Tensor:
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in ts], dim=0)
+
+
+def collate(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Concatenate batches row-wise (padding input_ids and per-token tensors with 0).
+
+    The result has the type of the first batch; an optional tensor survives only if every
+    batch has it. Metadata of the first batch is kept, `extra` lists are concatenated.
+    """
+    if not batches:
+        raise ValueError("collate needs at least one batch")
+    L = max(int(b.input_ids.shape[1]) for b in batches)
+    T = max(b.max_completion_len for b in batches)
+    kw = dict(
+        input_ids=_pad_cat([b.input_ids for b in batches], L),
+        prompt_lens=torch.cat([b.prompt_lens for b in batches]),
+        completion_lens=torch.cat([b.completion_lens for b in batches]),
+        advantages=torch.cat([b.advantages for b in batches]),
+        policy_version=min(b.policy_version for b in batches),
+        producer_id=batches[0].producer_id, batch_id=batches[0].batch_id,
+    )
+    names = ["gen_logps"] + (["ref_logps"] if isinstance(batches[0], ScoredBatch) else [])
+    for name in names:
+        ts = [getattr(b, name) for b in batches]
+        kw[name] = _pad_cat(ts, T) if all(t is not None for t in ts) else None
+    rs = [b.rewards for b in batches]
+    kw["rewards"] = torch.cat(rs) if all(r is not None for r in rs) else None
+    extra: dict = {}
+    for b in batches:
+        for k, v in b.extra.items():
+            if isinstance(v, list):
+                extra.setdefault(k, []).extend(v)
+            elif isinstance(v, dict):  # e.g. reward components: dict of lists
+                d = extra.setdefault(k, {})
+                for kk, vv in v.items():
+                    d.setdefault(kk, []).extend(vv if isinstance(vv, list) else [vv])
+    kw["extra"] = extra
+    return type(batches[0])(**kw)

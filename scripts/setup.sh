@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create/refresh the project's virtual environment (.venv) and install pinned dependencies.
+# Re-running is cheap: nothing is reinstalled while requirements and this script are unchanged.
+#   CPU machines: torch==2.13.0 (local CPU build), pinned by constraints-cpu.txt so no resolver
+#                 ever pulls CUDA wheels.
+#   CUDA machines: set GRPO_TORCH="torch==<version>" (or preinstall torch in the venv) - see README.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${GRPO_VENV:-.venv}
+PY=${PYTHON:-python3}
+stamp_src=$(cat requirements.txt constraints-cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp="$VENV/.grpo-setup-$stamp_src"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+echo "[setup] creating/updating $VENV (one-time; a few minutes)" >&2
+t0=$(date +%s)
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade pip setuptools wheel
+if [ -n "${GRPO_TORCH:-}" ]; then
+  "${PIP[@]}" install "$GRPO_TORCH"                      # user-chosen (e.g. a CUDA build)
+  CONSTRAINT=()
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" install torch  # default wheel = CUDA build
+  CONSTRAINT=()
+else
+  "${PIP[@]}" install -c constraints-cpu.txt torch
+  CONSTRAINT=(-c constraints-cpu.txt)
+fi
+"${PIP[@]}" install "${CONSTRAINT[@]}" -r requirements.txt
+"${PIP[@]}" install "${CONSTRAINT[@]}" --no-deps -e .
+rm -f "$VENV"/.grpo-setup-*
+touch "$stamp"
+echo "[setup] done in $(( $(date +%s) - t0 )) s" >&2

@@ -1,0 +1,81 @@
+"""Greedy pass@1 accuracy and format rate of a model on a test set.
+
+    python -m trainer.evaluate --model DIR --data ../shared/data/gsm8k --split test --limit 200 --out eval.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from common.modeling import eos_ids, load_model, load_tokenizer
+from trainer.data import Example, load_examples
+from trainer.rollout import encode_prompts, sample
+from trainer.rewards import reward_correct, reward_format
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: Optional[str] = "default",
+             max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
+             num_samples: int = 20, progress: bool = True) -> dict:
+    """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0."""
+    t0 = time.time()
+    kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length)
+    eos = eos_ids(tokenizer, model)
+    correct = formatted = 0
+    samples = []
+    bar = tqdm(total=len(kept), desc="eval", disable=not progress, leave=False)
+    for s in range(0, len(kept), batch_size):
+        chunk = kept[s:s + batch_size]
+        outs = sample(model, tokenizer, [ids for _, ids in chunk], 1, max_new_tokens=max_new_tokens,
+                      temperature=1.0, top_p=1.0, eos_ids=eos, gen_batch_size=batch_size, do_sample=False)
+        for (ex, _), (_, comp) in zip(chunk, outs):
+            text = tokenizer.decode(comp, skip_special_tokens=True)
+            ok, fmt = reward_correct(text, ex.ground_truth) > 0, reward_format(text) > 0
+            correct += ok
+            formatted += fmt
+            if len(samples) < num_samples:
+                samples.append({"prompt": ex.prompt, "ground_truth": ex.ground_truth, "completion": text,
+                                "correct": ok, "format": fmt})
+        bar.update(len(chunk))
+    bar.close()
+    n = max(len(kept), 1)
+    return {"accuracy": correct / n, "format_rate": formatted / n, "n": len(kept), "skipped_long_prompt": skipped,
+            "seconds": round(time.time() - t0, 2), "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="Greedy pass@1 accuracy and format rate (GSM8K test split or any "
+                                            "JSONL of {prompt, ground_truth}).")
+    p.add_argument("--model", required=True, help="HF model directory or id ('tiny' = embedded default).")
+    p.add_argument("--data", default="openai/gsm8k", help="Hub id, directory with {split}.jsonl, or a file.")
+    p.add_argument("--split", default="test", help="Split to evaluate.")
+    p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N examples.")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--system-prompt", default="default", help="'default' (R1-style), '' (none) or a text.")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
+    p.add_argument("--out", default=None, help="Write the JSON summary (with sample completions) here.")
+    a = p.parse_args(argv)
+    tok = load_tokenizer(a.model)
+    model = load_model(a.model, device=a.device, dtype=a.dtype)
+    examples = load_examples(a.data, split=a.split, limit=a.limit)
+    res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
+                   batch_size=a.batch_size)
+    res.update(model=a.model, data=a.data, split=a.split)
+    print(f"accuracy {res['accuracy']:.4f}  format {res['format_rate']:.4f}  n={res['n']}  ({res['seconds']} s)")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))
+        print(f"summary written to {a.out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
