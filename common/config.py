@@ -162,8 +162,24 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
         optional = type(None) in typing.get_args(tp)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         p.add_argument(f"--{f.name}", dest=f.name, type=_converter(tp, optional), default=argparse.SUPPRESS,
-                       help=f"{f.metadata.get('help', '')} (default: {default!r})")
+                       help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
     return p
+
+
+def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
+    """A JSON value must have the field's type (an int is fine for a float); anything else is an error."""
+    optional = type(None) in typing.get_args(tp)
+    if value is None and optional:
+        return None
+    base = _base_type(tp)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base in (bool, int, float, str, list, dict):
+        ok = isinstance(value, base) and not (base is int and isinstance(value, bool))
+        if not ok:
+            want = base.__name__ + (" or null" if optional else "")
+            raise ValueError(f"{source}: field {name!r} must be {want}, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def from_dict(cls: type[T], values: dict, source: str = "config") -> T:
@@ -171,7 +187,8 @@ def from_dict(cls: type[T], values: dict, source: str = "config") -> T:
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"{source}: unknown field(s) {unknown}; see --help for the valid ones")
-    return cls(**values)
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _check_value(k, hints[k], v, source) for k, v in values.items()})
 
 
 def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = None,

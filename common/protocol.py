@@ -116,7 +116,7 @@ def _load(data: bytes) -> tuple[dict, dict]:
         raise ProtocolError(f"header length field ({header_len}) exceeds message size ({len(data)})")
     try:
         header = json.loads(bytes(data[8:8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting -> RecursionError
         raise ProtocolError(f"header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
@@ -134,7 +134,7 @@ def _meta_int(meta: dict, key: str) -> int:
     except KeyError:
         raise ProtocolError(f"metadata field {key!r} missing") from None
     except ValueError:
-        raise ProtocolError(f"metadata field {key!r} is not an integer: {meta[key]!r}") from None
+        raise ProtocolError(f"metadata field {key!r} is not an integer: {meta[key][:40]!r}") from None
 
 
 def _decode(data: bytes, kind: str) -> dict:
@@ -155,7 +155,7 @@ def _decode(data: bytes, kind: str) -> dict:
             raise ProtocolError(f"metadata field {key!r} too long")
     try:
         extra = json.loads(meta.get("extra") or "{}")
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # deep nesting -> RecursionError
         raise ProtocolError(f"metadata 'extra' is not JSON: {e}") from e
     if not isinstance(extra, dict):
         raise ProtocolError("metadata 'extra' must be a JSON object")
@@ -212,7 +212,9 @@ def validate_batch(b: RolloutBatch, vocab_size: Optional[int] = None, max_seq_le
         raise ProtocolError("every prompt length must be >= 1")
     if int(b.completion_lens.min()) < 1:
         raise ProtocolError("every completion length must be >= 1")
-    if int((b.prompt_lens + b.completion_lens).max()) > L:
+    # Each length alone first: a huge value would overflow the sum and slip past the check.
+    if (int(b.prompt_lens.max()) > L or int(b.completion_lens.max()) > L
+            or int((b.prompt_lens + b.completion_lens).max()) > L):
         raise ProtocolError(f"prompt_len + completion_len exceeds the row length {L}")
     if max_seq_len is not None and int(b.prompt_lens.max()) >= max_seq_len:
         raise ProtocolError(f"prompt length {int(b.prompt_lens.max())} >= the model's sequence length {max_seq_len}")

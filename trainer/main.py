@@ -223,7 +223,7 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
             stats = loss_stats(logps, ref, gen, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
             m = mask.float()
             stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
-            stats["loss"] = float(loss)
+            stats["loss"] = float(loss.detach())
     return stats
 
 

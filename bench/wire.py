@@ -1,0 +1,174 @@
+"""Wire-format micro-benchmark: our safetensors protocol vs simple_GRPO-style torch.save framing.
+
+    python bench/wire.py [--rows 8] [--tokens 1024] [--repeats 300] [--seed 0]
+
+One group (rows x tokens, prompt included, with generation-time logprobs and rewards) is
+encoded and decoded again, many times; the median round trip of each side is compared.
+
+  ours      common.protocol.encode_rollout + decode_rollout (decode validates everything:
+            dtypes, ranks, shapes, lengths, token range, finiteness, logprob sign).
+  baseline  simple_GRPO's framing: every tensor torch.save'd into its own blob
+            (tensor_to_bytes), blobs length-prefixed into one message (make_bytes_list),
+            and the inverse (bytes_list_to_list + torch.load(..., weights_only=True)),
+            plus a JSON blob carrying the same metadata. No validation at all.
+            torch.load is used here only as the baseline being measured, never in product code.
+
+speedup     = median baseline round trip / median ours round trip   (target >= 3)
+bytes_ratio = our message bytes / raw tensor bytes (sum of numel * element_size of the
+              tensors we send)                                       (target <= 1.02)
+
+This is a benchmark, not a test. The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from common.protocol import RolloutBatch, decode_rollout, encode_rollout  # noqa: E402
+
+
+# --- simple_GRPO's framing (ref_server.py there), verbatim apart from names -----------------
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    return buffer.getvalue()
+
+
+def bytes_to_tensor(b: bytes) -> torch.Tensor:
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
+def make_bytes_list(blist: list[bytes]) -> bytes:
+    buffer = io.BytesIO()
+    buffer.write(len(blist).to_bytes(4, "big"))
+    for b in blist:
+        buffer.write(len(b).to_bytes(4, "big"))
+        buffer.write(b)
+    return buffer.getvalue()
+
+
+def bytes_list_to_list(b: bytes) -> list[bytes]:
+    buffer = io.BytesIO(b)
+    num = int.from_bytes(buffer.read(4), "big")
+    blist = []
+    for _ in range(num):
+        length = int.from_bytes(buffer.read(4), "big")
+        blist.append(buffer.read(length))
+    return blist
+
+
+TENSOR_NAMES = ("input_ids", "prompt_lens", "completion_lens", "advantages", "gen_logps", "rewards")
+
+
+def baseline_encode(b: RolloutBatch) -> bytes:
+    meta = {"policy_version": b.policy_version, "producer_id": b.producer_id, "batch_id": b.batch_id,
+            "extra": b.extra}
+    return make_bytes_list([json.dumps(meta).encode()] + [tensor_to_bytes(getattr(b, n)) for n in TENSOR_NAMES])
+
+
+def baseline_decode(data: bytes) -> RolloutBatch:
+    blobs = bytes_list_to_list(data)
+    meta = json.loads(blobs[0])
+    tensors = dict(zip(TENSOR_NAMES, (bytes_to_tensor(x) for x in blobs[1:])))
+    return RolloutBatch(**tensors, **meta)
+
+
+# ---------------------------------------------------------------------------------------------
+def make_group(rows: int, tokens: int, seed: int, vocab: int = 151_936) -> RolloutBatch:
+    """rows completions of one prompt, each row prompt + completion right-padded to `tokens`."""
+    g = torch.Generator().manual_seed(seed)
+    plen = min(tokens // 4, 256)
+    prompt = torch.randint(0, vocab, (plen,), generator=g)
+    completion_lens = torch.randint(max(1, (tokens - plen) // 4), tokens - plen + 1, (rows,), generator=g)
+    completion_lens[0] = tokens - plen  # one row fills the whole width
+    T = int(completion_lens.max())
+    ids = torch.zeros(rows, tokens, dtype=torch.int64)
+    ids[:, :plen] = prompt
+    gen_logps = torch.zeros(rows, T)
+    for i, c in enumerate(completion_lens.tolist()):
+        ids[i, plen:plen + c] = torch.randint(0, vocab, (c,), generator=g)
+        gen_logps[i, :c] = -torch.rand(c, generator=g) * 5
+    rewards = torch.randint(0, 3, (rows,), generator=g).float()
+    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    return RolloutBatch(input_ids=ids, prompt_lens=torch.full((rows,), plen), completion_lens=completion_lens,
+                        advantages=adv, gen_logps=gen_logps, rewards=rewards, policy_version=17,
+                        producer_id="worker-0", extra={"reward_components": {"correct": rewards.tolist()}})
+
+
+def time_round_trip(encode, decode, batch: RolloutBatch, repeats: int, warmup: int = 20) -> tuple[float, float, float]:
+    """Median seconds of encode, decode and encode+decode (each round timed as a whole)."""
+    enc, dec, tot = [], [], []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        data = encode(batch)
+        t1 = time.perf_counter()
+        decode(data)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            enc.append(t1 - t0)
+            dec.append(t2 - t1)
+            tot.append(t2 - t0)
+    return statistics.median(enc), statistics.median(dec), statistics.median(tot)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--rows", type=int, default=8, help="completions per group (rows)")
+    p.add_argument("--tokens", type=int, default=1024, help="row length, prompt included")
+    p.add_argument("--repeats", type=int, default=300, help="timed round trips per side (median is reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 = like a busy server process)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+
+    batch = make_group(a.rows, a.tokens, a.seed)
+    ours_bytes = encode_rollout(batch)
+    base_bytes = baseline_encode(batch)
+
+    # Both sides must carry the same tensors, bit for bit.
+    got_ours, got_base = decode_rollout(ours_bytes), baseline_decode(base_bytes)
+    for n in TENSOR_NAMES:
+        ref = getattr(batch, n)
+        for side, got in (("ours", got_ours), ("baseline", got_base)):
+            t = getattr(got, n)
+            assert t.dtype == ref.dtype and torch.equal(t, ref), f"{side}: {n} did not round-trip"
+    assert got_ours.extra == batch.extra and got_ours.batch_id == batch.batch_id
+
+    raw = sum(getattr(batch, n).numel() * getattr(batch, n).element_size() for n in TENSOR_NAMES)
+    o_enc, o_dec, o_tot = time_round_trip(encode_rollout, decode_rollout, batch, a.repeats)
+    b_enc, b_dec, b_tot = time_round_trip(baseline_encode, baseline_decode, batch, a.repeats)
+
+    us = 1e6
+    print(f"group: {a.rows} rows x {a.tokens} tokens, T={batch.max_completion_len}, raw tensor bytes {raw}")
+    print(f"ours     : {len(ours_bytes):8d} bytes ({len(ours_bytes) / raw:.4f} x raw)  "
+          f"encode {o_enc * us:8.1f} us  decode+validate {o_dec * us:8.1f} us  round trip {o_tot * us:8.1f} us")
+    print(f"baseline : {len(base_bytes):8d} bytes ({len(base_bytes) / raw:.4f} x raw)  "
+          f"encode {b_enc * us:8.1f} us  decode          {b_dec * us:8.1f} us  round trip {b_tot * us:8.1f} us")
+    result = {
+        "speedup": round(b_tot / o_tot, 3),
+        "bytes_ratio": round(len(ours_bytes) / raw, 5),
+        "ours_us": round(o_tot * us, 1), "ours_encode_us": round(o_enc * us, 1), "ours_decode_us": round(o_dec * us, 1),
+        "baseline_us": round(b_tot * us, 1), "baseline_encode_us": round(b_enc * us, 1),
+        "baseline_decode_us": round(b_dec * us, 1),
+        "ours_bytes": len(ours_bytes), "baseline_bytes": len(base_bytes), "raw_bytes": raw,
+        "baseline_bytes_ratio": round(len(base_bytes) / raw, 5),
+        "rows": a.rows, "tokens": a.tokens, "T": batch.max_completion_len, "repeats": a.repeats,
+        "threads": a.threads,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

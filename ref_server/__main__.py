@@ -1,0 +1,24 @@
+"""python -m ref_server --model PATH_OR_ID [--port 59875] ...   (see --help)"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from ref_server.app import serve
+from ref_server.config import check_bind, load_server_config, resolve_token
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [ref_server] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        cfg = load_server_config(argv)
+        check_bind(cfg, resolve_token(cfg))  # before the (slow) model load
+    except (ValueError, FileNotFoundError) as e:  # bad settings: one clear line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""HTTP side of the ref server: a Bottle app served by waitress (several threads).
+
+    POST /upload   rollout message (common/protocol.py) -> 202 {"id", "queued"}
+    GET  /get      oldest scored message (FIFO, each handed out once); 204 when none; ?wait=S long-polls
+    GET  /health   status, model, vocab size, max_seq_len, dtype, device, queue depths, uptime
+    GET  /stats    JSON counters;   GET /metrics   Prometheus text
+
+Every error is JSON {"error": "..."}; client input never causes a 5xx.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import bottle
+import torch
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from common.modeling import load_model
+from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
+from ref_server.config import ServerConfig, check_bind, resolve_token
+from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
+
+log = logging.getLogger("ref_server")
+JSON = "application/json"
+
+
+@dataclass
+class ServerState:
+    cfg: ServerConfig
+    model: torch.nn.Module
+    scorer: Scorer
+    metrics: ServerMetrics
+    token: Optional[str]
+    vocab_size: int
+    max_seq_len: int
+    long_polls: threading.BoundedSemaphore  # keeps waitress threads free for uploads
+    stopping: bool = False
+
+    def health(self) -> dict:
+        p = next(self.model.parameters())
+        return {
+            "status": "stopping" if self.stopping else "ok",
+            "model": self.cfg.model, "vocab_size": self.vocab_size, "max_seq_len": self.max_seq_len,
+            "dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device),
+            "queues": self.scorer.depths(), "max_queue": self.cfg.max_queue,
+            "max_output_queue": self.cfg.max_output_queue, "auth": self.token is not None,
+            "uptime_s": round(time.time() - self.metrics.started, 3),
+        }
+
+
+def _error(status: int, message: str, **headers: str) -> bottle.HTTPResponse:
+    return bottle.HTTPResponse(json.dumps({"error": message}), status=status,
+                               headers={"Content-Type": JSON, **headers})
+
+
+def _json(obj: dict, status: int = 200) -> bottle.HTTPResponse:
+    return bottle.HTTPResponse(json.dumps(obj), status=status, headers={"Content-Type": JSON})
+
+
+def _authorized(token: Optional[str], header: str) -> bool:
+    if token is None:
+        return True
+    scheme, _, given = header.partition(" ")
+    # compare_digest on bytes: constant time, and no TypeError on non-ASCII input
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
+             token: Optional[str] = None) -> tuple[bottle.Bottle, ServerState]:
+    """Build the WSGI app and its state, loading the model unless one is given; starts the scorer thread.
+
+    `token` defaults to resolve_token(cfg) (--token-file, then $GRPO_REF_TOKEN).
+    """
+    token = resolve_token(cfg) if token is None else token
+    if model is None:
+        t0 = time.time()
+        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        p = next(model.parameters())
+        log.info("model %s loaded in %.1f s (%.1fM params, %s on %s)", cfg.model, time.time() - t0,
+                 sum(q.numel() for q in model.parameters()) / 1e6, str(p.dtype).replace("torch.", ""), p.device)
+    model.eval().requires_grad_(False)
+    metrics = ServerMetrics()
+    scorer = Scorer(model, metrics, cfg.max_queue, cfg.max_output_queue, cfg.score_token_budget, cfg.chunk_tokens)
+    state = ServerState(cfg=cfg, model=model, scorer=scorer, metrics=metrics, token=token,
+                        vocab_size=int(model.get_input_embeddings().num_embeddings),
+                        max_seq_len=int(model.config.max_position_embeddings),
+                        long_polls=threading.BoundedSemaphore(max(1, cfg.threads // 2)))
+    app = bottle.Bottle(catchall=True)
+    retry = {"Retry-After": str(cfg.retry_after)}
+
+    def reject(reason: str, status: int, message: str, **headers: str) -> bottle.HTTPResponse:
+        metrics.on_reject(reason)
+        return _error(status, message, **headers)
+
+    def require_token() -> None:
+        if not _authorized(state.token, bottle.request.get_header("Authorization", "")):
+            raise reject("unauthorized", 401, "missing or wrong bearer token", **{"WWW-Authenticate": "Bearer"})
+
+    @app.post("/upload")
+    def upload():
+        if state.stopping:
+            raise reject("stopping", 503, "server is shutting down", **retry)
+        require_token()
+        env = bottle.request.environ
+        # waitress de-chunks bodies (and caps them at max_request_body_size) before we run,
+        # so a missing CONTENT_LENGTH here means the client sent no length at all.
+        raw_len = env.get("CONTENT_LENGTH", "")
+        if not raw_len:
+            raise reject("length_required", 411, "Content-Length header required")
+        try:
+            length = int(raw_len)
+        except ValueError:
+            raise reject("bad_request", 400, f"bad Content-Length {raw_len!r}") from None
+        limit = cfg.max_body_bytes
+        if length > limit:  # decided from the header: the body is not read
+            raise reject("too_large", 413, f"body of {length} bytes exceeds the limit of {limit} bytes")
+        if scorer.full():  # cheap early answer; submit() re-checks under the lock
+            raise reject("queue_full", 503, "input queue full, retry later", **retry)
+        stream, chunks, got = env["wsgi.input"], [], 0
+        while got < length:
+            piece = stream.read(min(length - got, limit + 1 - got))
+            if not piece:
+                break
+            chunks.append(piece)
+            got += len(piece)
+        if got != length:
+            raise reject("bad_request", 400, f"body has {got} bytes, Content-Length says {length}")
+        try:
+            rb = decode_rollout(b"".join(chunks), vocab_size=state.vocab_size, max_seq_len=state.max_seq_len)
+        except ProtocolError as e:
+            raise reject("bad_request", 400, f"invalid rollout message: {e}") from None
+        if not rb.batch_id:
+            raise reject("bad_request", 400, "invalid rollout message: empty batch_id")
+        try:
+            depth = scorer.submit(rb)
+        except QueueFull:
+            raise reject("queue_full", 503, "input queue full, retry later", **retry) from None
+        except Stopping:
+            raise reject("stopping", 503, "server is shutting down", **retry) from None
+        metrics.on_accept()
+        return _json({"id": rb.batch_id, "queued": depth}, status=202)
+
+    @app.get("/get")
+    def get():
+        require_token()
+        raw = bottle.request.query.get("wait", "0")
+        try:
+            wait = float(raw)
+        except ValueError:
+            raise _error(400, f"wait must be a number of seconds, got {raw!r}") from None
+        if not math.isfinite(wait) or wait < 0:
+            raise _error(400, f"wait must be a finite number >= 0, got {raw!r}")
+        wait = min(wait, cfg.max_get_wait)
+        body = scorer.take(0.0)
+        # Long-poll only while a waitress thread stays free for uploads; otherwise answer now.
+        if body is None and wait > 0 and state.long_polls.acquire(blocking=False):
+            try:
+                body = scorer.take(wait)
+            finally:
+                state.long_polls.release()
+        if body is None:
+            return bottle.HTTPResponse(status=204)
+        return bottle.HTTPResponse(body, status=200, headers={"Content-Type": CONTENT_TYPE})
+
+    @app.get("/health")
+    def health():
+        return _json(state.health())
+
+    @app.get("/stats")
+    def stats():
+        return _json({**metrics.snapshot(), "queues": scorer.depths(), "stopping": state.stopping})
+
+    @app.get("/metrics")
+    def prom():
+        return bottle.HTTPResponse(generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def json_error(res: bottle.HTTPError) -> bytes:
+        # Bottle's own errors (404, 405, uncaught exceptions): JSON, never an HTML page or a traceback.
+        bottle.response.content_type = JSON
+        if res.status_code >= 500:
+            log.error("internal error on %s %s: %s", bottle.request.method, bottle.request.path, res.exception)
+            return json.dumps({"error": "internal server error"}).encode()
+        return json.dumps({"error": f"{res.status_line}: {res.body}"}).encode()
+
+    app.default_error_handler = json_error  # type: ignore[method-assign]
+    scorer.start()
+    return app, state
+
+
+class _Throttle(logging.Filter):
+    """Let one record through per `every` seconds (waitress logs queue depth per request under load)."""
+
+    def __init__(self, every: float) -> None:
+        super().__init__()
+        self.every, self.last = every, -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return False
+        self.last = now
+        return True
+
+
+def serve(cfg: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT: stop taking uploads, finish the forward in progress, return 0."""
+    from waitress import create_server
+
+    token = resolve_token(cfg)
+    check_bind(cfg, token)
+    app, state = make_app(cfg, token=token)
+    logging.getLogger("waitress.queue").addFilter(_Throttle(60.0))
+    server = create_server(app, host=cfg.host, port=cfg.port, threads=cfg.threads, ident="grpo-ref-server",
+                           # waitress buffers a body before the app sees it: cap that too. Slack so
+                           # that a modest overshoot still gets our JSON 413 (decided from the header).
+                           max_request_body_size=cfg.max_body_bytes + (1 << 20),
+                           channel_timeout=max(120, int(cfg.max_get_wait) + 30))
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=server.run, name="http", daemon=True).start()
+    log.info("serving %s on http://%s:%s (vocab %d, max_seq_len %d, token %s, %d threads)", cfg.model, cfg.host,
+             server.effective_port, state.vocab_size, state.max_seq_len, "required" if token else "off", cfg.threads)
+    while not stop.wait(0.5):
+        pass
+    log.info("shutdown requested: refusing uploads, finishing the batch being scored")
+    state.stopping = True
+    state.scorer.stop()
+    left = state.scorer.depths()["output"]
+    if left:
+        log.warning("exiting with %d scored batch(es) not fetched", left)
+    server.close()
+    server.task_dispatcher.shutdown(timeout=2)
+    log.info("ref server stopped")
+    return 0

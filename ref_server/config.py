@@ -1,0 +1,123 @@
+"""Ref server settings: one dataclass, from a JSON file (--config) and/or CLI flags.
+
+    python -m ref_server --model tiny --max-queue 32
+    python -m ref_server --config server.json --port 6000
+
+Flags accept dashes or underscores (--max-queue == --max_queue); the bearer token comes from
+--token-file or the GRPO_REF_TOKEN environment variable, never from a flag (flags show in `ps`).
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from common.config import build_parser, knob, load_config
+
+TOKEN_ENV = "GRPO_REF_TOKEN"
+
+
+@dataclass
+class ServerConfig:
+    """Reference-model server for GRPO: scores uploaded rollouts with a frozen model
+    (per-token reference logprobs) and hands the scored batches out FIFO.
+    Flags take dashes or underscores (--max-queue = --max_queue); a bare boolean flag means true."""
+
+    model: Optional[str] = knob(None, "Reference model: a Hugging Face id or local directory ('tiny' = the "
+                                      "embedded tiny Qwen2). Required.")
+    host: str = knob("127.0.0.1", "Address to bind. A non-loopback address needs a token (or --insecure).")
+    port: int = knob(59875, "TCP port to listen on.")
+    device: str = knob("auto", "auto, cpu or cuda:N.")
+    dtype: str = knob("auto", "auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32.")
+    max_queue: int = knob(64, "Uploads waiting to be scored; beyond this /upload answers 503 + Retry-After.")
+    max_output_queue: int = knob(256, "Scored batches waiting for /get; when full the scorer pauses, so the "
+                                      "input queue fills and uploads get 503 (backpressure, never a drop).")
+    max_body_mb: float = knob(64.0, "Largest accepted upload body in MiB (413 above).")
+    token_file: Optional[str] = knob(None, "File holding the bearer token that /upload and /get require "
+                                           f"(default: ${TOKEN_ENV} if set, else no token).")
+    insecure: bool = knob(False, "Allow binding a non-loopback address without a token.")
+    threads: int = knob(8, "HTTP worker threads (waitress). Long-polling /get calls use at most half.")
+    score_token_budget: int = knob(16384, "Max padded tokens (rows x length) in one forward when several queued "
+                                          "uploads are scored together.")
+    chunk_tokens: int = knob(256, "Positions per LM-head chunk in the logprob computation (bounds memory).")
+    max_get_wait: float = knob(10.0, "Cap in seconds on the long-poll of GET /get?wait=SECONDS.")
+    retry_after: int = knob(1, "Seconds sent in Retry-After with 503 answers.")
+
+    def validate(self) -> "ServerConfig":
+        checks = [
+            (bool(self.model), "--model is required"),
+            (0 <= self.port <= 65535, "port must be in 0..65535"),
+            (self.max_queue >= 1 and self.max_output_queue >= 1, "queue sizes must be >= 1"),
+            (self.max_body_mb > 0, "max_body_mb must be > 0"),
+            (self.threads >= 2, "threads must be >= 2"),
+            (self.score_token_budget >= 1 and self.chunk_tokens >= 1, "score_token_budget and chunk_tokens >= 1"),
+            (self.max_get_wait >= 0 and self.retry_after >= 0, "max_get_wait and retry_after must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"ref_server config: {msg}")
+        return self
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
+
+
+def _normalize_flags(argv: list[str]) -> list[str]:
+    """--max-queue[=v] -> --max_queue[=v] for known flags only (values are never touched);
+    a bare boolean flag (--insecure) -> --insecure=true."""
+    fields = ServerConfig.__dataclass_fields__
+    known = set(fields) | {"config", "help"}
+    out = []
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            name, eq, value = a[2:].partition("=")
+            name = name.replace("-", "_")
+            if name in known:
+                bare_bool = (name in fields and fields[name].type in (bool, "bool") and not eq
+                             and (i + 1 == len(argv) or argv[i + 1].startswith("--")))
+                a = f"--{name}=true" if bare_bool else "--" + name + eq + value
+        out.append(a)
+    return out
+
+
+def load_server_config(argv: Optional[list[str]] = None) -> ServerConfig:
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return load_config(ServerConfig, _normalize_flags(argv), prog="python -m ref_server")
+
+
+def server_parser():
+    """The argparse parser behind --help (for docs)."""
+    return build_parser(ServerConfig, prog="python -m ref_server")
+
+
+def resolve_token(cfg: ServerConfig) -> Optional[str]:
+    """Token from --token-file, else $GRPO_REF_TOKEN, else None. An empty token file is an error."""
+    if cfg.token_file:
+        path = Path(cfg.token_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"token file not found: {path}")
+        token = path.read_text().strip()
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: we cannot tell where it resolves, so treat it as public
+        return False
+
+
+def check_bind(cfg: ServerConfig, token: Optional[str]) -> None:
+    """Refuse to expose an unauthenticated server beyond this machine unless asked to."""
+    if not is_loopback(cfg.host) and token is None and not cfg.insecure:
+        raise ValueError(f"refusing to bind {cfg.host!r} without a token: pass --token-file, set {TOKEN_ENV}, "
+                         "or --insecure if the network is trusted")

@@ -1,0 +1,116 @@
+"""Shared test helpers: the tiny model, free ports, and a real ref server process.
+
+    def test_x(start_server, tiny_model_dir):
+        with start_server(tiny_model_dir, "--max-queue", "4") as srv:
+            requests.get(srv.url + "/health")
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def find_free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict:
+    """Environment for child processes: CPU DeepSpeed, one torch thread each (tests share 2 cores)."""
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    port: int
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send `sig` and wait for the exit code (kill after `timeout`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+@contextmanager
+def start_ref_server(model_dir: str | os.PathLike, *args: str, port: Optional[int] = None,
+                     env: Optional[dict] = None, ready_timeout: float = 120.0) -> Iterator[ServerProcess]:
+    """Run `python -m ref_server --model DIR --port P ARGS...`, wait for /health, SIGTERM it at the end."""
+    port = port or find_free_port()
+    fd, log_name = tempfile.mkstemp(prefix="ref_server.", suffix=".log")
+    os.close(fd)
+    log_path = Path(log_name)
+    with open(log_path, "wb") as log_file:  # a file, not a pipe: a full pipe would block the server
+        proc = subprocess.Popen([sys.executable, "-m", "ref_server", "--model", str(model_dir), "--port", str(port),
+                                 *args], cwd=REPO, env=env or subprocess_env(), stdout=log_file,
+                                stderr=subprocess.STDOUT)
+    srv = ServerProcess(proc, f"http://127.0.0.1:{port}", port, log_path)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ref server exited with {proc.returncode}:\n{srv.log()[-3000:]}")
+            try:
+                if requests.get(srv.url + "/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ref server not healthy after {ready_timeout} s:\n{srv.log()[-3000:]}")
+            time.sleep(0.2)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            try:
+                srv.stop(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """Directory of the embedded tiny Qwen2 model (built once, cached)."""
+    from common.tiny_model import ensure_tiny_model
+    return ensure_tiny_model()
+
+
+@pytest.fixture
+def free_port() -> int:
+    return find_free_port()
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """The start_ref_server context manager, as a fixture (usable from module-scoped fixtures)."""
+    return start_ref_server

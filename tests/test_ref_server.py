@@ -1,0 +1,385 @@
+"""The ref server as a real process on 127.0.0.1, talked to over HTTP (requests / RefClient)."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save as st_save
+
+from common.client import RefClient, RefServerError
+from common.modeling import load_model
+from common.protocol import CONTENT_TYPE, RolloutBatch, decode_scored, encode_rollout
+from conftest import REPO, find_free_port, subprocess_env
+from ref_server.config import ServerConfig, check_bind, load_server_config
+
+TOKEN = "test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+VOCAB, MAX_SEQ = 548, 2048  # the tiny model's (asserted against /health below)
+
+
+def make_batch(prompt_lens: list[int], completion_lens: list[int], L: int | None = None, seed: int = 0,
+               **kw) -> RolloutBatch:
+    """Random tokens, right-padded with 0 to L (default: the longest row)."""
+    g = torch.Generator().manual_seed(seed)
+    pl, cl = torch.tensor(prompt_lens), torch.tensor(completion_lens)
+    L = L or int((pl + cl).max())
+    ids = torch.zeros(len(pl), L, dtype=torch.long)
+    for i, n in enumerate((pl + cl).tolist()):
+        ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
+    T = int(cl.max())
+    gen = -torch.rand(len(pl), T, generator=g) * (torch.arange(T)[None, :] < cl[:, None])
+    return RolloutBatch(input_ids=ids, prompt_lens=pl, completion_lens=cl, advantages=torch.randn(len(pl), generator=g),
+                        gen_logps=gen, rewards=torch.rand(len(pl), generator=g), **kw)
+
+
+def raw_message(tensors: dict, **meta: str) -> bytes:
+    """A safetensors message with arbitrary (possibly invalid) content, bypassing encode-side checks."""
+    header = {"kind": "rollout", "protocol_version": "1", "policy_version": "0", "producer_id": "t",
+              "batch_id": "raw", "extra": "{}", **meta}
+    return st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
+
+
+def good_tensors() -> dict:
+    b = make_batch([3, 4], [5, 2], seed=1)
+    return {"input_ids": b.input_ids, "prompt_lens": b.prompt_lens, "completion_lens": b.completion_lens,
+            "advantages": b.advantages}
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> requests.Response:
+    return requests.post(url + "/upload", data=body, headers={**AUTH, **(headers or {})}, timeout=30)
+
+
+def raw_http(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(start_server, tiny_model_dir, tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("tok") / "token"
+    token_file.write_text(TOKEN + "\n")
+    # Score budget below the concurrency test's arrival rate would still merge; 1 MiB bodies keep 413 cheap.
+    with start_server(tiny_model_dir, "--token-file", str(token_file), "--max-body-mb", "1",
+                      "--dtype", "float32", "--device", "cpu") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with RefClient(server.url, token=TOKEN, timeout=30, max_retries=3, backoff=0.1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref_model(tiny_model_dir):
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+def direct_ref_logps(model, b: RolloutBatch) -> torch.Tensor:
+    """Independent reference: full-vocab log_softmax in float64 over a plain forward, gathered."""
+    L = b.input_ids.shape[1]
+    mask = (torch.arange(L)[None, :] < (b.prompt_lens + b.completion_lens)[:, None]).long()
+    with torch.no_grad():
+        logp = model(input_ids=b.input_ids, attention_mask=mask).logits.double().log_softmax(-1)
+    out = torch.zeros(b.num_rows, b.max_completion_len, dtype=torch.float64)
+    for i in range(b.num_rows):
+        p, c = int(b.prompt_lens[i]), int(b.completion_lens[i])
+        pos = torch.arange(p, p + c)
+        out[i, :c] = logp[i, pos - 1, b.input_ids[i, pos]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+def test_health_and_metrics(server, client):
+    h = client.wait_ready(timeout=10)[0]
+    assert h["status"] == "ok" and h["vocab_size"] == VOCAB and h["max_seq_len"] == MAX_SEQ
+    assert h["dtype"] == "float32" and h["device"] == "cpu" and h["auth"] is True
+    assert {"input", "output"} <= set(h["queues"]) and h["uptime_s"] >= 0
+    assert "grpo_ref_uploads_accepted_total" in requests.get(server.url + "/metrics", timeout=10).text
+    assert "batches_scored" in client.stats()
+
+
+def test_ref_logprobs_match_direct_forward(client, ref_model):
+    batches = [
+        make_batch([6, 6, 6, 6], [1, 9, 4, 12], seed=1, producer_id="exact"),                # ragged completions
+        make_batch([2, 11, 5], [7, 3, 10], L=40, seed=2, producer_id="exact", extra={"k": [1, 2, 3]}),  # + padding
+        make_batch([17], [5], seed=3, producer_id="exact", policy_version=7),
+        make_batch([1, 30], [30, 1], L=64, seed=4, producer_id="exact"),
+    ]
+    for b in batches:  # uploaded back to back, so the server may merge them into one forward
+        assert client.upload(b) == b.batch_id
+    got = {}
+    deadline = time.monotonic() + 30
+    while len(got) < len(batches) and time.monotonic() < deadline:
+        s = client.get(timeout=5)
+        if s is not None:
+            got[s.batch_id] = s
+    assert set(got) == {b.batch_id for b in batches}
+    for b in batches:
+        s = got[b.batch_id]
+        assert torch.equal(s.input_ids, b.input_ids) and torch.equal(s.completion_lens, b.completion_lens)
+        assert torch.equal(s.advantages, b.advantages) and torch.equal(s.gen_logps, b.gen_logps)
+        assert s.policy_version == b.policy_version and s.extra == b.extra and s.producer_id == "exact"
+        assert s.ref_logps.shape == (b.num_rows, b.max_completion_len) and s.ref_logps.dtype == torch.float32
+        want = direct_ref_logps(ref_model, b)
+        diff = (s.ref_logps.double() - want).abs().max().item()
+        assert diff <= 1e-5, f"batch {b.batch_id}: max abs diff {diff}"
+        assert (s.ref_logps[~b.completion_mask()] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------
+class _Boom:
+    """Unpickling this would create a directory: proof that the server never unpickles."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def _bad(**changes) -> bytes:
+    t = good_tensors()
+    meta = {k: changes.pop(k) for k in list(changes) if isinstance(changes[k], str)}
+    for k, v in changes.items():
+        if v is None:
+            t.pop(k)
+        else:
+            t[k] = v
+    return raw_message(t, **meta)
+
+
+BAD_UPLOADS = {
+    "garbage": (b"definitely not safetensors", "header length"),
+    "empty body": (b"", "too short"),
+    "json": (b'{"input_ids": [[1, 2, 3]]}', "header"),
+    "token id >= vocab": (_bad(input_ids=torch.full((2, 8), VOCAB, dtype=torch.long)), "vocab size"),
+    "negative token id": (_bad(input_ids=torch.full((2, 8), -1, dtype=torch.long)), "negative"),
+    "prompt >= max seq len": (raw_message({"input_ids": torch.ones(1, MAX_SEQ + 1, dtype=torch.long),
+                                           "prompt_lens": torch.tensor([MAX_SEQ]), "completion_lens": torch.tensor([1]),
+                                           "advantages": torch.zeros(1)}), "sequence length"),
+    "nan advantages": (_bad(advantages=torch.tensor([0.5, float("nan")])), "advantages"),
+    "inf advantages": (_bad(advantages=torch.tensor([float("inf"), 0.5])), "advantages"),
+    "unknown protocol version": (_bad(protocol_version="99"), "protocol version"),
+    "wrong kind": (_bad(kind="scored"), "rollout"),
+    "rows disagree": (_bad(prompt_lens=torch.tensor([3, 4, 5])), "prompt_lens"),
+    "lengths exceed row": (_bad(completion_lens=torch.tensor([5, 50])), "row length"),
+    "missing tensor": (_bad(advantages=None), "missing"),
+    "float token ids": (_bad(input_ids=torch.ones(2, 8)), "dtype"),
+    "unknown tensor": (_bad(weights=torch.ones(3)), "unknown tensor"),
+    "positive gen logps": (_bad(gen_logps=torch.ones(2, 5)), "positive"),
+    "pickled dict": (pickle.dumps({"input_ids": [[1, 2, 3]], "prompt_lens": [1]}), ""),
+    "pickled tensor": (pickle.dumps(torch.ones(2, 3)), ""),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPLOADS))
+def test_bad_upload_is_400(server, case):
+    body, needle = BAD_UPLOADS[case]
+    r = post(server.url, body)
+    assert r.status_code == 400, r.text
+    assert r.headers["Content-Type"].startswith("application/json")
+    assert needle.lower() in r.json()["error"].lower()
+
+
+def test_pickle_payload_is_never_unpickled(server, tmp_path):
+    marker = tmp_path / "unpickled"
+    r = post(server.url, pickle.dumps({"x": _Boom(str(marker)), "t": torch.zeros(3)}))
+    assert r.status_code == 400 and "error" in r.json()
+    assert not marker.exists()
+
+
+def test_http_level_errors(server):
+    url = server.url
+    big = b"\0" * ((1 << 20) + 1)  # one byte over --max-body-mb 1
+    r = post(url, big)
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+    # A huge declared length is refused from the header alone (the body is never sent).
+    head = raw_http(server.port, b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n"
+                                 b"Authorization: Bearer " + TOKEN.encode() + b"\r\nConnection: close\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    head = raw_http(server.port, b"POST /upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                    + b"\r\nConnection: close\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 411") and b'"error"' in head
+    body = encode_rollout(make_batch([3], [3]))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},
+                    {"Authorization": "Bearer \u00e9t\u00e9"}):
+        r = requests.post(url + "/upload", data=body, headers=headers, timeout=10)
+        assert r.status_code == 401 and "token" in r.json()["error"], headers
+    assert requests.get(url + "/get", timeout=10).status_code == 401
+    for method, path, status in [("GET", "/nope", 404), ("POST", "/", 404), ("GET", "/upload", 405),
+                                 ("POST", "/get", 405), ("DELETE", "/health", 405), ("PUT", "/upload", 405)]:
+        r = requests.request(method, url + path, headers=AUTH, timeout=10)
+        assert r.status_code == status and "error" in r.json(), (method, path)
+        assert "Traceback" not in r.text and "<html" not in r.text.lower()
+    for wait in ("abc", "-1", "nan", "inf"):
+        r = requests.get(url + "/get", params={"wait": wait}, headers=AUTH, timeout=10)
+        assert r.status_code == 400 and "wait" in r.json()["error"], wait
+    assert requests.get(url + "/get", headers=AUTH, timeout=10).status_code == 204
+
+
+def test_client_errors_are_clear(server, caplog):
+    with RefClient(server.url, token="wrong", timeout=10) as c:
+        with pytest.raises(RefServerError) as e:
+            c.upload(make_batch([3], [3]))
+    assert e.value.status == 401 and "token" in e.value.message
+    dead = f"http://127.0.0.1:{find_free_port()}"
+    with caplog.at_level(logging.INFO, logger="ref_client"), RefClient(dead, max_retries=3, backoff=0.01) as c:
+        with pytest.raises(RefServerError) as e:
+            c.upload(make_batch([3], [3]))
+        with pytest.raises(TimeoutError):
+            c.wait_ready(timeout=0.3, poll=0.1)
+    assert e.value.status == 0 and "gave up after 3 retries" in str(e.value)
+    assert sum("retrying with backoff" in r.getMessage() for r in caplog.records) == 1  # once per outage
+
+
+def test_server_healthy_after_bad_inputs(server, client):
+    # Runs after the error tests (file order): nothing they sent may have hurt the server.
+    assert client.health()["status"] == "ok"
+    st = client.stats()
+    assert st["uploads_rejected"].get("bad_request", 0) >= len(BAD_UPLOADS)
+    assert st["uploads_rejected"].get("unauthorized", 0) >= 4 and st["scoring_errors"] == 0
+    b = make_batch([4], [4], seed=9, producer_id="after")
+    client.upload(b)
+    s = client.get(timeout=10)
+    assert s is not None and s.batch_id == b.batch_id
+
+
+# ---------------------------------------------------------------------------------------
+def test_concurrent_uploads_each_batch_once_fifo(client):
+    producers, per, getters = 8, 50, 2
+    total = producers * per
+    received: list[list[tuple[str, int]]] = [[] for _ in range(getters)]
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def produce(p: int) -> None:
+        try:
+            for i in range(per):  # 2 rows x 16 tokens: cheap to score, so this is all protocol and locking
+                client.upload(make_batch([8, 6], [8, 10], L=16, seed=p * 1000 + i, producer_id=f"conc{p}",
+                                         extra={"seq": i}))
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    def consume(g: int) -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not done.is_set() and time.monotonic() < deadline:
+                s = client.get(timeout=1.0)
+                if s is None or not s.producer_id.startswith("conc"):
+                    continue
+                assert s.ref_logps.shape == (2, 10) and (s.ref_logps[0, 8:] == 0).all()
+                received[g].append((s.producer_id, s.extra["seq"]))
+                if sum(len(r) for r in received) >= total:
+                    done.set()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            done.set()
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    threads += [threading.Thread(target=consume, args=(g,)) for g in range(getters)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    everything = [x for r in received for x in r]
+    assert len(everything) == total and set(everything) == {(f"conc{p}", i) for p in range(producers)
+                                                              for i in range(per)}
+    for r in received:  # each getter sees a subsequence of the server's FIFO: per producer, increasing
+        for p in range(producers):
+            seqs = [i for pid, i in r if pid == f"conc{p}"]
+            assert seqs == sorted(seqs)
+    assert time.monotonic() - t0 < 60
+
+
+# ---------------------------------------------------------------------------------------
+def test_full_queue_503_then_recovers_and_sigterm_exits_0(start_server, tiny_model_dir, caplog):
+    # A small scored queue: once it is full the scorer waits, the input queue fills, uploads get 503.
+    with start_server(tiny_model_dir, "--max-queue", "2", "--max-output-queue", "2", "--retry-after", "1") as srv:
+        accepted, r = [], None
+        for i in range(20):
+            b = make_batch([5], [5], seed=i)
+            r = requests.post(srv.url + "/upload", data=encode_rollout(b), timeout=10)
+            if r.status_code != 202:
+                break
+            accepted.append(b.batch_id)
+            time.sleep(0.05)  # let the scorer move batches along, so both queues fill
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "queue" in r.json()["error"]
+        assert 2 <= len(accepted) <= 5  # bounded: input cap + output cap (+ one in the scorer's hands)
+        assert requests.get(srv.url + "/health", timeout=10).json()["queues"]["input"] == 2
+        assert requests.get(srv.url + "/stats", timeout=10).json()["uploads_rejected"]["queue_full"] >= 1
+
+        # A client upload now waits (503 + Retry-After) instead of failing, until someone drains.
+        c = RefClient(srv.url, timeout=10, max_retries=2)
+        late = make_batch([5], [5], seed=99)
+        drained: list[str] = []
+
+        def drain_later() -> None:
+            time.sleep(1.5)
+            while len(drained) < len(accepted) + 1:
+                s = c.get(timeout=5)
+                if s is None:
+                    break
+                drained.append(s.batch_id)
+
+        t = threading.Thread(target=drain_later)
+        t.start()
+        with caplog.at_level(logging.INFO, logger="ref_client"):
+            assert c.upload(late) == late.batch_id
+        t.join(30)
+        assert drained == accepted + [late.batch_id]  # FIFO, each exactly once
+        assert sum("busy" in r.getMessage() for r in caplog.records) == 1
+        assert any("is back" in r.getMessage() for r in caplog.records)
+        assert requests.get(srv.url + "/get", timeout=10).status_code == 204
+
+        r = requests.post(srv.url + "/upload", data=encode_rollout(make_batch([5], [5], seed=100)), timeout=10)
+        assert r.status_code == 202 and r.json()["queued"] >= 0
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0
+        assert "ref server stopped" in srv.log()
+
+
+# ---------------------------------------------------------------------------------------
+def test_config_flags_and_bind_safety(tmp_path):
+    a = load_server_config(["--model", "m", "--max-queue", "3", "--token-file=/x", "--max_output_queue", "5"])
+    assert (a.max_queue, a.token_file, a.max_output_queue) == (3, "/x", 5)
+    cfg_file = tmp_path / "server.json"
+    cfg_file.write_text('{"model": "m", "port": 6000, "threads": 4}')
+    b = load_server_config(["--config", str(cfg_file), "--port", "6001", "--insecure"])
+    assert (b.model, b.port, b.threads, b.insecure) == ("m", 6001, 4, True)
+    with pytest.raises(ValueError, match="model"):
+        load_server_config([])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "m", "nope": 1}')
+    with pytest.raises(ValueError, match="unknown field"):
+        load_server_config(["--config", str(bad)])
+    with pytest.raises(ValueError, match="refusing to bind"):
+        check_bind(ServerConfig(model="m", host="0.0.0.0"), token=None)
+    check_bind(ServerConfig(model="m", host="0.0.0.0"), token="t")
+    check_bind(ServerConfig(model="m", host="0.0.0.0", insecure=True), token=None)
+    check_bind(ServerConfig(model="m", host="::1"), token=None)
+
+
+def test_cli_help_and_refusals():
+    r = subprocess.run([sys.executable, "-m", "ref_server", "--help"], cwd=REPO, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--max_queue" in r.stdout and "Retry-After" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "ref_server", "--model", "tiny", "--host", "0.0.0.0"], cwd=REPO,
+                       env=subprocess_env(GRPO_REF_TOKEN=""), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "refusing to bind" in r.stderr

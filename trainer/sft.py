@@ -1,0 +1,83 @@
+"""Cold-start SFT (R1's stage before RL): teach the format and some skill on worked solutions.
+
+Loss on completion tokens only (prompt tokens are context), eos appended so the model learns
+to stop. Stopped early on purpose: GRPO needs an able but imperfect model (groups with mixed
+rewards).
+
+    python -m trainer.sft --model DIR --out DIR [--steps 250 --batch-size 64 --lr 1e-3]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from tqdm import tqdm
+
+from common.modeling import load_model, load_tokenizer
+from trainer.data import Example
+from trainer.rollout import encode_prompts
+
+
+def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str], *, steps: int,
+        batch_size: int, lr: float, seed: int, system_prompt: Optional[str] = "", progress: bool = True) -> list[float]:
+    """Train in place; returns the loss per step."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kept, _ = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length=10 ** 9)
+    pairs = []
+    for ex, p_ids in kept:
+        c_ids = tokenizer(solution(ex.prompt), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        pairs.append((p_ids, c_ids))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # short warmup
+    model.train()
+    losses = []
+    for _ in tqdm(range(steps), desc="sft", disable=not progress):
+        batch = rng.sample(pairs, min(batch_size, len(pairs)))
+        L = max(len(p) + len(c) for p, c in batch)
+        ids = torch.full((len(batch), L), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        mask = torch.zeros_like(ids)
+        for i, (p, c) in enumerate(batch):
+            seq = p + c
+            ids[i, :len(seq)] = torch.tensor(seq)
+            labels[i, len(p):len(seq)] = torch.tensor(c)
+            mask[i, :len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+    model.eval()
+    return losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trainer.arith import load_arith, solution_text
+
+    p = argparse.ArgumentParser(description="Cold-start SFT on the synthetic arithmetic task (R1 format).")
+    p.add_argument("--model", required=True, help="Start model (HF dir or 'tiny').")
+    p.add_argument("--out", required=True, help="Where to save the SFT model (HF directory).")
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    tok = load_tokenizer(a.model)
+    model = load_model(a.model, device="cpu", dtype="float32", trainable=True)
+    t0 = time.time()
+    losses = sft(model, tok, load_arith("train"), solution_text, steps=a.steps, batch_size=a.batch_size,
+                 lr=a.lr, seed=a.seed)
+    model.save_pretrained(Path(a.out))
+    tok.save_pretrained(Path(a.out))
+    print(f"SFT {a.steps} steps in {time.time() - t0:.0f} s, final loss {losses[-1]:.4f}; saved to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
