@@ -142,8 +142,8 @@ class BatchSource:
         last_note = time.time()
         idle_since = time.time()
         while len(groups) < cfg.train_batch_groups:
-            # Wait a while when something we uploaded is being scored; with workers, poll in slices.
-            wait = 5.0 if self.in_flight > 0 else (2.0 if cfg.num_gen_workers else 0.0)
+            # Wait briefly when something we uploaded is being scored; with workers, poll in slices.
+            wait = 1.0 if self.in_flight > 0 else (2.0 if cfg.num_gen_workers else 0.0)
             t0 = time.time()
             b = self.client.get(timeout=wait)
             info["wait_s"] += time.time() - t0
@@ -159,7 +159,9 @@ class BatchSource:
                 groups.append(b)
                 idle_since = time.time()
                 continue
-            self.in_flight = 0  # nothing came: what we uploaded went to another rank (or was lost)
+            if self.in_flight > 0 and self._server_busy():
+                continue  # our uploads are still queued or being scored: keep waiting for them
+            self.in_flight = 0  # nothing pending: what we uploaded went to another rank (or was lost)
             if cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - idle_since > cfg.get_wait):
                 t0 = time.time()
                 batches, st = generate_batches(self.model, self.tok, self.sampler.next_batch(cfg.Q_batch_size), cfg,
@@ -175,6 +177,11 @@ class BatchSource:
                 last_note = time.time()
         info["own_gen"] = gen
         return collate(groups), info
+
+
+    def _server_busy(self) -> bool:
+        q = self.client.health().get("queues", {})
+        return bool(q.get("input", 0) or q.get("scoring", False))
 
 
 def _merge_stats(acc: RolloutStats, st: RolloutStats) -> None:
@@ -328,7 +335,9 @@ def train(cfg: GRPOConfig) -> None:
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
             engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
-            save_hf(engine, tok, out / ("final" if step == cfg.all_steps else f"step_{step}"), rank, zero_stage)
+            if step % cfg.save_steps == 0:
+                save_hf(engine, tok, out / f"step_{step}", rank, zero_stage)
+    save_hf(engine, tok, out / "final", rank, zero_stage)
     bar.close()
     if metrics:
         metrics.close()
