@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-VERSION = "v1"  # bump when the recipe changes, so caches rebuild
+VERSION = "v2"  # bump when the recipe changes, so caches rebuild
 
 _NAMES = ["Natalia", "Weng", "Betty", "James", "Julie", "Mark", "Tina", "Albert", "Ken", "Alexis", "Sam", "Lee"]
 _THINGS = ["apples", "clips", "books", "dollars", "pages", "cookies", "marbles", "pencils", "eggs", "tickets"]
@@ -65,7 +65,8 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
     tok.train_from_iterator(_corpus(3000, seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"], padding_side="left",
-                                   model_max_length=4096, clean_up_tokenization_spaces=False)
+                                   model_max_length=4096, clean_up_tokenization_spaces=False,
+                                   model_input_names=["input_ids", "attention_mask"])  # as Qwen: no token_type_ids
     # Tags are ordinary (non-special) added tokens: one id each, and they survive decode().
     fast.add_tokens(TAG_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
