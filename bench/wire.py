@@ -1,9 +1,10 @@
 """Wire-format micro-benchmark: our safetensors protocol vs simple_GRPO-style torch.save framing.
 
-    python bench/wire.py [--rows 8] [--tokens 1024] [--repeats 300] [--seed 0]
+    python bench/wire.py [--rows 8] [--tokens 1024] [--repeats 300] [--seed 0] [--threads 1]
 
 One group (rows x tokens, prompt included, with generation-time logprobs and rewards) is
-encoded and decoded again, many times; the median round trip of each side is compared.
+encoded and decoded again, many times; the median round trip of each side is compared
+(the two sides are interleaved, so background load hits both alike).
 
   ours      common.protocol.encode_rollout + decode_rollout (decode validates everything:
             dtypes, ranks, shapes, lengths, token range, finiteness, logprob sign).
@@ -86,7 +87,7 @@ def baseline_decode(data: bytes) -> RolloutBatch:
 def make_group(rows: int, tokens: int, seed: int, vocab: int = 151_936) -> RolloutBatch:
     """rows completions of one prompt, each row prompt + completion right-padded to `tokens`."""
     g = torch.Generator().manual_seed(seed)
-    plen = min(tokens // 4, 256)
+    plen = max(1, min(tokens // 4, 256))
     prompt = torch.randint(0, vocab, (plen,), generator=g)
     completion_lens = torch.randint(max(1, (tokens - plen) // 4), tokens - plen + 1, (rows,), generator=g)
     completion_lens[0] = tokens - plen  # one row fills the whole width
@@ -98,38 +99,50 @@ def make_group(rows: int, tokens: int, seed: int, vocab: int = 151_936) -> Rollo
         ids[i, plen:plen + c] = torch.randint(0, vocab, (c,), generator=g)
         gen_logps[i, :c] = -torch.rand(c, generator=g) * 5
     rewards = torch.randint(0, 3, (rows,), generator=g).float()
-    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    adv = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-4)
     return RolloutBatch(input_ids=ids, prompt_lens=torch.full((rows,), plen), completion_lens=completion_lens,
                         advantages=adv, gen_logps=gen_logps, rewards=rewards, policy_version=17,
                         producer_id="worker-0", extra={"reward_components": {"correct": rewards.tolist()}})
 
 
-def time_round_trip(encode, decode, batch: RolloutBatch, repeats: int, warmup: int = 20) -> tuple[float, float, float]:
-    """Median seconds of encode, decode and encode+decode (each round timed as a whole)."""
-    enc, dec, tot = [], [], []
+def _one(encode, decode, batch) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    data = encode(batch)
+    t1 = time.perf_counter()
+    decode(data)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def time_round_trips(sides: dict, batch: RolloutBatch, repeats: int, warmup: int = 20) -> dict:
+    """Median seconds of encode, decode and encode+decode per side.
+
+    The sides are interleaved (one round trip of each per repeat, order alternating), so a load
+    spike from other processes hits both alike instead of skewing the ratio.
+    """
+    names = list(sides)
+    times: dict = {n: ([], [], []) for n in names}
     for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        data = encode(batch)
-        t1 = time.perf_counter()
-        decode(data)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            enc.append(t1 - t0)
-            dec.append(t2 - t1)
-            tot.append(t2 - t0)
-    return statistics.median(enc), statistics.median(dec), statistics.median(tot)
+        for n in (names if i % 2 == 0 else names[::-1]):
+            e, d = _one(*sides[n], batch)
+            if i >= warmup:
+                times[n][0].append(e)
+                times[n][1].append(d)
+                times[n][2].append(e + d)
+    return {n: tuple(statistics.median(x) for x in times[n]) for n in names}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                                epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("--rows", type=int, default=8, help="completions per group (rows)")
     p.add_argument("--tokens", type=int, default=1024, help="row length, prompt included")
     p.add_argument("--repeats", type=int, default=300, help="timed round trips per side (median is reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 = like a busy server process)")
     a = p.parse_args(argv)
+    if a.rows < 1 or a.tokens < 2 or a.repeats < 1:
+        p.error("need --rows >= 1, --tokens >= 2 (a prompt and a completion token) and --repeats >= 1")
     torch.set_num_threads(a.threads)
 
     batch = make_group(a.rows, a.tokens, a.seed)
@@ -146,8 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     assert got_ours.extra == batch.extra and got_ours.batch_id == batch.batch_id
 
     raw = sum(getattr(batch, n).numel() * getattr(batch, n).element_size() for n in TENSOR_NAMES)
-    o_enc, o_dec, o_tot = time_round_trip(encode_rollout, decode_rollout, batch, a.repeats)
-    b_enc, b_dec, b_tot = time_round_trip(baseline_encode, baseline_decode, batch, a.repeats)
+    med = time_round_trips({"ours": (encode_rollout, decode_rollout),
+                            "baseline": (baseline_encode, baseline_decode)}, batch, a.repeats)
+    (o_enc, o_dec, o_tot), (b_enc, b_dec, b_tot) = med["ours"], med["baseline"]
 
     us = 1e6
     print(f"group: {a.rows} rows x {a.tokens} tokens, T={batch.max_completion_len}, raw tensor bytes {raw}")

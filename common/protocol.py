@@ -13,6 +13,9 @@ entry [i, j] belonging to completion token j of row i; entries past completion_l
 from __future__ import annotations
 
 import json
+import math
+import struct
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -20,7 +23,6 @@ from typing import Optional
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 PROTOCOL_VERSION = 1
 CONTENT_TYPE = "application/vnd.grpo.safetensors"
@@ -95,7 +97,33 @@ def _encode(b: RolloutBatch, kind: str, extra_tensors: dict) -> bytes:
         "batch_id": str(b.batch_id),
         "extra": json.dumps(b.extra, separators=(",", ":")),
     }
-    return st_save({k: v.cpu() for k, v in tensors.items()}, metadata=meta)
+    return _serialize(tensors, meta)
+
+
+_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.float32: "F32"}
+
+
+def _serialize(tensors: dict, meta: dict) -> bytes:
+    """Write a standard safetensors blob (8-byte LE header length, JSON header, raw LE data).
+
+    Written here rather than with safetensors.torch.save, whose Python-side bookkeeping (shared
+    storage detection, ctypes copies) cost more than everything else in encode for a typical
+    group. Decoding still goes through the safetensors parser, and the tests check that
+    safetensors reads these blobs back bit for bit.
+    """
+    header: dict = {"__metadata__": meta}
+    blobs, offset = [], 0
+    for name, t in tensors.items():
+        arr = t.detach().cpu().contiguous().numpy()
+        if sys.byteorder == "big":
+            arr = arr.byteswap()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        blobs.append(memoryview(arr.reshape(-1).view("u1")))  # no copy yet: join copies each tensor once
+        offset += arr.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # data section 8-byte aligned, as safetensors writes it
+    return b"".join([struct.pack("<Q", len(h)), h, *blobs])
 
 
 def encode_rollout(b: RolloutBatch) -> bytes:
@@ -193,8 +221,22 @@ _INT = (torch.int64, torch.int32)
 _FLOAT = (torch.float32,)
 
 
+def _minmax(t: torch.Tensor) -> tuple:
+    """(min, max) as Python numbers in one pass over t (non-empty); a NaN anywhere gives NaN for both."""
+    lo, hi = torch.aminmax(t)
+    return lo.item(), hi.item()
+
+
+def _finite(lo: float, hi: float) -> bool:
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
 def validate_batch(b: RolloutBatch, vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> None:
-    """Raise ProtocolError unless every tensor has the right dtype, rank, shape and range."""
+    """Raise ProtocolError unless every tensor has the right dtype, rank, shape and range.
+
+    One min/max pass per tensor (torch.aminmax) answers all of its range checks: finite iff
+    min and max are finite (NaN propagates), lengths from their extremes, logprob sign from max.
+    """
     _check_tensor("input_ids", b.input_ids, _INT, 2)
     _check_tensor("prompt_lens", b.prompt_lens, _INT, 1)
     _check_tensor("completion_lens", b.completion_lens, _INT, 1)
@@ -208,23 +250,26 @@ def validate_batch(b: RolloutBatch, vocab_size: Optional[int] = None, max_seq_le
     for name in ("prompt_lens", "completion_lens", "advantages"):
         if getattr(b, name).shape[0] != B:
             raise ProtocolError(f"{name!r} has {getattr(b, name).shape[0]} entries for {B} rows")
-    if int(b.prompt_lens.min()) < 1:
+    p_min, p_max = _minmax(b.prompt_lens)
+    c_min, c_max = _minmax(b.completion_lens)
+    if p_min < 1:
         raise ProtocolError("every prompt length must be >= 1")
-    if int(b.completion_lens.min()) < 1:
+    if c_min < 1:
         raise ProtocolError("every completion length must be >= 1")
-    # Each length alone first: a huge value would overflow the sum and slip past the check.
-    if (int(b.prompt_lens.max()) > L or int(b.completion_lens.max()) > L
-            or int((b.prompt_lens + b.completion_lens).max()) > L):
+    # Python ints: no overflow. Each length alone first, then the per-row sum only when the
+    # extremes alone could exceed L.
+    if p_max > L or c_max > L or (p_max + c_max > L and int((b.prompt_lens + b.completion_lens).max()) > L):
         raise ProtocolError(f"prompt_len + completion_len exceeds the row length {L}")
-    if max_seq_len is not None and int(b.prompt_lens.max()) >= max_seq_len:
-        raise ProtocolError(f"prompt length {int(b.prompt_lens.max())} >= the model's sequence length {max_seq_len}")
-    if int(b.input_ids.min()) < 0:
+    if max_seq_len is not None and p_max >= max_seq_len:
+        raise ProtocolError(f"prompt length {p_max} >= the model's sequence length {max_seq_len}")
+    id_min, id_max = _minmax(b.input_ids)
+    if id_min < 0:
         raise ProtocolError("negative token id")
-    if vocab_size is not None and int(b.input_ids.max()) >= vocab_size:
-        raise ProtocolError(f"token id {int(b.input_ids.max())} >= vocab size {vocab_size}")
-    if not torch.isfinite(b.advantages).all():
+    if vocab_size is not None and id_max >= vocab_size:
+        raise ProtocolError(f"token id {id_max} >= vocab size {vocab_size}")
+    if not _finite(*_minmax(b.advantages)):
         raise ProtocolError("advantages contain NaN or inf")
-    T = int(b.completion_lens.max())
+    T = c_max
     per_token = ["gen_logps"] + (["ref_logps"] if isinstance(b, ScoredBatch) else [])
     for name in per_token:
         t = getattr(b, name)
@@ -233,13 +278,14 @@ def validate_batch(b: RolloutBatch, vocab_size: Optional[int] = None, max_seq_le
         _check_tensor(name, t, _FLOAT, 2)
         if tuple(t.shape) != (B, T):
             raise ProtocolError(f"{name!r} has shape {tuple(t.shape)}, expected ({B}, {T}) = (rows, max completion len)")
-        if not torch.isfinite(t).all():
+        lo, hi = _minmax(t)
+        if not _finite(lo, hi):
             raise ProtocolError(f"{name!r} contains NaN or inf")
-        if float(t.max()) > 1e-3:
-            raise ProtocolError(f"{name!r} has positive log-probabilities (max {float(t.max()):.4g})")
+        if hi > 1e-3:
+            raise ProtocolError(f"{name!r} has positive log-probabilities (max {hi:.4g})")
     if b.rewards is not None:
         _check_tensor("rewards", b.rewards, _FLOAT, 1)
-        if b.rewards.shape[0] != B or not torch.isfinite(b.rewards).all():
+        if b.rewards.shape[0] != B or not _finite(*_minmax(b.rewards)):
             raise ProtocolError("'rewards' must be B finite values")
     if not isinstance(b.policy_version, int) or b.policy_version < 0:
         raise ProtocolError("policy_version must be a non-negative integer")

@@ -147,6 +147,55 @@ def test_content_type_and_version():
         "gen_logps": "F32", "rewards": "F32"}
 
 
+def test_messages_are_standard_safetensors(tmp_path):
+    """What encode writes is read back bit for bit by the safetensors library itself."""
+    from safetensors import safe_open
+    from safetensors.torch import load as st_load
+
+    b = make_scored(extra=EXTRA, policy_version=9, producer_id="w")
+    data = encode_scored(b)
+    n = int.from_bytes(data[:8], "little")
+    assert n % 8 == 0 and len(data) == 8 + n + sum(t.numel() * t.element_size() for t in tensors_of(b).values())
+    loaded = st_load(data)
+    assert loaded.keys() == tensors_of(b).keys()
+    for k, t in tensors_of(b).items():
+        assert loaded[k].dtype == t.dtype and torch.equal(loaded[k], t)
+    (tmp_path / "m.safetensors").write_bytes(data)
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        assert torch.equal(f.get_tensor("ref_logps"), b.ref_logps)
+    assert meta == {"kind": "scored", "protocol_version": "1", "policy_version": "9", "producer_id": "w",
+                    "batch_id": b.batch_id, "extra": json.dumps(EXTRA, separators=(",", ":"))}
+    # and a blob written by safetensors.torch.save decodes the same
+    assert_same(b, decode_scored(raw(tensors_of(b), kind="scored", policy_version="9", producer_id="w",
+                                     batch_id=b.batch_id, extra=meta["extra"])))
+
+
+def test_serializer_handles_any_tensor_shape():
+    from safetensors.torch import load as st_load
+
+    from common.protocol import _serialize
+    ts = {"empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5), "ids": torch.arange(12).reshape(3, 4),
+          "view": torch.randn(4, 6)[:, 1:5:2], "i32": torch.tensor([1, -2], dtype=torch.int32)}
+    got = st_load(_serialize(ts, {"k": "v"}))
+    for k, t in ts.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+
+
+def test_encode_takes_non_contiguous_views():
+    b = make_rollout()
+    wide = torch.zeros(b.num_rows, b.input_ids.shape[1] * 2, dtype=torch.int64)
+    wide[:, ::2] = b.input_ids
+    v = RolloutBatch(wide[:, ::2], b.prompt_lens, b.completion_lens, b.advantages, gen_logps=b.gen_logps.t().t(),
+                     batch_id=b.batch_id)
+    assert not v.input_ids.is_contiguous()
+    got = decode_rollout(encode_rollout(v))
+    assert torch.equal(got.input_ids, b.input_ids) and torch.equal(got.gen_logps, b.gen_logps)
+    part = RolloutBatch(b.input_ids[1:3], b.prompt_lens[1:3], b.completion_lens[1:3], b.advantages[1:3],
+                        batch_id="x")  # views with a storage offset
+    assert torch.equal(decode_rollout(encode_rollout(part)).input_ids, b.input_ids[1:3])
+
+
 # --- rejections -----------------------------------------------------------------------
 def expect(match: str, data: bytes, decoder=decode_rollout, **kw) -> None:
     with pytest.raises(ProtocolError, match=match):
@@ -257,6 +306,19 @@ def test_rejects_non_finite_floats(name, bad):
     t = getattr(base, name).clone()
     t.view(-1)[1] = bad
     expect(f"{name}.*(NaN or inf|finite)", with_tensor(name, t, base=base, kind="scored"), decoder=decode_scored)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_value_found_at_every_position(bad):
+    """The range checks use one min/max reduction per tensor: a bad value anywhere must show."""
+    b = make_scored(prompt_lens=(2,) * 8, completion_lens=(40, 3, 17, 40, 1, 8, 33, 21), extra_width=0)
+    for name in ("gen_logps", "ref_logps", "advantages", "rewards"):
+        t = getattr(b, name)
+        for k in range(t.numel()):
+            u = t.clone()
+            u.view(-1)[k] = bad
+            with pytest.raises(ProtocolError, match=f"{name}.*(NaN or inf|finite)"):
+                validate_batch(ScoredBatch(**{**b.__dict__, name: u}))
 
 
 @pytest.mark.parametrize("name", ["gen_logps", "ref_logps"])
@@ -545,3 +607,57 @@ def test_fuzz_only_protocol_error_escapes():
                 outcomes["accepted"] += 1
                 validate_batch(b)  # whatever got through is a consistent batch
     assert outcomes["rejected"] > 500, outcomes
+
+
+# --- docs/protocol.md examples really work ----------------------------------------------------
+def _doc_blocks() -> list[str]:
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_doc_hand_written_encoder_produces_a_valid_message():
+    block = next(b for b in _doc_blocks() if "def encode(tensors, metadata)" in b)
+    ns: dict = {}
+    exec(block, ns)  # noqa: S102 - our own documentation
+    b = decode_rollout(ns["msg"], vocab_size=100, max_seq_len=6)
+    assert b.input_ids.tolist() == [[11, 12, 13, 21, 22, 23]] and b.producer_id == "hand-written"
+    assert b.batch_id == "0001" and b.advantages.tolist() == [0.5] and b.gen_logps is None
+    # the alignment padding is optional: without it the message still decodes
+    lines = [ln for ln in block.splitlines() if "align the data section" not in ln]
+    assert len(lines) == len(block.splitlines()) - 1
+    ns2: dict = {}
+    exec("\n".join(lines), ns2)  # noqa: S102
+    assert len(ns2["msg"]) != len(ns["msg"]) or (int.from_bytes(ns["msg"][:8], "little") % 8 == 0)
+    assert decode_rollout(ns2["msg"]).input_ids.tolist() == b.input_ids.tolist()
+
+
+def test_doc_client_example_runs_against_a_fake_server(monkeypatch, capsys):
+    import types
+    block = next(b for b in _doc_blocks() if "requests.post" in b)
+    queue: list[bytes] = []
+    calls = {"post": 0}
+
+    def post(url, data, headers, timeout):
+        assert url.endswith("/upload") and headers["Content-Type"] == CONTENT_TYPE
+        calls["post"] += 1
+        if calls["post"] == 1:  # first attempt: backpressure
+            return types.SimpleNamespace(status_code=503, headers={"Retry-After": "0"}, json=lambda: {})
+        rb = decode_rollout(data)
+        ref = torch.where(rb.completion_mask(), torch.full(rb.gen_logps.shape, -1.0), torch.zeros(()))
+        queue.append(encode_scored(ScoredBatch.from_rollout(rb, ref)))
+        return types.SimpleNamespace(status_code=202, headers={},
+                                     json=lambda: {"id": rb.batch_id, "queued": len(queue)})
+
+    def get(url, params, headers, timeout):
+        assert url.endswith("/get") and timeout > params["wait"]
+        return types.SimpleNamespace(status_code=200, content=queue.pop(0), headers={})
+
+    import requests
+    monkeypatch.setattr(requests, "post", post)
+    monkeypatch.setattr(requests, "get", get)
+    monkeypatch.setenv("GRPO_REF_TOKEN", "t0k")
+    exec(block, {})  # noqa: S102 - our own documentation
+    out = capsys.readouterr().out
+    assert "queued" in out and "torch.Size([2, 3])" in out and calls["post"] == 2

@@ -16,7 +16,7 @@ TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "model"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run([sys.executable, "-m", "common.tiny_model", str(out)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -69,11 +69,13 @@ def test_generate_produces_text(loaded):
     msgs = [{"role": "user", "content": "What is 3 + 4?"}]
     prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     enc = tok([prompt, "<think> short"], return_tensors="pt", padding=True)
+    assert set(enc) == {"input_ids", "attention_mask"}
+    assert enc["attention_mask"][1, 0] == 0  # left padding, as generation needs
     torch.manual_seed(0)
     with torch.no_grad():
-        # input_ids + attention_mask, as trainer/rollout.py passes them (the tokenizer also returns
-        # token_type_ids, which Qwen2's generate() rejects when given **enc)
-        out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=12, do_sample=True, temperature=0.9,
+        # **enc straight from the tokenizer works: like Qwen's, it returns no token_type_ids
+        # (which Qwen2's generate() would reject)
+        out = model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=0.9,
                              pad_token_id=tok.pad_token_id)
     assert out.shape[0] == 2 and enc["input_ids"].shape[1] < out.shape[1] <= enc["input_ids"].shape[1] + 12
     new = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
