@@ -14,12 +14,13 @@
 #   --ref-device D     device for the ref server (auto, cpu, cuda:N; default auto)
 #   --port P           port of the ref server started here (default 59875)
 #   --token-file F     bearer token file shared by server and clients
+#   --master-port P    DeepSpeed rendezvous port (default: a free one)
 # Everything this script starts is stopped on exit, error or Ctrl-C; each process logs to RUN_DIR/<name>.log.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 [ $# -ge 1 ] || { usage; exit 2; }
 MODE=$1; shift
 case "$MODE" in
@@ -41,7 +42,7 @@ if [ "$MODE" = demo ]; then
 fi
 
 RUN_DIR="runs/$(date +%Y%m%d-%H%M%S)"; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
-PORT=59875; TOKEN_FILE=""; EXTRA=()
+PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --run-dir) RUN_DIR=$2; shift 2 ;;
@@ -53,6 +54,7 @@ while [ $# -gt 0 ]; do
     --ref-device) REF_DEVICE=$2; shift 2 ;;
     --port) PORT=$2; shift 2 ;;
     --token-file) TOKEN_FILE=$2; shift 2 ;;
+    --master-port) MASTER_PORT=$2; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option '$1'" >&2; usage; exit 2 ;;
@@ -69,6 +71,9 @@ cfg = load_config(GRPOConfig, sys.argv[1:])
 print(cfg.ref_model or cfg.model)
 PYEOF
 )
+fi
+if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
+  MASTER_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 fi
 if [ -z "$GPUS" ]; then
   GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)")
@@ -119,7 +124,7 @@ for w in $(seq 0 $((WORKERS - 1))); do
 done
 echo "[launch] trainer: deepspeed --num_gpus $GPUS (log: $RUN_DIR/trainer.log)" >&2
 set +e
-deepspeed --num_gpus "$GPUS" trainer/main.py "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" \
+deepspeed --num_gpus "$GPUS" --master_port "$MASTER_PORT" trainer/main.py "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" \
   --num_gen_workers "$WORKERS" --output_dir "$RUN_DIR" 2>&1 | tee "$RUN_DIR/trainer.log"
 rc=${PIPESTATUS[0]}
 set -e

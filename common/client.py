@@ -169,6 +169,24 @@ class RefClient:
             if time.monotonic() >= deadline:
                 return None
 
+    # -- policy weights (ref_server/weights.py): rank 0 publishes, workers follow -------------
+    def publish_weights(self, blob: bytes, version: int) -> None:
+        """PUT the policy's safetensors blob as `version` on every server (workers may use any)."""
+        for url in self.urls:
+            self._request("PUT", [url], "/weights", params={"version": str(version)}, data=blob,
+                          headers={"Content-Type": "application/octet-stream"}, read_timeout=len(blob) / 50e6)
+
+    def weights_version(self) -> Optional[int]:
+        """The newest published policy version on the first server, or None before any publish."""
+        _, r = self._request("GET", self.urls[:1], "/weights/version")
+        v = r.json().get("version")
+        return None if v is None else int(v)
+
+    def fetch_weights(self) -> tuple[int, bytes]:
+        """(version, safetensors blob) of the newest published policy weights."""
+        _, r = self._request("GET", self.urls[:1], "/weights", read_timeout=600.0)
+        return int(r.headers["X-Policy-Version"]), r.content
+
     def health(self, url: Optional[str] = None) -> dict:
         """GET /health of one server (default: the first), one attempt."""
         _, r = self._request("GET", [url or self.urls[0]], "/health", retry=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import sys
 
-from ref_server.app import serve
 from ref_server.config import check_bind, load_server_config, resolve_token
 
 
@@ -17,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad settings: one clear line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from ref_server.app import serve  # imported late: --help and bad flags answer without loading torch
+
     return serve(cfg)
 
 

@@ -16,7 +16,7 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import bottle
@@ -27,6 +27,8 @@ from common.modeling import load_model
 from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.config import ServerConfig, check_bind, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
+from ref_server.weights import WeightError, WeightStore
+from ref_server.weights import stream as weight_stream
 
 log = logging.getLogger("ref_server")
 JSON = "application/json"
@@ -42,6 +44,7 @@ class ServerState:
     vocab_size: int
     max_seq_len: int
     long_polls: threading.BoundedSemaphore  # keeps waitress threads free for uploads
+    weights: WeightStore = field(default_factory=WeightStore)  # the policy weights relayed to workers
     stopping: bool = False
 
     def health(self) -> dict:
@@ -53,6 +56,7 @@ class ServerState:
             "queues": self.scorer.depths(), "max_queue": self.cfg.max_queue,
             "max_output_queue": self.cfg.max_output_queue, "auth": self.token is not None,
             "uptime_s": round(time.time() - self.metrics.started, 3),
+            "policy_version": self.weights.info()["version"],
         }
 
 
@@ -65,12 +69,14 @@ def _json(obj: dict, status: int = 200) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(json.dumps(obj), status=status, headers={"Content-Type": JSON})
 
 
-def _authorized(token: Optional[str], header: str) -> bool:
+def _authorized(token: Optional[str], environ: dict) -> bool:
     if token is None:
         return True
-    scheme, _, given = header.partition(" ")
-    # compare_digest on bytes: constant time, and no TypeError on non-ASCII input
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    # The raw WSGI value (a latin-1 str per PEP 3333): bottle's get_header() would try to
+    # UTF-8-decode it and raise on arbitrary client bytes.
+    scheme, _, given = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+    # compare_digest on the bytes as sent: constant time, no TypeError on non-ASCII input
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), token.encode())
 
 
 def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
@@ -101,7 +107,7 @@ def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
         return _error(status, message, **headers)
 
     def require_token() -> None:
-        if not _authorized(state.token, bottle.request.get_header("Authorization", "")):
+        if not _authorized(state.token, bottle.request.environ):
             raise reject("unauthorized", 401, "missing or wrong bearer token", **{"WWW-Authenticate": "Bearer"})
 
     @app.post("/upload")
@@ -170,6 +176,50 @@ def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
             return bottle.HTTPResponse(status=204)
         return bottle.HTTPResponse(body, status=200, headers={"Content-Type": CONTENT_TYPE})
 
+    @app.put("/weights")
+    def put_weights():
+        require_token()
+        raw = bottle.request.query.get("version", "")
+        if not raw.isdigit():
+            raise _error(400, f"version must be a non-negative integer, got {raw!r}")
+        env = bottle.request.environ
+        try:
+            length = int(env.get("CONTENT_LENGTH") or "")
+        except ValueError:
+            raise _error(411, "Content-Length header required") from None
+        if length > cfg.max_weights_bytes:
+            raise _error(413, f"weights of {length} bytes exceed the limit of {cfg.max_weights_bytes} bytes")
+        buf = bytearray(length)  # one preallocated copy, filled from the request stream
+        got = 0
+        while got < length:
+            piece = env["wsgi.input"].read(min(length - got, 8 << 20))
+            if not piece:
+                break
+            buf[got:got + len(piece)] = piece
+            got += len(piece)
+        if got != length:
+            raise _error(400, f"body has {got} bytes, Content-Length says {length}")
+        try:
+            state.weights.publish(int(raw), buf)
+        except WeightError as e:
+            raise _error(409 if "not newer" in str(e) else 400, str(e)) from None
+        return _json({"version": int(raw), "bytes": length})
+
+    @app.get("/weights/version")
+    def weights_version():
+        require_token()
+        return _json(state.weights.info())
+
+    @app.get("/weights")
+    def get_weights():
+        require_token()
+        version, blob = state.weights.latest()
+        if blob is None:
+            raise _error(404, "no policy weights published yet")
+        return bottle.HTTPResponse(weight_stream(blob), status=200, headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(len(blob)),
+            "X-Policy-Version": str(version)})
+
     @app.get("/health")
     def health():
         return _json(state.health())
@@ -216,20 +266,27 @@ def serve(cfg: ServerConfig) -> int:
 
     token = resolve_token(cfg)
     check_bind(cfg, token)
-    app, state = make_app(cfg, token=token)
-    logging.getLogger("waitress.queue").addFilter(_Throttle(60.0))
-    server = create_server(app, host=cfg.host, port=cfg.port, threads=cfg.threads, ident="grpo-ref-server",
-                           # waitress buffers a body before the app sees it: cap that too. Slack so
-                           # that a modest overshoot still gets our JSON 413 (decided from the header).
-                           max_request_body_size=cfg.max_body_bytes + (1 << 20),
-                           channel_timeout=max(120, int(cfg.max_get_wait) + 30))
-    stop = threading.Event()
+    stop, signals = threading.Event(), []
 
     def on_signal(signum: int, _frame) -> None:
+        signals.append(signum)  # a second signal skips the drain wait below
         stop.set()
 
+    # Installed before the (slow) model load, so an early SIGTERM also ends in a clean exit 0.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    app, state = make_app(cfg, token=token)
+    logging.getLogger("waitress.queue").addFilter(_Throttle(60.0))
+    try:
+        server = create_server(app, host=cfg.host, port=cfg.port, threads=cfg.threads, ident="grpo-ref-server",
+                               # waitress buffers a body before the app sees it: cap that too. Slack so
+                               # that a modest overshoot still gets our JSON 413 (decided from the header).
+                               max_request_body_size=max(cfg.max_body_bytes, cfg.max_weights_bytes) + (1 << 20),
+                               channel_timeout=max(120, int(cfg.max_get_wait) + 30))
+    except OSError as e:  # port taken, address not local...
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
+        state.scorer.stop()
+        return 1
     threading.Thread(target=server.run, name="http", daemon=True).start()
     log.info("serving %s on http://%s:%s (vocab %d, max_seq_len %d, token %s, %d threads)", cfg.model, cfg.host,
              server.effective_port, state.vocab_size, state.max_seq_len, "required" if token else "off", cfg.threads)
@@ -238,6 +295,10 @@ def serve(cfg: ServerConfig) -> int:
     log.info("shutdown requested: refusing uploads, finishing the batch being scored")
     state.stopping = True
     state.scorer.stop()
+    # Scored work is still worth delivering: keep answering /get for a while (until a second signal).
+    deadline = time.monotonic() + cfg.drain_timeout
+    while state.scorer.depths()["output"] and time.monotonic() < deadline and len(signals) < 2:
+        time.sleep(0.1)
     left = state.scorer.depths()["output"]
     if left:
         log.warning("exiting with %d scored batch(es) not fetched", left)

@@ -35,6 +35,8 @@ class ServerConfig:
     max_output_queue: int = knob(256, "Scored batches waiting for /get; when full the scorer pauses, so the "
                                       "input queue fills and uploads get 503 (backpressure, never a drop).")
     max_body_mb: float = knob(64.0, "Largest accepted upload body in MiB (413 above).")
+    max_weights_mb: float = knob(16384.0, "Largest policy-weights publish (PUT /weights) in MiB. waitress spools request "
+                                                 "bodies to temp files up to max(max_body_mb, this) before the app runs.")
     token_file: Optional[str] = knob(None, "File holding the bearer token that /upload and /get require "
                                            f"(default: ${TOKEN_ENV} if set, else no token).")
     insecure: bool = knob(False, "Allow binding a non-loopback address without a token.")
@@ -44,6 +46,8 @@ class ServerConfig:
     chunk_tokens: int = knob(256, "Positions per LM-head chunk in the logprob computation (bounds memory).")
     max_get_wait: float = knob(10.0, "Cap in seconds on the long-poll of GET /get?wait=SECONDS.")
     retry_after: int = knob(1, "Seconds sent in Retry-After with 503 answers.")
+    drain_timeout: float = knob(5.0, "On SIGTERM/SIGINT: after the batch being scored is done, keep answering "
+                                     "/get this many seconds while scored batches wait (a 2nd signal skips it).")
 
     def validate(self) -> "ServerConfig":
         checks = [
@@ -53,7 +57,8 @@ class ServerConfig:
             (self.max_body_mb > 0, "max_body_mb must be > 0"),
             (self.threads >= 2, "threads must be >= 2"),
             (self.score_token_budget >= 1 and self.chunk_tokens >= 1, "score_token_budget and chunk_tokens >= 1"),
-            (self.max_get_wait >= 0 and self.retry_after >= 0, "max_get_wait and retry_after must be >= 0"),
+            (min(self.max_get_wait, self.retry_after, self.drain_timeout) >= 0,
+             "max_get_wait, retry_after and drain_timeout must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -63,6 +68,10 @@ class ServerConfig:
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * (1 << 20))
+
+    @property
+    def max_weights_bytes(self) -> int:
+        return int(self.max_weights_mb * (1 << 20))
 
 
 def _normalize_flags(argv: list[str]) -> list[str]:

@@ -244,8 +244,14 @@ class Scorer:
         ids = torch.cat([torch.nn.functional.pad(b.input_ids.long(), (0, L - b.input_ids.shape[1])) for b in group])
         pl = torch.cat([b.prompt_lens.long() for b in group])
         cl = torch.cat([b.completion_lens.long() for b in group])
-        logps, _ = sequence_logprobs(self.model, ids, pl, cl, chunk_tokens=self.chunk_tokens)
-        logps = logps.float().cpu()
+        # Row slices of at most `budget` padded tokens: one huge upload must not blow up memory.
+        rows, T = max(1, self.budget // L), int(cl.max())
+        parts = []
+        for s in range(0, ids.shape[0], rows):
+            lp, _ = sequence_logprobs(self.model, ids[s:s + rows], pl[s:s + rows], cl[s:s + rows],
+                                      chunk_tokens=self.chunk_tokens)
+            parts.append(torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1])))
+        logps = torch.cat(parts)
         out, row = [], 0
         for b in group:
             ref = logps[row:row + b.num_rows, :b.max_completion_len].contiguous()

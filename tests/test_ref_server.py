@@ -227,10 +227,15 @@ def test_http_level_errors(server):
         r = requests.request(method, url + path, headers=AUTH, timeout=10)
         assert r.status_code == status and "error" in r.json(), (method, path)
         assert "Traceback" not in r.text and "<html" not in r.text.lower()
-    for wait in ("abc", "-1", "nan", "inf"):
+    for wait in ("abc", "-1", "nan", "inf", "\xe9\xff"):
         r = requests.get(url + "/get", params={"wait": wait}, headers=AUTH, timeout=10)
         assert r.status_code == 400 and "wait" in r.json()["error"], wait
     assert requests.get(url + "/get", headers=AUTH, timeout=10).status_code == 204
+    # Raw bytes that are not UTF-8 in the path, query and headers: still JSON 4xx, never a 5xx.
+    for target in (b"/get?wait=%E9%FF", b"/\xe9\xff", b"/get?wait=\xe9"):
+        head = raw_http(server.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                        + TOKEN.encode() + b"\r\nX-Odd: \xe9\xff\r\nConnection: close\r\n\r\n")
+        assert head[9:10] == b"4", head[:200]
 
 
 def test_client_errors_are_clear(server, caplog):
@@ -349,10 +354,25 @@ def test_full_queue_503_then_recovers_and_sigterm_exits_0(start_server, tiny_mod
         assert any("is back" in r.getMessage() for r in caplog.records)
         assert requests.get(srv.url + "/get", timeout=10).status_code == 204
 
-        r = requests.post(srv.url + "/upload", data=encode_rollout(make_batch([5], [5], seed=100)), timeout=10)
+        last = make_batch([5], [5], seed=100)
+        r = requests.post(srv.url + "/upload", data=encode_rollout(last), timeout=10)
         assert r.status_code == 202 and r.json()["queued"] >= 0
-        assert srv.stop(signal.SIGTERM, timeout=30) == 0
-        assert "ref server stopped" in srv.log()
+
+        # Graceful stop: uploads refused at once, scored work still handed out, then exit code 0.
+        deadline = time.monotonic() + 10
+        while requests.get(srv.url + "/health", timeout=10).json()["queues"]["output"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGTERM)
+        while requests.get(srv.url + "/health", timeout=10).json()["status"] != "stopping":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = requests.post(srv.url + "/upload", data=encode_rollout(make_batch([5], [5], seed=101)), timeout=10)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]
+        r = requests.get(srv.url + "/get", timeout=10)
+        assert r.status_code == 200 and decode_scored(r.content).batch_id == last.batch_id
+        assert srv.proc.wait(30) == 0
+        assert "ref server stopped" in srv.log() and "not fetched" not in srv.log()
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,3 +403,36 @@ def test_cli_help_and_refusals():
     r = subprocess.run([sys.executable, "-m", "ref_server", "--model", "tiny", "--host", "0.0.0.0"], cwd=REPO,
                        env=subprocess_env(GRPO_REF_TOKEN=""), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "refusing to bind" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------
+def test_scorer_merges_within_budget_and_survives_a_bad_batch(ref_model):
+    """In-process (no thread): grouping by score_token_budget, row slicing, split-back, error isolation."""
+    from ref_server.scorer import Scorer, ServerMetrics
+
+    metrics = ServerMetrics()
+    sc = Scorer(ref_model, metrics, max_queue=10, max_output_queue=10, score_token_budget=120, chunk_tokens=8)
+    a, b = make_batch([4, 6], [8, 5], L=16, seed=1), make_batch([3, 9, 2], [7, 11, 1], L=20, seed=2)
+    c, d = make_batch([5], [6], L=12, seed=3), make_batch([2, 2], [2, 9], L=16, seed=4)
+    big = make_batch([3] * 10, list(range(1, 11)), L=16, seed=5)  # 160 tokens > budget: scored in row slices
+    for x in (a, b, c, d, big):
+        sc.submit(x)
+    with torch.inference_mode():
+        groups = []
+        while sc.inq:
+            g = sc._next_group()
+            groups.append([x.batch_id for x in g])
+            for s in sc._score_group(g):
+                sc.outq.append(s)
+        assert groups == [[a.batch_id, b.batch_id, c.batch_id], [d.batch_id], [big.batch_id]]  # 6x20 <= 120 < 8x20
+        for x in (a, b, c, d, big):
+            s = decode_scored(sc.take())
+            assert s.batch_id == x.batch_id
+            assert (s.ref_logps.double() - direct_ref_logps(ref_model, x)).abs().max().item() <= 1e-5
+        # A batch the model cannot take (token id out of range) fails the merged forward; the others survive.
+        bad = make_batch([3], [3], seed=6)
+        bad.input_ids[0, 1] = 10**6
+        good = make_batch([3], [3], seed=7)
+        out = sc._score_group([bad, good])
+    assert [o.batch_id for o in out] == [good.batch_id] and metrics.errors == 1
+    assert metrics.scored == 6 and metrics.forwards == 4

@@ -1,0 +1,142 @@
+"""Workers follow the policy: weights published by the trainer reach a worker over HTTP or a shared dir."""
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from common.client import RefClient, RefServerError
+from common.logprobs import sequence_logprobs
+from common.modeling import load_model
+from common.protocol import RolloutBatch, ScoredBatch
+from common.weight_sync import WeightSync, load_parameters, parameters_blob
+from conftest import start_ref_server
+
+
+def fixed_sequence():
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(5, 500, (3, 20), generator=g), torch.tensor([5, 6, 7]), torch.tensor([15, 10, 13])
+
+
+def perturbed(model_dir, seed: int):
+    """The 'trained' policy: the tiny model with every parameter moved."""
+    model = load_model(str(model_dir), device="cpu", dtype="float32")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def logps(model):
+    ids, pl, cl = fixed_sequence()
+    with torch.no_grad():
+        return sequence_logprobs(model, ids, pl, cl)[0]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with start_ref_server(tiny_model_dir) as srv:
+        yield srv
+
+
+def test_worker_matches_trainer_after_http_sync(server, tiny_model_dir):
+    trainer_model = perturbed(tiny_model_dir, 1)
+    worker_model = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    before = (logps(worker_model) - logps(trainer_model)).abs().max().item()
+    assert before > 1e-3  # they differ before the sync
+
+    client = RefClient(server.url)
+    pub, sub = WeightSync(client=client), WeightSync(client=RefClient(server.url))
+    seconds, nbytes = pub.publish(trainer_model, version=10)
+    assert nbytes > 1_000_000 and seconds >= 0
+    assert client.weights_version() == 10
+    assert sub.follow(worker_model) == 10
+    after = (logps(worker_model) - logps(trainer_model)).abs().max().item()
+    assert after <= 1e-5
+    assert sub.follow(worker_model) is None  # nothing newer: no fetch
+    assert requests.get(server.url + "/health").json()["policy_version"] == 10
+
+
+def test_versions_only_move_forward_and_blobs_are_checked(server, tiny_model_dir):
+    client = RefClient(server.url)
+    model = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    client.publish_weights(parameters_blob(model), 20)
+    with pytest.raises(RefServerError) as e:
+        client.publish_weights(parameters_blob(model), 20)
+    assert e.value.status == 409
+    r = requests.put(server.url + "/weights", params={"version": "21"}, data=b"\x80\x03}q\x00.")  # a pickle
+    assert r.status_code == 400 and "error" in r.json()
+    r = requests.put(server.url + "/weights", params={"version": "x"}, data=b"12345678")
+    assert r.status_code == 400
+    assert client.weights_version() == 20
+
+
+def test_weights_must_fit_the_model(tiny_model_dir):
+    model = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    from safetensors.torch import load
+    tensors = load(parameters_blob(model))
+    name = next(iter(tensors))
+    with pytest.raises(ValueError, match="missing"):
+        load_parameters(model, {k: v for k, v in tensors.items() if k != name})
+    bad = dict(tensors)
+    bad[name] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        load_parameters(model, bad)
+
+
+def test_shared_directory_transport(tmp_path, tiny_model_dir):
+    trainer_model = perturbed(tiny_model_dir, 2)
+    worker_model = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    pub, sub = WeightSync(sync_dir=str(tmp_path)), WeightSync(sync_dir=str(tmp_path))
+    assert sub.follow(worker_model) is None  # nothing published yet
+    pub.publish(trainer_model, 1)
+    pub.publish(trainer_model, 2)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["policy-v2.safetensors"]
+    assert sub.follow(worker_model) == 2
+    assert (logps(worker_model) - logps(trainer_model)).abs().max().item() <= 1e-5
+
+
+def test_worker_recovers_after_missed_sync_and_server_restart(tiny_model_dir, free_port):
+    """Server dies (weights gone) and comes back: the worker keeps its weights and takes the next version."""
+    worker_model = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    v1, v2 = perturbed(tiny_model_dir, 3), perturbed(tiny_model_dir, 4)
+    sub = WeightSync(client=RefClient(f"http://127.0.0.1:{free_port}", max_retries=2, backoff=0.1))
+    with start_ref_server(tiny_model_dir, port=free_port) as srv:
+        WeightSync(client=RefClient(srv.url)).publish(v1, 1)
+        assert sub.follow(worker_model) == 1
+        srv.stop()
+    with pytest.raises(RefServerError):  # server down: the worker's round fails loudly, weights untouched
+        sub.follow(worker_model)
+    assert (logps(worker_model) - logps(v1)).abs().max().item() <= 1e-5
+    with start_ref_server(tiny_model_dir, port=free_port) as srv:
+        assert sub.follow(worker_model) is None  # the new server has no weights yet
+        WeightSync(client=RefClient(srv.url)).publish(v2, 2)
+        assert sub.follow(worker_model) == 2
+    assert (logps(worker_model) - logps(v2)).abs().max().item() <= 1e-5
+
+
+def test_stale_batches_are_dropped_and_counted(server, tiny_model_dir):
+    """BatchSource drops scored batches older than max_staleness versions."""
+    from common.config import GRPOConfig
+    from common.modeling import load_tokenizer
+    from trainer.main import BatchSource
+
+    client = RefClient(server.url)
+    while client.get(timeout=0.0) is not None:  # start from an empty queue
+        pass
+    ids, pl, cl = fixed_sequence()
+
+    def batch(version: int) -> RolloutBatch:
+        return RolloutBatch(input_ids=ids, prompt_lens=pl, completion_lens=cl, advantages=torch.tensor([1., 0., -1.]),
+                            policy_version=version, producer_id="test")
+
+    for v in (1, 9, 10):  # trainer at version 10 with max_staleness 2: version 1 is stale
+        client.upload(batch(v))
+    cfg = GRPOConfig(num_gen_workers=1, get_wait=0.0, max_staleness=2, train_batch_groups=2, max_new_tokens=16)
+    tok = load_tokenizer(str(tiny_model_dir))
+    src = BatchSource(cfg, client, None, tok, None, [], [], 548, producer_id="rank0")
+    got, info = src.next(policy_version=10)
+    assert isinstance(got, ScoredBatch)
+    assert info["dropped_stale"] == 1
+    assert got.policy_version == 9 and got.num_rows == 6
