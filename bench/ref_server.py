@@ -45,7 +45,7 @@ from common.protocol import RolloutBatch  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("throughput")
-    t.add_argument("--batches", type=int, default=12, help="Timed batches per run.")
+    t.add_argument("--batches", type=int, default=8, help="Timed batches per run.")
     t.add_argument("--rows", type=int, default=4, help="Rows per batch.")
     t.add_argument("--prompt-len", type=int, default=32, help="Prompt tokens per row.")
     t.add_argument("--completion-len", type=int, default=96, help="Max completion tokens per row (ragged down to half).")
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--layers", type=int, default=8, help="Decoder layers.")
     t.add_argument("--vocab", type=int, default=32000, help="Vocabulary size.")
     t.add_argument("--in-flight", type=int, default=2, help="Batches uploaded but not yet fetched (>= 2).")
-    t.add_argument("--repeats", type=int, default=4, help="Alternate in-process / server runs; best of each.")
+    t.add_argument("--repeats", type=int, default=6, help="Alternating in-process / server run pairs; best of each.")
     t.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for scoring, both sides.")
     m = p.add_argument_group("memory")
     m.add_argument("--mem-batch", type=int, default=8)
@@ -170,11 +170,14 @@ def throughput(a: argparse.Namespace) -> dict:
                     raise RuntimeError("server did not start:\n" + (tmp / "server.log").read_text()[-3000:]) from None
         run_through_server(client, warm, a.in_flight)
         t_in, t_srv, diff = [], [], 0.0
-        for _ in range(a.repeats):
-            dt, ref = run_in_process(model, batches, a.threads)
-            t_in.append(dt)
-            dt, got = run_through_server(client, batches, a.in_flight)
-            t_srv.append(dt)
+        for i in range(a.repeats):  # alternating order (ABBA...), so drifting background load hits both alike
+            for side in (("in", "srv") if i % 2 == 0 else ("srv", "in")):
+                if side == "in":
+                    dt, ref = run_in_process(model, batches, a.threads)
+                    t_in.append(dt)
+                else:
+                    dt, got = run_through_server(client, batches, a.in_flight)
+                    t_srv.append(dt)
             diff = max([diff] + [(got[b.batch_id] - r).abs().max().item() for b, r in zip(batches, ref)])
         stats = client.stats()
     finally:
@@ -183,13 +186,16 @@ def throughput(a: argparse.Namespace) -> dict:
         log.close()
     tokens = sum(int((b.prompt_lens + b.completion_lens).sum()) for b in batches)
     best_in, best_srv = min(t_in), min(t_srv)
-    ratio = best_in / best_srv
+    ratio = best_in / best_srv  # best of each: the runs least disturbed by anything else on the machine
+    pair_median = sorted(x / y for x, y in zip(t_in, t_srv))[len(t_in) // 2]
     print(f"[throughput] in-process {tokens / best_in:,.0f} tok/s ({best_in:.2f} s), through server "
           f"{tokens / best_srv:,.0f} tok/s ({best_srv:.2f} s): ratio {ratio:.3f} (runs: in-process "
-          f"{[round(x, 2) for x in t_in]}, server {[round(x, 2) for x in t_srv]}); server forwards "
+          f"{[round(x, 2) for x in t_in]}, server {[round(x, 2) for x in t_srv]}; median of per-pair ratios "
+          f"{pair_median:.3f}); server forwards "
           f"{stats['forwards']}, mean scoring latency {stats['mean_scoring_latency_s'] * 1e3:.0f} ms; "
           f"max |server - in-process| {diff:.2e}; server exit code {rc}", flush=True)
-    return {"throughput_ratio": round(ratio, 4), "throughput_max_abs_diff": diff, "forward_ms": round(one * 1e3, 1),
+    return {"throughput_ratio": round(ratio, 4), "throughput_pair_median": round(pair_median, 4),
+            "throughput_max_abs_diff": diff, "forward_ms": round(one * 1e3, 1),
             "model_params_m": round(params, 1), "server_exit_code": rc}
 
 

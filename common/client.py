@@ -182,10 +182,19 @@ class RefClient:
         v = r.json().get("version")
         return None if v is None else int(v)
 
-    def fetch_weights(self) -> tuple[int, bytes]:
+    def fetch_weights(self) -> tuple[int, bytearray]:
         """(version, safetensors blob) of the newest published policy weights."""
-        _, r = self._request("GET", self.urls[:1], "/weights", read_timeout=600.0)
-        return int(r.headers["X-Policy-Version"]), r.content
+        _, r = self._request("GET", self.urls[:1], "/weights", read_timeout=600.0, stream=True)
+        with r:  # read straight into one preallocated buffer (requests' .content joins small chunks)
+            size = int(r.headers["Content-Length"])
+            buf, got = bytearray(size), 0
+            view = memoryview(buf)
+            while got < size:
+                n = r.raw.readinto(view[got:])
+                if not n:
+                    raise RefServerError(0, f"weights download cut off at {got} of {size} bytes", self.urls[0])
+                got += n
+        return int(r.headers["X-Policy-Version"]), buf
 
     def health(self, url: Optional[str] = None) -> dict:
         """GET /health of one server (default: the first), one attempt."""

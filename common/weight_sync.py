@@ -18,16 +18,54 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import load_file
-from safetensors.torch import save as st_save
 
 log = logging.getLogger(__name__)
 
 
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
 def parameters_blob(model: torch.nn.Module) -> bytes:
-    """Serialise every named parameter (shared/tied ones once) as one safetensors blob."""
-    return st_save({n: p.detach().contiguous().cpu() for n, p in model.named_parameters()})
+    """Every named parameter (tied ones once) as one standard safetensors blob.
+
+    Written directly (header + raw bytes, each tensor copied once) rather than through
+    safetensors.torch.save, which copies more: weights are hundreds of MB.
+    """
+    header: dict = {}
+    parts, offset = [], 0
+    for name, p in model.named_parameters():
+        t = p.detach().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as bytes, no copy
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        parts.append(memoryview(raw))
+        offset += raw.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    return b"".join([len(h).to_bytes(8, "little"), h, *parts])
+
+
+def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """Zero-copy tensor views into a safetensors blob (checked: dtypes, shapes and offsets in range)."""
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    if len(buf) < 8 or n > len(buf) - 8:
+        raise ValueError("weights blob: bad header length")
+    header = json.loads(bytes(buf[8:8 + n]))
+    base, data_len, out = 8 + n, len(buf) - 8 - n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _FROM_NAME.get(info.get("dtype"))
+        start, end = info["data_offsets"]
+        numel = 1
+        for d in info["shape"]:
+            numel *= int(d)
+        if dtype is None or not 0 <= start <= end <= data_len or (end - start) != numel * dtype.itemsize:
+            raise ValueError(f"weights blob: tensor {name!r} has a bad dtype, shape or offsets")
+        t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + start) if numel else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(info["shape"])
+    return out
 
 
 def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -100,8 +138,7 @@ class WeightSync:
         t0 = time.time()
         if self.client is not None:
             version, blob = self.client.fetch_weights()
-            tensors = st_load(blob)
-            del blob  # the tensors own their memory now
+            tensors = tensors_from_blob(blob)  # views into blob: freed together after the copy
         else:
             meta = json.loads((self.dir / "latest.json").read_text())
             version = int(meta["version"])

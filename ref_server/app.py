@@ -282,7 +282,9 @@ def serve(cfg: ServerConfig) -> int:
                                # waitress buffers a body before the app sees it: cap that too. Slack so
                                # that a modest overshoot still gets our JSON 413 (decided from the header).
                                max_request_body_size=max(cfg.max_body_bytes, cfg.max_weights_bytes) + (1 << 20),
-                               channel_timeout=max(120, int(cfg.max_get_wait) + 30))
+                               channel_timeout=max(120, int(cfg.max_get_wait) + 30),
+                               # big socket reads/writes: weight blobs are hundreds of MB (defaults: 8 KB / 18 KB)
+                               recv_bytes=1 << 18, send_bytes=1 << 18)
     except OSError as e:  # port taken, address not local...
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
         state.scorer.stop()

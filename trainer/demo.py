@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo.json"
 
 # The demo's own settings (the GRPO phase's live in configs/demo.json); --quick shrinks them for CI.
-DEFAULTS = dict(sft_steps=150, sft_batch_size=64, sft_lr=1e-3, eval_limit=1000, eval_batch_size=250)
+DEFAULTS = dict(sft_steps=200, sft_batch_size=64, sft_lr=1e-3, eval_limit=1000, eval_batch_size=250)
 QUICK = dict(sft_steps=30, eval_limit=100, grpo_steps=6, grpo_eval_steps=3, grpo_eval_limit=50)
 
 
@@ -68,11 +68,15 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     p.add_argument("--eval-limit", type=int, default=None,
                    help=f"Held-out examples in the before/after evaluation (default {DEFAULTS['eval_limit']} "
                         f"for the tiny demo, the config's eval_limit with --model).")
-    p.add_argument("--eval-batch-size", type=int, default=DEFAULTS["eval_batch_size"])
+    p.add_argument("--eval-batch-size", type=int, default=None,
+                   help=f"Sequences per generate call in evaluation (default {DEFAULTS['eval_batch_size']} for the "
+                        f"tiny demo, the config's gen_batch_size with --model).")
     p.add_argument("--workers", type=int, default=1, help="genonly workers (default 1).")
     p.add_argument("--gpus", type=int, default=None, help="Trainer ranks (default 2 on CPU, all GPUs on CUDA).")
-    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
-                   help="torch threads of this process for SFT/eval on CPU (the ranks use 1 each).")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of this process for SFT/eval on CPU (the ranks use 1 each). Default: "
+                        "2 when the machine is idle (1-min load average < 1), else 1 - on busy cores a 2-thread "
+                        "OpenMP step measured 3x the CPU time of a 1-thread one.")
     a = p.parse_args(argv)
     a.tiny = a.model is None
     if a.tiny and a.data not in (None, "arith"):
@@ -233,6 +237,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if a.threads is None:
+            a.threads = min(2, os.cpu_count() or 1) if os.getloadavg()[0] < 1.0 else 1
         torch.set_num_threads(a.threads)
         if a.gpus is None:
             a.gpus = 2
@@ -250,11 +256,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
     cfg = load_config(GRPOConfig, trainer_args + extra)
+    eval_bs = a.eval_batch_size or (DEFAULTS["eval_batch_size"] if a.tiny else cfg.gen_batch_size)
     eval_limit = a.eval_limit or ((QUICK if a.quick else DEFAULTS)["eval_limit"] if a.tiny else cfg.eval_limit)
 
     log.banner(f"R1 in miniature: run dir {run_dir}")
     log(f"seed {a.seed}   model {'tiny (built here)' if a.tiny else a.model}   data {a.data}   "
-        f"SFT steps {a.sft_steps}   GRPO steps {cfg.all_steps}   held-out eval {eval_limit} examples")
+        f"SFT steps {a.sft_steps}   GRPO steps {cfg.all_steps}   held-out eval {eval_limit} examples"
+        + (f"   torch threads {a.threads}" if not on_gpu else ""))
     timings: dict = {}
 
     # 1. model ----------------------------------------------------------------------------------
@@ -307,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # 3. eval before ----------------------------------------------------------------------------
     t0 = time.time()
     log.banner(f"3/5 held-out evaluation before GRPO ({cfg.eval_split} split, {eval_limit} examples, greedy)")
-    before = run_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, a.eval_batch_size, device)
+    before = run_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
     log(f"accuracy {100 * before['accuracy']:.1f}%   format {100 * before['format_rate']:.1f}%   "
         f"({before['seconds']:.0f} s)")
     _show_samples(log, before)
@@ -333,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # 5. eval after, table, summary, plot --------------------------------------------------------
     t0 = time.time()
     log.banner("5/5 held-out evaluation after GRPO")
-    after = run_eval(str(final_dir), a.data, cfg.eval_split, eval_limit, cfg, a.eval_batch_size, device)
+    after = run_eval(str(final_dir), a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
     _show_samples(log, after)
     timings["eval_after_s"] = round(time.time() - t0, 1)
     wall = time.time() - t_start

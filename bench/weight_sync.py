@@ -1,0 +1,119 @@
+"""Benchmark: policy weight sync through the ref server vs copying the same bytes through a local file.
+
+    python bench/weight_sync.py [--hidden 1024 --layers 10 --vocab 32000] [--repeats 3]
+
+Ours (sync_seconds): rank 0 serialises the model's parameters, PUTs them to a real ref server
+process on 127.0.0.1, and a worker-side model fetches them and copies them into its own
+parameters (common/weight_sync.py) - the whole publish-and-fetch path.
+Baseline (file_copy_seconds): the same safetensors bytes written to a local file, fsync'd, and
+read back into memory. ratio = file_copy_seconds / sync_seconds (target >= 0.5).
+The last output line is one JSON object with sync_seconds, file_copy_seconds, ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+from common.client import RefClient
+from common.weight_sync import WeightSync, parameters_blob
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model(hidden: int, layers: int, vocab: int, out: Path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                      tie_word_embeddings=False, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeats", type=int, default=3, help="best-of-N for both sides")
+    a = p.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_wsync."))
+    model = build_model(a.hidden, a.layers, a.vocab, tmp)
+    nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    print(f"model: {sum(t.numel() for t in model.parameters()) / 1e6:.0f}M params, {nbytes / 1e6:.0f} MB float32")
+    if nbytes < 500e6:
+        print("warning: model is smaller than 500 MB; raise --hidden/--layers")
+    worker = build_model(a.hidden, a.layers, a.vocab, tmp)
+    with torch.no_grad():
+        for q in worker.parameters():
+            q.zero_()
+
+    # The server only relays weights; give it the tiny model so its own memory stays small.
+    from common.tiny_model import ensure_tiny_model
+    port = free_port()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    srv = subprocess.Popen([sys.executable, "-m", "ref_server", "--model", str(ensure_tiny_model()), "--port",
+                            str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(url + "/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.2)
+        pub, sub = WeightSync(client=RefClient(url, timeout=600)), WeightSync(client=RefClient(url, timeout=600))
+        sync_times = []
+        for version in range(1, a.repeats + 1):
+            t0 = time.perf_counter()
+            pub.publish(model, version)
+            t1 = time.perf_counter()
+            assert sub.follow(worker) == version
+            t2 = time.perf_counter()
+            sync_times.append(t2 - t0)
+            print(f"sync v{version}: publish {t1 - t0:.2f} s + fetch/apply {t2 - t1:.2f} s = {t2 - t0:.2f} s")
+        same = all(torch.equal(x, y) for x, y in zip(model.parameters(), worker.parameters()))
+        assert same, "worker weights differ from the published ones"
+    finally:
+        srv.terminate()
+        srv.wait(30)
+
+    blob = parameters_blob(model)
+    path = tmp / "weights.safetensors"
+    copy_times = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        back = path.read_bytes()
+        copy_times.append(time.perf_counter() - t0)
+        assert len(back) == len(blob)
+        del back
+        path.unlink()
+    print(f"file copy of the same {len(blob) / 1e6:.0f} MB: best {min(copy_times):.2f} s")
+    sync_s, copy_s = min(sync_times), min(copy_times)
+    print(json.dumps({"sync_seconds": round(sync_s, 3), "file_copy_seconds": round(copy_s, 3),
+                      "ratio": round(copy_s / sync_s, 3), "bytes": len(blob), "repeats": a.repeats}))
+
+
+if __name__ == "__main__":
+    main()
