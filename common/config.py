@@ -101,6 +101,8 @@ class GRPOConfig:
     log_every: int = knob(1, "Write a metrics row every N steps.")
     gen_batch_size: int = knob(64, "Max sequences generated in one HF generate call.")
     worker_rounds: int = knob(0, "genonly: stop after this many generation rounds (0 = run until stopped).")
+    worker_max_queued: int = knob(8, "genonly: pause while the server already holds this many batches "
+                                     "(queued + scored): rollouts stay fresh instead of piling up stale.")
     worker_id: int = knob(0, "genonly: this worker's index (seeds and prompt shard; launch.sh sets it).")
     device: str = knob("auto", "genonly/eval device: auto, cpu or cuda:N (trainer ranks use their local GPU).")
 

@@ -284,7 +284,10 @@ def serve(cfg: ServerConfig) -> int:
                                max_request_body_size=max(cfg.max_body_bytes, cfg.max_weights_bytes) + (1 << 20),
                                channel_timeout=max(120, int(cfg.max_get_wait) + 30),
                                # big socket reads/writes: weight blobs are hundreds of MB (defaults: 8 KB / 18 KB)
-                               recv_bytes=1 << 18, send_bytes=1 << 18)
+                               recv_bytes=1 << 18, send_bytes=1 << 18,
+                               # responses stay in memory (bounded by outbuf_high_watermark) instead of
+                               # being spooled to a temp file at 1 MB
+                               outbuf_overflow=64 << 20, outbuf_high_watermark=32 << 20)
     except OSError as e:  # port taken, address not local...
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
         state.scorer.stop()

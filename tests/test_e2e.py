@@ -133,3 +133,20 @@ def test_zero3_trains_and_saves(tiny_model_dir, tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), base.parameters())) > 0
     assert [r["step"] for r in read_rows(tmp_path)] == [1, 2]
     assert torch.isfinite(torch.tensor([r["loss"] for r in read_rows(tmp_path)])).all()
+
+
+def test_two_workers_follow_the_policy(tmp_path):
+    """2 genonly workers with sync_steps 1: every batch trained on is within max_staleness."""
+    run_dir = tmp_path / "run"
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "2", "--gpus", "2",
+           "--port", str(find_free_port()), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "5",
+           "--all_steps", "6", "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness_max"] <= 2 for r in rows), [r["staleness_max"] for r in rows]
+    assert all(r["sync_mb"] > 0 for r in rows)  # published every step
+    for w in ("worker0.log", "worker1.log"):
+        assert "policy weights v" in (run_dir / w).read_text(), w  # each worker swapped weights at least once
+    print("staleness per step:", [r["staleness_max"] for r in rows], "dropped:", [r["dropped_stale"] for r in rows])

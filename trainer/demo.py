@@ -300,7 +300,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = load_model(model_dir, device=device, dtype="float32", trainable=True)
         train_examples = load_examples(a.data, split=cfg.data_split, limit=cfg.data_limit)
         losses = sft(model, tok, train_examples, solution_fn, steps=a.sft_steps, batch_size=a.sft_batch_size,
-                     lr=a.sft_lr, seed=a.seed, system_prompt=_system_prompt(cfg.system_prompt), progress=False)
+                     lr=a.sft_lr, seed=a.seed, system_prompt=_system_prompt(cfg.system_prompt), progress=False,
+                     on_step=lambda i, loss: i % 50 == 0 and log(f"  SFT step {i}/{a.sft_steps}  loss {loss:.3f}  "
+                                                                 f"({time.time() - t0:.0f} s)"))
         sft_dir = run_dir / "sft"
         model.save_pretrained(sft_dir, safe_serialization=True)
         tok.save_pretrained(sft_dir)

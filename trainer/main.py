@@ -404,6 +404,10 @@ def genonly(cfg: GRPOConfig) -> None:
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
         try:
+            q = client.health().get("queues", {})
+            if q.get("input", 0) + q.get("output", 0) >= cfg.worker_max_queued:
+                time.sleep(0.2)  # the trainer has enough to chew on; generate later, with newer weights
+                continue
             if syncer is not None:  # between rounds: swap in newer policy weights, if any
                 syncer.follow(model)
             version = syncer.version if syncer is not None and syncer.version is not None else 0

@@ -23,8 +23,9 @@ from trainer.rollout import encode_prompts
 
 
 def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str], *, steps: int,
-        batch_size: int, lr: float, seed: int, system_prompt: Optional[str] = "", progress: bool = True) -> list[float]:
-    """Train in place; returns the loss per step."""
+        batch_size: int, lr: float, seed: int, system_prompt: Optional[str] = "", progress: bool = True,
+        on_step: Optional[Callable[[int, float], None]] = None) -> list[float]:
+    """Train in place; returns the loss per step. on_step(step, loss) is called after each step."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kept, _ = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length=10 ** 9)
@@ -36,7 +37,7 @@ def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # short warmup
     model.train()
     losses = []
-    for _ in tqdm(range(steps), desc="sft", disable=not progress):
+    for step in tqdm(range(1, steps + 1), desc="sft", disable=not progress):
         batch = rng.sample(pairs, min(batch_size, len(pairs)))
         L = max(len(p) + len(c) for p, c in batch)
         ids = torch.full((len(batch), L), tokenizer.pad_token_id, dtype=torch.long)
@@ -53,7 +54,9 @@ def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1])
     model.eval()
     return losses
 
