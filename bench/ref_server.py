@@ -7,10 +7,14 @@
    queues; `--in-flight` batches outstanding) against the same sequence_logprobs calls made
    in-process on the same batches. The model is a random-init Qwen2 of a few tens of M
    parameters written to a temp dir, sized so one forward takes well over 50 ms on a CPU.
-   Both sides get the same torch thread count (--threads, default: all cores; the server via
-   OMP_NUM_THREADS); while the server runs, this client process uses 1 torch thread and
-   mostly waits, so the two share the cores the way a trainer and a server on one box would.
+   Both sides get the same torch thread count (--threads, default: half the cores, i.e. 1 on a
+   2-core box; the server via OMP_NUM_THREADS); while the server runs, this client process uses
+   1 torch thread and mostly waits, so the two share the cores the way a trainer and a server
+   on one box would. The memory workers use --threads too.
    The server's score_token_budget is set to one batch, so it makes exactly the same calls.
+   Reported: wall-clock ratio (best run of each side; runs alternate ABBA), the median of
+   per-pair wall ratios, and a CPU-seconds ratio (in-process / server + client), which is the
+   figure least moved by other load on a shared machine.
 2. Peak memory of per-token logprobs at Qwen2.5-0.5B's LM-head shape (B=8, L=1024, H=896,
    V=151936): common.logprobs.logprobs_from_hidden (chunked) against the naive
    head(hidden).float().log_softmax(-1).gather(...), each in a fresh subprocess; the peak
@@ -54,15 +58,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--vocab", type=int, default=32000, help="Vocabulary size.")
     t.add_argument("--in-flight", type=int, default=2, help="Batches uploaded but not yet fetched (>= 2).")
     t.add_argument("--repeats", type=int, default=6, help="Alternating in-process / server run pairs; best of each.")
-    t.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for scoring, both sides.")
+    t.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch threads for scoring, the same on both sides (default: half the cores, since the "
+                        "server and this client share the machine).")
     m = p.add_argument_group("memory")
-    m.add_argument("--mem-batch", type=int, default=8)
-    m.add_argument("--mem-len", type=int, default=1024)
-    m.add_argument("--mem-hidden", type=int, default=896)
-    m.add_argument("--mem-vocab", type=int, default=151936)
+    m.add_argument("--mem-batch", type=int, default=8, help="B: sequences.")
+    m.add_argument("--mem-len", type=int, default=1024, help="L: positions per sequence.")
+    m.add_argument("--mem-hidden", type=int, default=896, help="H: hidden size (Qwen2.5-0.5B: 896).")
+    m.add_argument("--mem-vocab", type=int, default=151936, help="V: vocabulary (Qwen2.5: 151936).")
     m.add_argument("--chunk-tokens", type=int, default=256, help="chunk_tokens of logprobs_from_hidden.")
-    p.add_argument("--skip-throughput", action="store_true")
-    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true", help="Run only the memory part.")
+    p.add_argument("--skip-memory", action="store_true", help="Run only the throughput part.")
     p.add_argument("--mem-worker", choices=["ours", "naive"], help=argparse.SUPPRESS)  # internal: one measurement
     p.add_argument("--mem-out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -93,18 +99,27 @@ def make_batches(n: int, a: argparse.Namespace, seed: int) -> list[RolloutBatch]
     return out
 
 
-def run_in_process(model, batches: list[RolloutBatch], threads: int) -> tuple[float, list[torch.Tensor]]:
+def cpu_seconds(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def run_in_process(model, batches: list[RolloutBatch], threads: int) -> tuple[float, float, list[torch.Tensor]]:
+    """(wall s, CPU s of this process, logps per batch)."""
     torch.set_num_threads(threads)
-    res = []
+    me, res = psutil.Process(), []
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds(me)
         for b in batches:
             res.append(sequence_logprobs(model, b.input_ids, b.prompt_lens, b.completion_lens, chunk_tokens=256)[0])
-        return time.perf_counter() - t0, res
+        return time.perf_counter() - t0, cpu_seconds(me) - c0, res
 
 
-def run_through_server(client: RefClient, batches: list[RolloutBatch], in_flight: int) -> tuple[float, dict]:
+def run_through_server(client: RefClient, server: psutil.Process, batches: list[RolloutBatch],
+                       in_flight: int) -> tuple[float, float, dict]:
+    """(wall s, CPU s of server + this client process, ref_logps by batch id)."""
     torch.set_num_threads(1)
+    me = psutil.Process()
     slots = threading.Semaphore(in_flight)
     got: dict[str, torch.Tensor] = {}
     errors: list[BaseException] = []
@@ -117,7 +132,7 @@ def run_through_server(client: RefClient, batches: list[RolloutBatch], in_flight
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds(me) + cpu_seconds(server)
     up = threading.Thread(target=uploader)
     up.start()
     while len(got) < len(batches) and not errors:
@@ -125,11 +140,11 @@ def run_through_server(client: RefClient, batches: list[RolloutBatch], in_flight
         if s is not None:
             got[s.batch_id] = s.ref_logps
             slots.release()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds(me) + cpu_seconds(server) - c0
     up.join()
     if errors:
         raise errors[0]
-    return dt, got
+    return dt, cpu, got
 
 
 def free_port() -> int:
@@ -168,16 +183,19 @@ def throughput(a: argparse.Namespace) -> dict:
             except TimeoutError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("server did not start:\n" + (tmp / "server.log").read_text()[-3000:]) from None
-        run_through_server(client, warm, a.in_flight)
-        t_in, t_srv, diff = [], [], 0.0
+        server = psutil.Process(proc.pid)
+        run_through_server(client, server, warm, a.in_flight)
+        t_in, t_srv, c_in, c_srv, diff = [], [], [], [], 0.0
         for i in range(a.repeats):  # alternating order (ABBA...), so drifting background load hits both alike
             for side in (("in", "srv") if i % 2 == 0 else ("srv", "in")):
                 if side == "in":
-                    dt, ref = run_in_process(model, batches, a.threads)
+                    dt, cpu, ref = run_in_process(model, batches, a.threads)
                     t_in.append(dt)
+                    c_in.append(cpu)
                 else:
-                    dt, got = run_through_server(client, batches, a.in_flight)
+                    dt, cpu, got = run_through_server(client, server, batches, a.in_flight)
                     t_srv.append(dt)
+                    c_srv.append(cpu)
             diff = max([diff] + [(got[b.batch_id] - r).abs().max().item() for b, r in zip(batches, ref)])
         stats = client.stats()
     finally:
@@ -188,13 +206,17 @@ def throughput(a: argparse.Namespace) -> dict:
     best_in, best_srv = min(t_in), min(t_srv)
     ratio = best_in / best_srv  # best of each: the runs least disturbed by anything else on the machine
     pair_median = sorted(x / y for x, y in zip(t_in, t_srv))[len(t_in) // 2]
+    # CPU seconds (server + client vs in-process) barely depend on what else runs on the machine.
+    cpu_ratio = sorted(c_in)[len(c_in) // 2] / sorted(c_srv)[len(c_srv) // 2]
     print(f"[throughput] in-process {tokens / best_in:,.0f} tok/s ({best_in:.2f} s), through server "
           f"{tokens / best_srv:,.0f} tok/s ({best_srv:.2f} s): ratio {ratio:.3f} (runs: in-process "
           f"{[round(x, 2) for x in t_in]}, server {[round(x, 2) for x in t_srv]}; median of per-pair ratios "
-          f"{pair_median:.3f}); server forwards "
+          f"{pair_median:.3f}); CPU seconds per run (median) in-process {sorted(c_in)[len(c_in) // 2]:.2f}, "
+          f"server + client {sorted(c_srv)[len(c_srv) // 2]:.2f}: CPU ratio {cpu_ratio:.3f}; server forwards "
           f"{stats['forwards']}, mean scoring latency {stats['mean_scoring_latency_s'] * 1e3:.0f} ms; "
           f"max |server - in-process| {diff:.2e}; server exit code {rc}", flush=True)
     return {"throughput_ratio": round(ratio, 4), "throughput_pair_median": round(pair_median, 4),
+            "throughput_cpu_ratio": round(cpu_ratio, 4),
             "throughput_max_abs_diff": diff, "forward_ms": round(one * 1e3, 1),
             "model_params_m": round(params, 1), "server_exit_code": rc}
 

@@ -182,7 +182,6 @@ class BatchSource:
         info["own_gen"] = gen
         return collate(groups), info
 
-
     def _server_busy(self) -> bool:
         try:
             q = self.client.health().get("queues", {})
