@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -202,6 +203,7 @@ def throughput(a: argparse.Namespace) -> dict:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
         log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     tokens = sum(int((b.prompt_lens + b.completion_lens).sum()) for b in batches)
     best_in, best_srv = min(t_in), min(t_srv)
     ratio = best_in / best_srv  # best of each: the runs least disturbed by anything else on the machine
@@ -277,6 +279,7 @@ def memory(a: argparse.Namespace) -> dict:
         print(f"[memory] {kind:5s}: peak extra RSS {res[kind]['extra_bytes'] / 2**20:,.0f} MiB "
               f"(sampler {res[kind]['sampled_extra'] / 2**20:,.0f}, ru_maxrss {res[kind]['ru_extra'] / 2**20:,.0f}) "
               f"in {res[kind]['seconds']:.1f} s", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     ratio = res["naive"]["extra_bytes"] / max(res["ours"]["extra_bytes"], 1)
     diff = (outs["ours"].double() - outs["naive"].double()).abs().max().item()
     print(f"[memory] B={a.mem_batch} L={a.mem_len} H={a.mem_hidden} V={a.mem_vocab}: naive / ours = {ratio:.1f}x, "

@@ -370,7 +370,8 @@ def test_full_queue_503_then_recovers_and_sigterm_exits_0(start_server, tiny_mod
         r = requests.post(srv.url + "/upload", data=encode_rollout(make_batch([5], [5], seed=101)), timeout=10)
         assert r.status_code == 503 and "shutting down" in r.json()["error"]
         r = requests.get(srv.url + "/get", timeout=10)
-        assert r.status_code == 200 and decode_scored(r.content).batch_id == last.batch_id
+        assert r.status_code == 200 and r.headers["Content-Type"] == CONTENT_TYPE
+        assert decode_scored(r.content).batch_id == last.batch_id
         assert srv.proc.wait(30) == 0
         assert "ref server stopped" in srv.log() and "not fetched" not in srv.log()
 

@@ -57,7 +57,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                         f"{QUICK['eval_limit']} eval examples (checks the plumbing, not the learning).")
     p.add_argument("--model", default=None, help="Start from this model (HF id or directory) instead of "
                                                   "building the tiny one; then SFT is skipped unless --sft-steps.")
-    p.add_argument("--data", default=None, help="Data for --model (hub id, directory or file; default arith).")
+    p.add_argument("--data", default=None, help="Data for --model (hub id, directory or file; default: the "
+                                                 "config's data). The tiny demo always uses arith.")
     p.add_argument("--config", default=None, help="Trainer config JSON (default configs/demo.json for the tiny "
                                                    "demo, none with --model).")
     p.add_argument("--sft-steps", type=int, default=None,
@@ -81,7 +82,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     a.tiny = a.model is None
     if a.tiny and a.data not in (None, "arith"):
         p.error("--data needs --model (the tiny demo trains on the built-in arith task)")
-    a.data = a.data or "arith"
+    if a.tiny:
+        a.data = "arith"
     if a.sft_steps is None:
         a.sft_steps = (QUICK if a.quick else DEFAULTS)["sft_steps"] if a.tiny else 0
     if a.config is None and a.tiny:
@@ -248,7 +250,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     trainer_args: list[str] = ["--config", a.config] if a.config else []
     if not a.tiny:
         trainer_args += ["--model", a.model]
-    trainer_args += ["--data", a.data, "--seed", str(a.seed)]
+    if a.data:
+        trainer_args += ["--data", a.data]
+    trainer_args += ["--seed", str(a.seed)]
     if a.quick:
         trainer_args += ["--all_steps", str(QUICK["grpo_steps"]), "--eval_steps", str(QUICK["grpo_eval_steps"]),
                          "--eval_limit", str(QUICK["grpo_eval_limit"])]
@@ -256,6 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
     cfg = load_config(GRPOConfig, trainer_args + extra)
+    a.data = cfg.data
     eval_bs = a.eval_batch_size or (DEFAULTS["eval_batch_size"] if a.tiny else cfg.gen_batch_size)
     eval_limit = a.eval_limit or ((QUICK if a.quick else DEFAULTS)["eval_limit"] if a.tiny else cfg.eval_limit)
 
