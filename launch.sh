@@ -123,9 +123,15 @@ for w in $(seq 0 $((WORKERS - 1))); do
   start "worker$w" "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" --worker_id "$w"
 done
 echo "[launch] trainer: deepspeed --num_gpus $GPUS (log: $RUN_DIR/trainer.log)" >&2
+# In the background with `wait`: bash runs a trap only after the foreground command ends, so a
+# Ctrl-C / SIGINT to this script would otherwise wait for the whole run. Own process group, like the
+# others, so that cleanup stops the launcher and every rank.
+setsid deepspeed --num_gpus "$GPUS" --master_port "$MASTER_PORT" trainer/main.py "${CFG_ARGS[@]}" "${EXTRA[@]}" \
+  --ref_server "$REF_URL" --num_gen_workers "$WORKERS" --output_dir "$RUN_DIR" > >(tee "$RUN_DIR/trainer.log") 2>&1 &
+TRAINER=$!
+PIDS+=("$TRAINER")
 set +e
-deepspeed --num_gpus "$GPUS" --master_port "$MASTER_PORT" trainer/main.py "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" \
-  --num_gen_workers "$WORKERS" --output_dir "$RUN_DIR" 2>&1 | tee "$RUN_DIR/trainer.log"
-rc=${PIPESTATUS[0]}
+wait "$TRAINER"
+rc=$?
 set -e
 exit "$rc"

@@ -72,6 +72,8 @@ class RefClient:
         self._sessions: list[requests.Session] = []
         self._rr_upload = self._rr_get = 0
         self._down_since: dict[str, float] = {}  # url -> when the current outage was first seen
+        self._unreachable: set[str] = set()  # urls whose current outage included a connection failure
+        self.outages = 0  # times a server became unreachable (not merely busy): what it held may be lost
 
     # -- plumbing -------------------------------------------------------------------------
     def _session(self) -> requests.Session:
@@ -92,17 +94,21 @@ class RefClient:
         k %= len(self.urls)
         return self.urls[k:] + self.urls[:k]
 
-    def _mark_down(self, url: str, problem: str) -> None:
+    def _mark_down(self, url: str, problem: str, unreachable: bool = True) -> None:
         with self._lock:
             first = url not in self._down_since
             if first:
                 self._down_since[url] = time.monotonic()
+            if unreachable and url not in self._unreachable:
+                self._unreachable.add(url)
+                self.outages += 1
         if first:
             log.warning("ref server %s %s; retrying with backoff", url, problem)
 
     def _mark_up(self, url: str) -> None:
         with self._lock:
             since = self._down_since.pop(url, None)
+            self._unreachable.discard(url)
         if since is not None:
             log.info("ref server %s is back after %.1f s", url, time.monotonic() - since)
 
@@ -114,6 +120,7 @@ class RefClient:
             url = urls[attempt % len(urls)]
             attempt += 1
             retry_after: Optional[float] = None
+            busy = False
             try:
                 r = self._session().request(method, url + path, timeout=(min(self.timeout, 10.0),
                                                                          self.timeout + read_timeout), **kw)
@@ -122,7 +129,7 @@ class RefClient:
                 failures += 1
             else:
                 if r.status_code == 503:
-                    problem, retry_after = f"busy ({_server_message(r)})", _retry_after(r)
+                    problem, retry_after, busy = f"busy ({_server_message(r)})", _retry_after(r), True
                 elif r.status_code in (502, 504):
                     problem = f"answered {r.status_code} ({_server_message(r)})"
                     failures += 1
@@ -136,7 +143,7 @@ class RefClient:
                 raise RefServerError(0 if retry_after is None else 503, problem, url)
             if failures > self.max_retries:
                 raise RefServerError(0, f"gave up after {self.max_retries} retries: {problem}", url)
-            self._mark_down(url, problem)
+            self._mark_down(url, problem, unreachable=not busy)
             delay = min(self.backoff * 2 ** max(failures - 1, 0), self.backoff_max)
             if retry_after is not None:  # the server said when: trust it
                 delay = retry_after
@@ -196,9 +203,9 @@ class RefClient:
                 got += n
         return int(r.headers["X-Policy-Version"]), buf
 
-    def health(self, url: Optional[str] = None) -> dict:
-        """GET /health of one server (default: the first), one attempt."""
-        _, r = self._request("GET", [url or self.urls[0]], "/health", retry=False)
+    def health(self, url: Optional[str] = None, retry: bool = False) -> dict:
+        """GET /health of one server (default: the first): one attempt, or with the retry policy if `retry`."""
+        _, r = self._request("GET", [url or self.urls[0]], "/health", retry=retry)
         return r.json()
 
     def stats(self, url: Optional[str] = None) -> dict:

@@ -226,10 +226,12 @@ def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
 
     @app.get("/stats")
     def stats():
+        require_token()
         return _json({**metrics.snapshot(), "queues": scorer.depths(), "stopping": state.stopping})
 
     @app.get("/metrics")
     def prom():
+        require_token()
         return bottle.HTTPResponse(generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def json_error(res: bottle.HTTPError) -> bytes:
@@ -258,6 +260,33 @@ class _Throttle(logging.Filter):
             return False
         self.last = now
         return True
+
+
+def _limited_channel(cfg: ServerConfig):
+    """waitress channel whose parser applies our per-path body limits as soon as the headers are in
+    (and answers an unsupported Transfer-Encoding with 400, not waitress' 501: bad input is never a 5xx).
+
+    waitress dispatches a request only once its whole body has arrived, and its one cap
+    (max_request_body_size) must fit the weights. So a lying Content-Length above --max-body-mb would
+    make the server wait for (and spool) the body before /upload could answer 413. Here such a
+    request completes at once without a body: the app answers 413 from the header, and the
+    connection closes after the answer (any body bytes that follow are never read as a request).
+    """
+    from waitress.channel import HTTPChannel
+    from waitress.parser import HTTPRequestParser, ParsingError, TransferEncodingNotImplemented
+
+    class Parser(HTTPRequestParser):
+        def parse_header(self, header_plus: bytes) -> None:
+            try:
+                super().parse_header(header_plus)
+            except TransferEncodingNotImplemented as e:  # a client error: 400, never a 5xx (waitress: 501)
+                raise ParsingError(str(e)) from None
+            limit = cfg.max_weights_bytes if self.path == "/weights" else cfg.max_body_bytes
+            if not self.chunked and self.content_length > limit:
+                self.body_rcv = None               # -> completed now; the app sees CONTENT_LENGTH, answers 413
+                self.headers["CONNECTION"] = "close"  # and waitress closes: the unread body is never parsed
+
+    return type("LimitedChannel", (HTTPChannel,), {"parser_class": Parser})
 
 
 def serve(cfg: ServerConfig) -> int:
@@ -292,6 +321,7 @@ def serve(cfg: ServerConfig) -> int:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
         state.scorer.stop()
         return 1
+    server.channel_class = _limited_channel(cfg)
     threading.Thread(target=server.run, name="http", daemon=True).start()
     log.info("serving %s on http://%s:%s (vocab %d, max_seq_len %d, token %s, %d threads)", cfg.model, cfg.host,
              server.effective_port, state.vocab_size, state.max_seq_len, "required" if token else "off", cfg.threads)

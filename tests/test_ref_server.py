@@ -110,7 +110,7 @@ def test_health_and_metrics(server, client):
     assert h["status"] == "ok" and h["vocab_size"] == VOCAB and h["max_seq_len"] == MAX_SEQ
     assert h["dtype"] == "float32" and h["device"] == "cpu" and h["auth"] is True
     assert {"input", "output"} <= set(h["queues"]) and h["uptime_s"] >= 0
-    assert "grpo_ref_uploads_accepted_total" in requests.get(server.url + "/metrics", timeout=10).text
+    assert "grpo_ref_uploads_accepted_total" in requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     assert "batches_scored" in client.stats()
 
 

@@ -34,8 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo.json"
 
 # The demo's own settings (the GRPO phase's live in configs/demo.json); --quick shrinks them for CI.
-DEFAULTS = dict(sft_steps=200, sft_batch_size=64, sft_lr=1e-3, eval_limit=1000, eval_batch_size=250)
+DEFAULTS = dict(sft_steps=400, sft_batch_size=64, sft_lr=1e-3, sft_target=0.40, sft_check_from=160, sft_check_every=20,
+                sft_dev=200, eval_limit=1000, eval_batch_size=250)
 QUICK = dict(sft_steps=30, eval_limit=100, grpo_steps=6, grpo_eval_steps=3, grpo_eval_limit=50)
+DEV_HOLDOUT = 500  # the first 500 train-split problems: SFT's stopping check reads them, SFT never trains on them
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[str]]:
@@ -62,7 +64,14 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     p.add_argument("--config", default=None, help="Trainer config JSON (default configs/demo.json for the tiny "
                                                    "demo, none with --model).")
     p.add_argument("--sft-steps", type=int, default=None,
-                   help=f"Cold-start SFT steps (default {DEFAULTS['sft_steps']} for the tiny demo, 0 with --model).")
+                   help=f"Cold-start SFT steps at most (default {DEFAULTS['sft_steps']} for the tiny demo, 0 with "
+                        f"--model).")
+    p.add_argument("--sft-target", type=float, default=None,
+                   help=f"Tiny demo: stop SFT once greedy accuracy on {DEFAULTS['sft_dev']} dev problems (held out "
+                        f"of the train split, never the test split) reaches this (checked every "
+                        f"{DEFAULTS['sft_check_every']} steps from step {DEFAULTS['sft_check_from']}; default "
+                        f"{DEFAULTS['sft_target']}; 0 = run all --sft-steps). Able but imperfect is what GRPO "
+                        f"needs.")
     p.add_argument("--sft-batch-size", type=int, default=DEFAULTS["sft_batch_size"])
     p.add_argument("--sft-lr", type=float, default=DEFAULTS["sft_lr"])
     p.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: the config's all_steps).")
@@ -86,6 +95,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         a.data = "arith"
     if a.sft_steps is None:
         a.sft_steps = (QUICK if a.quick else DEFAULTS)["sft_steps"] if a.tiny else 0
+    if a.sft_target is None:
+        a.sft_target = DEFAULTS["sft_target"] if a.tiny and not a.quick else 0.0
     if a.config is None and a.tiny:
         a.config = str(DEMO_CONFIG)
     if a.run_dir is None:
@@ -291,10 +302,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         from common.modeling import load_model, load_tokenizer
         from trainer.data import load_examples
         from trainer.sft import sft
-        log.banner(f"2/5 cold-start SFT: {a.sft_steps} steps x {a.sft_batch_size} worked solutions, lr {a.sft_lr}")
+        log.banner(f"2/5 cold-start SFT: up to {a.sft_steps} steps x {a.sft_batch_size} worked solutions, lr {a.sft_lr}"
+                   + (f", until dev accuracy >= {100 * a.sft_target:.0f}%" if a.sft_target > 0 else ""))
+        train_examples = load_examples(a.data, split=cfg.data_split, limit=cfg.data_limit)
+        dev: list = []
         if a.data == "arith":
             from trainer.arith import solution_text
             solution_fn = solution_text
+            if a.sft_target > 0:
+                dev, train_examples = train_examples[:DEV_HOLDOUT][:DEFAULTS["sft_dev"]], train_examples[DEV_HOLDOUT:]
         else:  # GSM8K-style rows keep their worked solution in meta["solution"]
             examples = load_examples(a.data, split=cfg.data_split, limit=cfg.data_limit)
             sols = {ex.prompt: ex.meta.get("solution") for ex in examples}
@@ -303,18 +319,32 @@ def main(argv: Optional[list[str]] = None) -> int:
             solution_fn = lambda p: _r1_format(sols[p])  # noqa: E731
         tok = load_tokenizer(model_dir)
         model = load_model(model_dir, device=device, dtype="float32", trainable=True)
-        train_examples = load_examples(a.data, split=cfg.data_split, limit=cfg.data_limit)
+        sp = _system_prompt(cfg.system_prompt)
+
+        def on_step(i: int, loss: float) -> bool:
+            check = dev and i >= DEFAULTS["sft_check_from"] and i % DEFAULTS["sft_check_every"] == 0
+            if not check:
+                if i % 50 == 0:
+                    log(f"  SFT step {i}/{a.sft_steps}  loss {loss:.3f}  ({time.time() - t0:.0f} s)")
+                return False
+            from trainer.evaluate import evaluate
+            acc = evaluate(model, tok, dev, system_prompt=sp, max_new_tokens=cfg.max_new_tokens,
+                           batch_size=eval_bs, progress=False)["accuracy"]
+            log(f"  SFT step {i}/{a.sft_steps}  loss {loss:.3f}  dev accuracy {100 * acc:.1f}%  "
+                f"({time.time() - t0:.0f} s)")
+            return acc >= a.sft_target
+
         losses = sft(model, tok, train_examples, solution_fn, steps=a.sft_steps, batch_size=a.sft_batch_size,
-                     lr=a.sft_lr, seed=a.seed, system_prompt=_system_prompt(cfg.system_prompt), progress=False,
-                     on_step=lambda i, loss: i % 50 == 0 and log(f"  SFT step {i}/{a.sft_steps}  loss {loss:.3f}  "
-                                                                 f"({time.time() - t0:.0f} s)"))
+                     lr=a.sft_lr, seed=a.seed, system_prompt=sp, progress=False, on_step=on_step)
+        a.sft_steps = len(losses)
         sft_dir = run_dir / "sft"
         model.save_pretrained(sft_dir, safe_serialization=True)
         tok.save_pretrained(sft_dir)
         model_dir = str(sft_dir)
         del model
         _free_cuda()
-        log(f"SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} in {time.time() - t0:.0f} s; saved to {sft_dir}")
+        log(f"SFT {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} in {time.time() - t0:.0f} s; "
+            f"saved to {sft_dir}")
     else:
         log.banner("2/5 cold-start SFT: skipped")
     timings["sft_s"] = round(time.time() - t0, 1)

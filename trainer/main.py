@@ -134,11 +134,12 @@ class BatchSource:
         self.sampler, self.reward_fns, self.eos, self.vocab = sampler, reward_fns, eos, vocab_size
         self.producer_id = producer_id
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
+        self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
 
     def next(self, policy_version: int) -> tuple[ScoredBatch, dict]:
         cfg = self.cfg
         groups: list[ScoredBatch] = []
-        info = {"wait_s": 0.0, "gen_s": 0.0, "rejected_batches": 0, "dropped_stale": 0}
+        info = {"wait_s": 0.0, "gen_s": 0.0, "rejected_batches": 0, "dropped_stale": 0, "lost_batches": 0}
         gen = RolloutStats()
         last_note = time.time()
         idle_since = time.time()
@@ -165,6 +166,10 @@ class BatchSource:
                 continue
             if self.in_flight > 0 and self._server_busy():
                 continue  # our uploads are still queued or being scored: keep waiting for them
+            if self.in_flight and self.client.outages != self.outages_at_upload:
+                # the server was unreachable since our uploads: they died with it; count them and generate anew
+                log.warning("%d uploaded batch(es) lost with the ref server; generating new ones", self.in_flight)
+                info["lost_batches"] += self.in_flight
             self.in_flight = 0  # nothing pending: what we uploaded went to another rank (or was lost)
             if cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - idle_since > cfg.get_wait):
                 t0 = time.time()
@@ -175,6 +180,7 @@ class BatchSource:
                 for rb in batches:
                     self.client.upload(rb)
                 self.in_flight += len(batches)
+                self.outages_at_upload = self.client.outages
                 idle_since = time.time()
             elif time.time() - last_note > 30:
                 log.info("waiting for scored batches from genonly workers (%.0f s so far)", info["wait_s"])
@@ -340,7 +346,8 @@ def train(cfg: GRPOConfig) -> None:
 
     keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
             "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness"]
-    sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "sync_s", "sync_mb"]
+    sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
+                "sync_s", "sync_mb"]
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
     for step in range(start_step + 1, cfg.all_steps + 1):
         t0 = time.time()
@@ -350,7 +357,8 @@ def train(cfg: GRPOConfig) -> None:
         own: RolloutStats = info["own_gen"]
         row = {**batch_metrics(batch), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
                "skipped_groups": own.skipped_no_spread, "skipped_long_prompts": own.skipped_long_prompt,
-               "rejected_batches": info["rejected_batches"], "staleness": (step - 1) - batch.policy_version,
+               "rejected_batches": info["rejected_batches"], "lost_batches": info["lost_batches"],
+               "staleness": (step - 1) - batch.policy_version,
                "tokens_per_s": batch.num_completion_tokens() / max(time.time() - t1, 1e-9),
                "step_s": time.time() - t0}
         row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
@@ -403,7 +411,7 @@ def genonly(cfg: GRPOConfig) -> None:
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
         try:
-            q = client.health().get("queues", {})
+            q = client.health(retry=True).get("queues", {})  # an outage: backoff, logged once by the client
             if q.get("input", 0) + q.get("output", 0) >= cfg.worker_max_queued:
                 time.sleep(0.2)  # the trainer has enough to chew on; generate later, with newer weights
                 continue

@@ -24,8 +24,9 @@ from trainer.rollout import encode_prompts
 
 def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str], *, steps: int,
         batch_size: int, lr: float, seed: int, system_prompt: Optional[str] = "", progress: bool = True,
-        on_step: Optional[Callable[[int, float], None]] = None) -> list[float]:
-    """Train in place; returns the loss per step. on_step(step, loss) is called after each step."""
+        on_step: Optional[Callable[[int, float], Optional[bool]]] = None) -> list[float]:
+    """Train in place; returns the loss per step. on_step(step, loss) is called after each step and
+    stops the training early by returning True."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kept, _ = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length=10 ** 9)
@@ -55,8 +56,8 @@ def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(step, losses[-1])
+        if on_step is not None and on_step(step, losses[-1]):
+            break
     model.eval()
     return losses
 

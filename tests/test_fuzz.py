@@ -1,0 +1,475 @@
+"""Bad input: thousands of malformed requests (seeded, reproducible) against a real ref server.
+
+No 5xx, no crash, no worker thread lost; /health answers and a valid upload round-trips afterwards.
+Raw sockets for what http clients cannot send (lying Content-Length, broken framing, odd bytes).
+The trainer side validates what /get hands back too (check_scored / decode_scored).
+"""
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import psutil
+import pytest
+import requests
+import torch
+
+from common.config import GRPOConfig, load_config
+from common.protocol import MAX_ROWS, ProtocolError, ScoredBatch, decode_scored, encode_rollout, encode_scored
+from conftest import start_ref_server
+from test_ref_server import MAX_SEQ, VOCAB, make_batch
+
+SEED = 20240607
+N_CASES = 2400
+BODY_LIMIT = 1 << 20  # --max-body-mb 1
+WEIGHTS_LIMIT = 2 << 20  # --max-weights-mb 2
+
+_ST = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "F64": np.float64,
+       "F32": np.float32, "F16": np.float16, "BOOL": np.bool_}
+
+
+# --------------------------------------------------------------------------- message builders
+def st_blob(tensors: dict, meta: dict | None = None, header_extra: dict | None = None,
+            header_len: int | None = None) -> bytes:
+    """A safetensors blob from numpy arrays, with optional header overrides (lies)."""
+    header: dict = {}
+    if meta is not None:
+        header["__metadata__"] = meta
+    parts, off = [], 0
+    for name, (dtype, arr) in tensors.items():
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(np.shape(arr)), "data_offsets": [off, off + len(raw)]}
+        parts.append(raw)
+        off += len(raw)
+    for name, patch in (header_extra or {}).items():
+        header.setdefault(name, {}).update(patch) if isinstance(patch, dict) else header.__setitem__(name, patch)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h) if header_len is None else header_len) + h + b"".join(parts)
+
+
+def meta(kind: str = "rollout", **over) -> dict:
+    m = {"kind": kind, "protocol_version": "1", "policy_version": "0", "producer_id": "fuzz", "batch_id": "fz",
+         "extra": "{}"}
+    m.update(over)
+    return m
+
+
+def valid_arrays(rng: random.Random) -> dict:
+    B, p, c = rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 6)
+    L = p + c + rng.randint(0, 3)
+    ids = np.array([[rng.randrange(3, VOCAB) for _ in range(L)] for _ in range(B)], dtype=np.int64)
+    return {"input_ids": ("I64", ids), "prompt_lens": ("I64", np.full(B, p, dtype=np.int64)),
+            "completion_lens": ("I64", np.full(B, c, dtype=np.int64)),
+            "advantages": ("F32", np.array([rng.uniform(-2, 2) for _ in range(B)], dtype=np.float32)),
+            "gen_logps": ("F32", -np.abs(np.array([[rng.random() for _ in range(c)] for _ in range(B)],
+                                                   dtype=np.float32)))}
+
+
+def semantic_bad(rng: random.Random) -> bytes:
+    """Well-framed safetensors whose content is wrong: dtypes, shapes, ranges, NaN/inf, metadata."""
+    t = valid_arrays(rng)
+    B, L = t["input_ids"][1].shape
+    m = meta(batch_id=f"fz{rng.randrange(1 << 30)}")
+    kind = rng.randrange(22)
+    if kind == 0:  # float token ids
+        t["input_ids"] = ("F32", t["input_ids"][1].astype(np.float32))
+    elif kind == 1:  # a narrow / odd dtype anywhere
+        name = rng.choice(list(t))
+        dt = rng.choice(["I8", "U8", "I16", "F16", "F64", "BOOL"])
+        t[name] = (dt, t[name][1].astype(_ST[dt]))
+    elif kind == 2:  # wrong rank
+        name = rng.choice(list(t))
+        a = t[name][1]
+        t[name] = (t[name][0], a.reshape((1,) + a.shape) if rng.random() < 0.5 else a.reshape(-1)[:1].reshape(()))
+    elif kind == 3:  # per-token shape mismatch
+        a = t["gen_logps"][1]
+        t["gen_logps"] = ("F32", -np.ones((a.shape[0] + rng.choice([-1, 1, 2]) or 1, a.shape[1] + rng.randint(0, 3)),
+                                          dtype=np.float32))
+    elif kind == 4:  # NaN / inf
+        name = rng.choice(["advantages", "gen_logps", "rewards"])
+        bad = rng.choice([np.nan, np.inf, -np.inf])
+        a = t.get(name, ("F32", np.zeros(B, dtype=np.float32)))[1].copy()
+        a.reshape(-1)[rng.randrange(a.size)] = bad
+        t[name] = ("F32", a)
+    elif kind == 5:  # token ids out of range
+        a = t["input_ids"][1].copy()
+        a[rng.randrange(B), rng.randrange(L)] = rng.choice([VOCAB, VOCAB + 1, 2**31, 2**62, -1, -(2**63)])
+        t["input_ids"] = ("I64", a)
+    elif kind == 6:  # int32 ids beyond vocab
+        t["input_ids"] = ("I32", np.full((B, L), rng.choice([VOCAB, 2**31 - 1, -(2**31)]), dtype=np.int32))
+    elif kind == 7:  # lengths: zero, negative, beyond the row, huge
+        name = rng.choice(["prompt_lens", "completion_lens"])
+        t[name] = ("I64", np.full(B, rng.choice([0, -1, L, L + 1, 2**40, -(2**63), 2**63 - 1]), dtype=np.int64))
+    elif kind == 8:  # rows disagree
+        name = rng.choice(["prompt_lens", "completion_lens", "advantages", "rewards"])
+        t[name] = ("F32" if name in ("advantages", "rewards") else "I64",
+                   np.ones(B + rng.choice([1, 2, 7]), dtype=np.float32 if name in ("advantages", "rewards")
+                           else np.int64))
+    elif kind == 9:  # huge but real dimension: a row longer than the model's context
+        n = rng.choice([MAX_SEQ + 1, 50_000, 120_000])
+        t = {"input_ids": ("I64", np.ones((1, n), dtype=np.int64)), "prompt_lens": ("I64", np.array([1])),
+             "completion_lens": ("I64", np.array([1])), "advantages": ("F32", np.zeros(1, dtype=np.float32))}
+    elif kind == 10:  # too many rows / zero rows
+        rows = rng.choice([0, MAX_ROWS + 1])
+        t = {"input_ids": ("I64", np.ones((rows, 2), dtype=np.int64)), "prompt_lens": ("I64", np.ones(rows, np.int64)),
+             "completion_lens": ("I64", np.ones(rows, np.int64)), "advantages": ("F32", np.zeros(rows, np.float32))}
+    elif kind == 11:  # missing or unknown tensors
+        if rng.random() < 0.5:
+            t.pop(rng.choice(["input_ids", "prompt_lens", "completion_lens", "advantages"]))
+        else:
+            t[rng.choice(["ref_logps", "weights", "x" * 300, ""])] = ("F32", np.zeros(B, np.float32))
+    elif kind == 12:  # positive logprobs
+        t["gen_logps"] = ("F32", np.abs(t["gen_logps"][1]) + 0.5)
+    elif kind == 13:
+        m["protocol_version"] = rng.choice(["0", "2", "abc", "", "1.0", "9" * 400])
+    elif kind == 14:
+        m["kind"] = rng.choice(["scored", "", "ROLLOUT", "weights"])
+    elif kind == 15:
+        m["policy_version"] = rng.choice(["-1", "abc", "1e9", "", "0x10", "9" * 5000])
+    elif kind == 16:
+        m["extra"] = rng.choice(["[1, 2]", "not json", "[" * 100_000, '{"a": ' * 50_000, "null", '"s"', "{" * 3])
+    elif kind == 17:
+        m["batch_id"] = rng.choice(["", "x" * 70_000])
+    elif kind == 18:
+        m.pop(rng.choice(["protocol_version", "policy_version", "kind"]))
+    elif kind == 19:  # no metadata at all
+        m = None
+    elif kind == 20:  # rewards of the wrong kind
+        t["rewards"] = rng.choice([("I64", np.ones(B, np.int64)), ("F32", np.ones((B, 2), np.float32))])
+    else:  # empty input_ids
+        t["input_ids"] = ("I64", np.zeros((B, 0), np.int64))
+    return st_blob(t, m)
+
+
+def framing_bad(rng: random.Random) -> bytes:
+    """Broken safetensors framing: header length lies, JSON damage, dtype/shape/offset lies, huge dims."""
+    t = valid_arrays(rng)
+    kind = rng.randrange(10)
+    if kind == 0:
+        return st_blob(t, meta(), header_len=rng.choice([0, 1, 7, 2**32, 2**63, 2**64 - 1, rng.randrange(1 << 20)]))
+    if kind == 1:  # huge dimensions, little data
+        shape = rng.choice([[2**31, 2**31], [2**62, 2], [-1, 4], [10**30], [0, 2**40]])
+        return st_blob(t, meta(), header_extra={"input_ids": {"shape": shape}})
+    if kind == 2:  # offsets out of range / overlapping / reversed
+        offs = rng.choice([[0, 2**40], [50, 10], [-8, 8], [0, 0], ["a", "b"], [0], None])
+        return st_blob(t, meta(), header_extra={rng.choice(list(t)): {"data_offsets": offs}})
+    if kind == 3:  # unknown dtype string
+        return st_blob(t, meta(), header_extra={"input_ids": {"dtype": rng.choice(["X", "", "I128", "F8_E4M3"])}})
+    if kind == 4:  # header not an object / entries not objects
+        h = rng.choice([b"[]", b"1", b'"x"', b"null", b'{"input_ids": 5}', b'{"__metadata__": 5}',
+                        b'{"__metadata__": {"kind": 5}}'])
+        return struct.pack("<Q", len(h)) + h
+    if kind == 5:  # invalid UTF-8 / JSON in the header
+        h = bytes(rng.randrange(256) for _ in range(rng.randint(1, 200)))
+        return struct.pack("<Q", len(h)) + h + b"\0" * rng.randint(0, 64)
+    if kind == 6:  # deep nesting in the header
+        h = b"[" * rng.choice([1000, 100_000])
+        return struct.pack("<Q", len(h)) + h
+    blob = bytearray(st_blob(t, meta(batch_id=f"fz{rng.randrange(1 << 30)}")))
+    if kind == 7:  # truncated
+        return bytes(blob[:rng.randrange(len(blob))])
+    if kind == 8:  # random byte flips
+        for _ in range(rng.randint(1, 20)):
+            blob[rng.randrange(len(blob))] = rng.randrange(256)
+        return bytes(blob)
+    return bytes(blob) + bytes(rng.randrange(256) for _ in range(rng.randint(1, 100)))  # trailing junk
+
+
+# --------------------------------------------------------------------------- raw HTTP
+def raw_exchange(port: int, data: bytes, half_close: bool, timeout: float = 15.0) -> tuple[int | None, bool]:
+    """Send bytes, read until the server closes. Returns (first status or None, timed_out)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+            if half_close:
+                s.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        s.settimeout(timeout)
+        got, timed_out = b"", False
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except socket.timeout:
+            timed_out = True
+        except ConnectionResetError:
+            pass
+    # the final status: skip interim 1xx answers (100 Continue)
+    for line in got.split(b"\r\n"):
+        if line[:5] == b"HTTP/" and line[9:12].isdigit() and line[9:10] != b"1":
+            return int(line[9:12]), timed_out
+    return None, timed_out
+
+
+def raw_case(rng: random.Random) -> tuple[bytes, bool]:
+    """(request bytes, half_close): requests no http client would send."""
+    kind = rng.randrange(14)
+    body = encode_rollout(make_batch([3], [3], seed=rng.randrange(1000)))
+    if kind == 0:  # random bytes
+        return bytes(rng.randrange(256) for _ in range(rng.randint(1, 3000))), True
+    if kind == 1:  # truncated request (line, headers or body), then EOF
+        full = (b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        return full[:rng.randrange(1, len(full))], True
+    if kind == 2:  # Content-Length larger than the body (a lie), then EOF
+        return (b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body) + rng.randint(1, 5000)).encode()
+                + b"\r\n\r\n" + body), True
+    if kind == 3:  # Content-Length smaller than the body: the rest is garbage as a next request
+        cut = rng.randrange(0, len(body))
+        return (b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(cut).encode() + b"\r\n\r\n" + body
+                + b"\r\n\r\n"), True
+    if kind == 4:  # malformed Content-Length values
+        cl = rng.choice([b"abc", b"-5", b"1 2", b"0x10", b"1e3", b"", b"+5", b"99999999999999999999999",
+                         b"5, 6", b"\xff\xfe"])
+        return b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: " + cl + b"\r\nConnection: close\r\n\r\n", True
+    if kind == 5:  # two different Content-Length headers
+        return (b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: " + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n" + body), True
+    if kind == 6:  # over the body limit, declared (tiny body) or huge
+        cl = rng.choice([BODY_LIMIT + 1, 10 * BODY_LIMIT, 2**40, 2**62])
+        path = rng.choice([b"/upload", b"/weights?version=7", b"/get", b"/nope"])
+        meth = rng.choice([b"POST", b"PUT"])
+        return meth + b" " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(cl).encode() + b"\r\n\r\nab", True
+    if kind == 7:  # chunked: broken chunk sizes / garbage
+        chunks = rng.choice([b"zz\r\nabc\r\n0\r\n\r\n", b"5\r\nab\r\n", b"-1\r\n\r\n", b"ffffffffffffffff\r\nab",
+                             b"3\r\nabc\r\n0\r\n\r\n", hex(len(body))[2:].encode() + b"\r\n" + body + b"\r\n0\r\n\r\n"])
+        return b"POST /upload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks, True
+    if kind == 8:  # unsupported transfer encodings
+        te = rng.choice([b"gzip", b"chunked, gzip", b"identity", b"\xff", b"chunked\x00"])
+        return (b"POST /upload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + te + b"\r\nConnection: close\r\n\r\n"
+                + body), True
+    if kind == 9:  # header syntax damage and non-latin bytes
+        line = rng.choice([b"NoColonHere", b": empty-name", b"X-\xff\xfe: \x00\x01", b"Bad Header: x",
+                           b" folded continuation", b"X-A:\r", b"Authorization: Bearer \xe9\xff"])
+        return b"GET /health HTTP/1.1\r\nHost: x\r\n" + line + b"\r\nConnection: close\r\n\r\n", True
+    if kind == 10:  # oversized headers
+        return b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * rng.choice([300_000, 70_000]) + b"\r\n\r\n", True
+    if kind == 11:  # odd methods, versions and request lines
+        line = rng.choice([b"FOO /health HTTP/1.1", b"get /health HTTP/1.1", b"GET /health HTTP/2.0",
+                           b"GET /health HTTP/9.9", b"GET /health", b"GET", b"/health", b"GET  /health  HTTP/1.1",
+                           b"GET http://evil/health HTTP/1.1", b"GET *", b"CONNECT 127.0.0.1:1 HTTP/1.1",
+                           b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"])
+        return line + b"\r\nHost: x\r\nConnection: close\r\n\r\n", True
+    if kind == 12:  # Expect: 100-continue and then no (or a wrong) body
+        return (b"POST /upload HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n"
+                + rng.choice([b"", b"0123456789"])), True
+    # odd bytes in path and query
+    target = rng.choice([b"/\xe9\xff", b"/get?wait=\xe9", b"/%00", b"/../../etc/passwd", b"/get?%zz=1",
+                         b"/get?wait=1&wait=abc", b"//get", b"/get#frag", b"/" + b"a" * 8000, b"/get?" + b"&" * 5000])
+    return b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", True
+
+
+def http_case(rng: random.Random) -> tuple[str, str, dict, bytes | None]:
+    """(method, path with query, headers, body) for requests: bodies and queries that are wrong."""
+    kind = rng.randrange(9)
+    ct = {"Content-Type": rng.choice(["application/vnd.grpo.safetensors", "text/plain", "application/json", ""])}
+    if kind in (0, 1):
+        return "POST", "/upload", ct, semantic_bad(rng)
+    if kind in (2, 3):
+        return "POST", "/upload", ct, framing_bad(rng)
+    if kind == 4:  # random bytes
+        return "POST", "/upload", ct, bytes(rng.randrange(256) for _ in range(rng.randint(0, 4000)))
+    if kind == 5:  # bad query strings
+        wait = rng.choice(["abc", "-1", "nan", "-inf", "inf", "1e309", "", "0x1", "1" * 400, "%00", "1,5", "\u00e9",
+                           "0.01", "1e-300", "-0"])
+        return "GET", "/get?wait=" + requests.utils.quote(wait, safe="%"), {}, None
+    if kind == 6:  # unknown paths and methods
+        method = rng.choice(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE"])
+        path = rng.choice(["/", "/nope", "/upload/x", "/get/", "/health/../stats", "/weights/version/x", "/UPLOAD",
+                           "/%2e%2e/", "/" + "".join(rng.choice("abc/%._-") for _ in range(rng.randint(1, 40)))])
+        return method, path, {}, rng.choice([None, b"x" * rng.randint(0, 100)])
+    if kind == 7:  # PUT /weights garbage (body and version)
+        version = rng.choice(["1", "-1", "abc", "", "1.5", "9" * 40, "1e3", "00"])
+        body = rng.choice([bytes(rng.randrange(256) for _ in range(rng.randint(0, 2000))), framing_bad(rng),
+                           st_blob({}, {"a": "b"}), b"{}", b""])
+        return "PUT", f"/weights?version={version}", {"Content-Type": "application/octet-stream"}, body
+    # oversized real body (a few: they cost a MiB each)
+    if rng.random() < 0.1:
+        return "POST", "/upload", ct, b"\0" * (BODY_LIMIT + rng.randint(1, 1000))
+    return "GET", rng.choice(["/weights", "/weights/version", "/stats", "/health", "/metrics"]), {}, None
+
+
+# --------------------------------------------------------------------------- the test
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_model_dir):
+    with start_ref_server(tiny_model_dir, "--max-body-mb", "1", "--max-weights-mb", "2", "--device", "cpu",
+                          "--drain-timeout", "0") as srv:
+        yield srv
+
+
+def _worker_threads(pid: int) -> int:
+    return psutil.Process(pid).num_threads()
+
+
+@pytest.mark.slow
+def test_fuzz_no_5xx_no_crash(fuzz_server):
+    srv = fuzz_server
+    rng = random.Random(SEED)
+    cases = []
+    for i in range(N_CASES):
+        if rng.random() < 0.4:
+            cases.append(("raw", raw_case(rng)))
+        else:
+            cases.append(("http", http_case(rng)))
+    threads_before = _worker_threads(srv.proc.pid)
+    statuses: Counter = Counter()
+    by_kind: Counter = Counter()
+    timeouts: list = []
+    session_local = __import__("threading").local()
+
+    def run(case) -> None:
+        kind, spec = case
+        if kind == "raw":
+            data, half = spec
+            status, timed_out = raw_exchange(srv.port, data, half)
+            if timed_out:
+                timeouts.append(data[:120])
+            statuses[status if status is not None else "closed"] += 1
+        else:
+            method, path, headers, body = spec
+            s = getattr(session_local, "s", None) or requests.Session()
+            session_local.s = s
+            try:
+                r = s.request(method, srv.url + path, data=body, headers=headers, timeout=30)
+                statuses[r.status_code] += 1
+                if r.status_code >= 400 and method != "HEAD":
+                    assert r.headers.get("Content-Type", "").startswith(("application/json", "text/plain")), r.headers
+            except requests.ConnectionError:  # e.g. the server closed after an early 413 mid-body: allowed
+                statuses["reset"] += 1
+                session_local.s = None
+        by_kind[kind] += 1
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(run, cases))
+    seconds = time.monotonic() - t0
+    print(f"\nfuzz: {sum(by_kind.values())} malformed requests ({dict(by_kind)}) in {seconds:.1f} s; "
+          f"statuses {dict(sorted(statuses.items(), key=str))}")
+    assert sum(by_kind.values()) >= 2000
+    assert srv.proc.poll() is None, "server died"
+    assert not [k for k in statuses if isinstance(k, int) and k >= 500], statuses
+    assert not timeouts, timeouts[:5]  # every malformed request was answered or closed promptly
+    assert statuses[400] > 500 and statuses[413] > 0 and statuses[404] > 0 and statuses[405] > 0
+
+    # Still whole: same threads, /health, 8 concurrent requests, a valid upload round-trips.
+    assert _worker_threads(srv.proc.pid) == threads_before
+    assert requests.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: requests.get(srv.url + ("/get?wait=0.5" if i % 2 else "/health"),
+                                                       timeout=30).status_code, range(8)))
+    assert all(a in (200, 204) for a in answers), answers
+    b = make_batch([4, 5], [3, 6], seed=77, producer_id="after-fuzz")
+    r = requests.post(srv.url + "/upload", data=encode_rollout(b), timeout=30)
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 60
+    got = None
+    while time.monotonic() < deadline:  # anything valid the fuzzer happened to send comes first (FIFO)
+        r = requests.get(srv.url + "/get?wait=2", timeout=30)
+        if r.status_code == 200:
+            s = decode_scored(r.content)
+            if s.batch_id == b.batch_id:
+                got = s
+                break
+    assert got is not None and torch.equal(got.input_ids, b.input_ids) and got.ref_logps.shape == (2, 6)
+    st = requests.get(srv.url + "/stats", timeout=10).json()
+    assert st["scoring_errors"] == 0, st
+    log = srv.log()
+    assert "internal error" not in log and "Traceback" not in log and "Exception while serving" not in log, log[-3000:]
+
+
+# --------------------------------------------------------------------------- trainer side
+def _cfg(**kw) -> GRPOConfig:
+    args = []
+    for k, v in {"max_new_tokens": 8, "beta": 0.04, "num_gen_workers": 1, "get_wait": 0, **kw}.items():
+        args += [f"--{k}", str(v)]
+    return load_config(GRPOConfig, args)
+
+
+def _scored(**over) -> ScoredBatch:
+    b = make_batch([3, 4], [5, 2], seed=5, producer_id="other")
+    ref = -torch.rand(2, 5) * b.completion_mask()
+    s = ScoredBatch.from_rollout(b, ref)
+    for k, v in over.items():
+        setattr(s, k, v)
+    return s
+
+
+def _scored_blob(**changes) -> bytes:
+    s = _scored()
+    t = {k: getattr(s, k) for k in ("input_ids", "prompt_lens", "completion_lens", "advantages", "gen_logps",
+                                     "rewards", "ref_logps")}
+    t.update(changes)
+    arr = {k: ({torch.int64: "I64", torch.float32: "F32"}[v.dtype], v.numpy()) for k, v in t.items() if v is not None}
+    return st_blob(arr, meta("scored", batch_id="bad-scored"))
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"ref_logps": -torch.ones(2, 6)}, "'ref_logps' has shape (2, 6), expected (2, 5)"),
+    ({"ref_logps": -torch.ones(3, 5)}, "'ref_logps' has shape (3, 5)"),
+    ({"ref_logps": torch.full((2, 5), float("nan"))}, "'ref_logps' contains NaN"),
+    ({"ref_logps": torch.ones(2, 5)}, "'ref_logps' has positive log-probabilities"),
+    ({"ref_logps": -torch.ones(2, 5, dtype=torch.int64)}, "'ref_logps' has dtype"),
+    ({"input_ids": -torch.ones(2, 9, dtype=torch.int64)}, "negative token id"),
+    ({"completion_lens": torch.tensor([5, 9])}, "row length"),
+])
+def test_decode_scored_rejects_bad_messages(changes, needle):
+    with pytest.raises(ProtocolError) as e:
+        decode_scored(_scored_blob(**changes))
+    assert needle in str(e.value), str(e.value)
+
+
+def test_decode_scored_rejects_a_rollout_message():
+    with pytest.raises(ProtocolError, match="expected a 'scored' message"):
+        decode_scored(encode_rollout(make_batch([3], [3])))
+
+
+def test_check_scored_rejects_what_this_trainer_cannot_use():
+    from trainer.main import check_scored
+
+    cfg = _cfg()
+    ok = decode_scored(encode_scored(_scored()))
+    check_scored(ok, cfg, VOCAB)
+    beyond = _scored()
+    beyond.input_ids = beyond.input_ids.clone()
+    beyond.input_ids[1, 2] = VOCAB + 3  # the server's model has a bigger vocab than the policy: must not index
+    beyond = decode_scored(encode_scored(beyond))
+    with pytest.raises(ProtocolError, match=r"token ids beyond the policy vocab \(548\)"):
+        check_scored(beyond, cfg, VOCAB)
+    no_ref = decode_scored(encode_scored(_scored(ref_logps=None)))
+    with pytest.raises(ProtocolError, match="has no ref_logps but beta=0.04"):
+        check_scored(no_ref, cfg, VOCAB)
+    check_scored(no_ref, _cfg(beta=0), VOCAB)  # beta 0 needs no reference
+    with pytest.raises(ProtocolError, match="longer than max_new_tokens"):
+        check_scored(ok, _cfg(max_new_tokens=4), VOCAB)
+
+
+def test_batch_source_skips_a_bad_scored_batch_and_counts_it():
+    """A bad batch from /get is logged, counted in rejected_batches and skipped; training goes on."""
+    from trainer.main import BatchSource
+
+    bad = _scored()
+    bad.input_ids = bad.input_ids.clone()
+    bad.input_ids[0, 0] = VOCAB
+    good = _scored(batch_id="good")
+
+    class FakeClient:
+        outages = 0
+
+        def __init__(self):
+            self.queue = [bad, good]
+
+        def get(self, timeout=0.0):
+            return self.queue.pop(0) if self.queue else None
+
+        def health(self, *a, **k):
+            return {"queues": {}}
+
+    src = BatchSource(_cfg(), FakeClient(), None, None, None, [], [], VOCAB, producer_id="trainer-rank0")
+    batch, info = src.next(policy_version=0)
+    assert batch.batch_id == "good" and info["rejected_batches"] == 1 and info["lost_batches"] == 0
