@@ -13,11 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Iterator, Optional
+from typing import Optional
 
 log = logging.getLogger("ref_server")
-
-STREAM_CHUNK = 4 << 20
 
 
 class WeightError(ValueError):
@@ -77,8 +75,73 @@ class WeightStore:
             return self._version, self._blob
 
 
-def stream(blob: bytes) -> Iterator[bytes]:
-    """Chunks of the blob, so the WSGI server does not need a second full copy."""
-    view = memoryview(blob)
-    for s in range(0, len(view), STREAM_CHUNK):
-        yield bytes(view[s:s + STREAM_CHUNK])
+class BlobReader:
+    """A read-only file over the blob whose reads are memoryview slices, not copies.
+
+    Returned from GET /weights, Bottle hands it to waitress' wsgi.file_wrapper, which sends
+    straight from these slices: no per-chunk copy and no response buffer of the blob's size.
+    """
+
+    def __init__(self, blob: bytes | bytearray) -> None:
+        self.view, self.pos = memoryview(blob), 0
+
+    def read(self, n: int = -1) -> memoryview:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        out = self.view[self.pos:end]
+        self.pos = end
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, min(len(self.view), {0: 0, 1: self.pos, 2: len(self.view)}[whence] + pos))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def close(self) -> None:
+        self.view = memoryview(b"")  # slices already handed out keep the blob alive until sent
+
+
+class PreallocatedBody:
+    """waitress request-body buffer for PUT /weights: one bytearray of the declared Content-Length.
+
+    waitress' own buffer spools any body over 512 KB to a temp file, which the app then copies
+    back into memory: two extra passes over hundreds of MB. This one is filled as the bytes arrive
+    and handed to the app as is (`BodyFile.body`).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.data = bytearray(size)
+        self.view = memoryview(self.data)
+        self.n = 0
+
+    def __len__(self) -> int:  # bytes received so far (waitress checks it against its body cap)
+        return self.n
+
+    def append(self, s: bytes) -> None:
+        k = min(len(s), len(self.data) - self.n)  # waitress never passes more than Content-Length
+        self.view[self.n:self.n + k] = s[:k]
+        self.n += k
+
+    def getfile(self) -> "BodyFile":
+        return BodyFile(self)
+
+    def close(self) -> None:  # waitress closes the request; the data may live on in the WeightStore
+        self.view.release()
+
+
+class BodyFile:
+    """wsgi.input over a PreallocatedBody: `body` is the whole received bytearray (no copy)."""
+
+    def __init__(self, buf: PreallocatedBody) -> None:
+        self.buf, self.pos = buf, 0
+
+    @property
+    def body(self) -> bytearray:
+        return self.buf.data if self.buf.n == len(self.buf.data) else self.buf.data[:self.buf.n]
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.buf.n if n is None or n < 0 else min(self.buf.n, self.pos + n)
+        out = bytes(self.buf.data[self.pos:end])
+        self.pos = end
+        return out

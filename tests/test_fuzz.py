@@ -10,6 +10,7 @@ import json
 import random
 import socket
 import struct
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -307,7 +308,6 @@ def _worker_threads(pid: int) -> int:
     return psutil.Process(pid).num_threads()
 
 
-@pytest.mark.slow
 def test_fuzz_no_5xx_no_crash(fuzz_server):
     srv = fuzz_server
     rng = random.Random(SEED)
@@ -321,7 +321,7 @@ def test_fuzz_no_5xx_no_crash(fuzz_server):
     statuses: Counter = Counter()
     by_kind: Counter = Counter()
     timeouts: list = []
-    session_local = __import__("threading").local()
+    session_local = threading.local()
 
     def run(case) -> None:
         kind, spec = case

@@ -319,15 +319,27 @@ def train(cfg: GRPOConfig) -> None:
     if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
         syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir)
 
+    def publish_rank0(version: int) -> tuple[float, int]:
+        try:
+            return syncer.publish(policy, version)
+        except RefServerError as e:
+            if e.status != 409:
+                raise
+            # Resumed while the server kept weights of a later step from before the crash: it accepts
+            # only newer versions, so publishing picks up again once the step count passes them.
+            log.warning("policy v%d not published (%s); workers keep the server's weights until a newer step",
+                        version, e.message)
+            return 0.0, 0
+
     def publish(version: int) -> dict:
         """Rank 0 publishes the live weights (gathered under ZeRO-3, which needs every rank)."""
         if syncer is None:
             return {}
         if zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
-                res = syncer.publish(policy, version) if rank == 0 else (0.0, 0)
+                res = publish_rank0(version) if rank == 0 else (0.0, 0)
         else:
-            res = syncer.publish(policy, version) if rank == 0 else (0.0, 0)
+            res = publish_rank0(version) if rank == 0 else (0.0, 0)
         return {"sync_s": res[0], "sync_mb": res[1] / 1e6}
 
     publish(start_step)
