@@ -192,12 +192,12 @@ class RefClient:
     def fetch_weights(self) -> tuple[int, bytearray]:
         """(version, safetensors blob) of the newest published policy weights."""
         _, r = self._request("GET", self.urls[:1], "/weights", read_timeout=600.0, stream=True)
-        with r:  # read straight into one preallocated buffer (requests' .content joins small chunks)
-            size = int(r.headers["Content-Length"])
+        with r:  # into one preallocated buffer (requests' .content joins small chunks), 16 MB a read:
+            size = int(r.headers["Content-Length"])  # urllib3 reads a whole request into a temporary first
             buf, got = bytearray(size), 0
             view = memoryview(buf)
             while got < size:
-                n = r.raw.readinto(view[got:])
+                n = r.raw.readinto(view[got:got + (16 << 20)])
                 if not n:
                     raise RefServerError(0, f"weights download cut off at {got} of {size} bytes", self.urls[0])
                 got += n
