@@ -87,7 +87,7 @@ def process_lines(log: str, tag: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- one run, three faults
-ALL_STEPS, SAVE_STEPS = 12, 3
+ALL_STEPS, SAVE_STEPS = 16, 3
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,8 @@ def fault_run(tiny_model_dir, tmp_path_factory):
     trainer = worker = None
     try:
         with start_ref_server(tiny_model_dir, "--device", "cpu", port=port) as srv1:
-            worker = spawn(worker_cmd(url), wlog)
+            # a short queue ahead of the trainer: little of the worker's output outlives it
+            worker = spawn(worker_cmd(url, "--worker_max_queued", "2"), wlog)
             trainer = spawn(deepspeed_cmd(run_dir, url, *args), tlog)
             wait_for(lambda: len(rows_of(run_dir)) >= 2, 300, "first 2 steps", ((trainer, tlog),))
             st = requests.get(url + "/stats", timeout=10).json()
@@ -129,12 +130,16 @@ def fault_run(tiny_model_dir, tmp_path_factory):
             k = fig["worker_killed_at_rows"] = len(rows_of(run_dir))
             assert k <= ALL_STEPS - 3, f"too late to test the fallback and the trainer kill ({k} rows)"
 
-            def past_a_checkpoint() -> bool:  # a step beyond the newest checkpoint, before the end
-                rows, latest = len(rows_of(run_dir)), run_dir / "ds" / "latest"
+            def self_fed_and_past_a_checkpoint() -> bool:
+                """The ranks generated for themselves since the worker died, and a step ran beyond the
+                newest checkpoint (so the kill below loses a step that --resume must redo)."""
+                rows, latest = rows_of(run_dir), run_dir / "ds" / "latest"
                 ckpt = int(latest.read_text().strip().removeprefix("step") or 0) if latest.is_file() else 0
-                return ckpt > 0 and rows > ckpt and rows >= k + 2 and rows > k
+                own = any(r["gen_s"] > 0 for r in rows if r["step"] > k + 1)
+                return own and ckpt > 0 and len(rows) > ckpt
 
-            wait_for(past_a_checkpoint, 240, "a step past a checkpoint", ((trainer, tlog),))
+            wait_for(self_fed_and_past_a_checkpoint, 240, "own generation and a step past a checkpoint",
+                     ((trainer, tlog),))
             kill_group(trainer)  # SIGKILL to the launcher's whole process group: launcher and both ranks
             fig["rows_at_trainer_kill"] = rows_of(run_dir)
             fig["trainer_killed_rows"] = [r["step"] for r in fig["rows_at_trainer_kill"]]
@@ -196,7 +201,10 @@ def test_worker_killed_trainer_generates_itself(fault_run):
     k = fig["worker_killed_at_rows"]
     after = [r for r in rows if r["step"] > k + 1]  # +1: a batch may still have been in the pipe
     print(f"\nworker SIGKILL at {k} rows; gen_s per step: {[(r['step'], round(r['gen_s'], 2)) for r in rows]}")
-    assert after and all(r["gen_s"] > 0 for r in after), [(r["step"], r["gen_s"]) for r in rows]
+    # The ranks generate for themselves once the queue runs dry (a round of Q_batch_size prompts may
+    # feed more than one step, so not every step shows gen_s > 0), and no step stalls waiting.
+    assert after and any(r["gen_s"] > 0 for r in after), [(r["step"], r["gen_s"]) for r in rows]
+    assert all(r["wait_s"] < 60 for r in after), [(r["step"], r["wait_s"]) for r in rows]
 
 
 def test_trainer_sigkill_then_resume(fault_run):
