@@ -1,10 +1,12 @@
 """Benchmark: policy weight sync through the ref server vs copying the same bytes through a local file.
 
-    python bench/weight_sync.py [--hidden 1024 --layers 10 --vocab 32000] [--repeats 3]
+    python bench/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--repeats 5]
 
-Ours (sync_seconds): rank 0 serialises the model's parameters, PUTs them to a real ref server
-process on 127.0.0.1, and a worker-side model fetches them and copies them into its own
-parameters (common/weight_sync.py) - the whole publish-and-fetch path.
+Ours (sync_seconds): rank 0 streams the model's parameters (no joined blob) in a PUT to a real
+ref server process on 127.0.0.1, and a worker-side model fetches them and copies them into its
+own parameters (common/weight_sync.py) - the whole publish-and-fetch path. The weights change
+before every version and the worker's copy is checked after each. From the third version on,
+the relay receives into the retired blob's memory (ref_server/weights.py); best of --repeats.
 Baseline (file_copy_seconds): the same safetensors bytes written to a local file, fsync'd, and
 read back into memory. ratio = file_copy_seconds / sync_seconds (target >= 0.5).
 The last output line is one JSON object with sync_seconds, file_copy_seconds, ratio.
@@ -51,7 +53,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=3, help="best-of-N for both sides")
+    p.add_argument("--repeats", type=int, default=5, help="best-of-N for both sides")
     a = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_wsync."))
@@ -82,6 +84,9 @@ def main() -> None:
         pub, sub = WeightSync(client=RefClient(url, timeout=600)), WeightSync(client=RefClient(url, timeout=600))
         sync_times = []
         for version in range(1, a.repeats + 1):
+            with torch.no_grad():  # new weights each version (untimed): a stale buffer cannot pass the check
+                for q in model.parameters():
+                    q.add_(1.0)
             t0 = time.perf_counter()
             pub.publish(model, version)
             t1 = time.perf_counter()
@@ -89,8 +94,8 @@ def main() -> None:
             t2 = time.perf_counter()
             sync_times.append(t2 - t0)
             print(f"sync v{version}: publish {t1 - t0:.2f} s + fetch/apply {t2 - t1:.2f} s = {t2 - t0:.2f} s")
-        same = all(torch.equal(x, y) for x, y in zip(model.parameters(), worker.parameters()))
-        assert same, "worker weights differ from the published ones"
+            same = all(torch.equal(x, y) for x, y in zip(model.parameters(), worker.parameters()))
+            assert same, f"worker weights differ from the published v{version}"
     finally:
         srv.terminate()
         srv.wait(30)

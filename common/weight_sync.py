@@ -27,23 +27,45 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", t
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 
 
-def parameters_blob(model: torch.nn.Module) -> bytes:
-    """Every named parameter (tied ones once) as one standard safetensors blob.
+class ParametersBody:
+    """Every named parameter (tied ones once) as the bytes of one standard safetensors file, in pieces.
 
-    Written directly (header + raw bytes, each tensor copied once) rather than through
-    safetensors.torch.save, which copies more: weights are hundreds of MB.
+    An iterable with a length: requests sends it with a Content-Length, piece by piece, straight
+    from the parameters' memory (CPU float32 parameters are not even copied). Weights are hundreds
+    of MB, and a joined blob costs a fresh allocation of that size plus a copy on every publish.
     """
-    header: dict = {}
-    parts, offset = [], 0
-    for name, p in model.named_parameters():
-        t = p.detach().contiguous().cpu()
-        raw = t.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as bytes, no copy
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + raw.nbytes]}
-        parts.append(memoryview(raw))
-        offset += raw.nbytes
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    return b"".join([len(h).to_bytes(8, "little"), h, *parts])
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        header: dict = {}
+        self.tensors, self.parts, offset = [], [], 0
+        for name, p in model.named_parameters():
+            t = p.detach().contiguous().cpu()
+            raw = t.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as bytes, no copy
+            header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + raw.nbytes]}
+            self.tensors.append(t)  # keeps copies made by .contiguous()/.cpu() alive while sending
+            self.parts.append(memoryview(raw))
+            offset += raw.nbytes
+        h = json.dumps(header, separators=(",", ":")).encode()
+        h += b" " * (-len(h) % 8)
+        self.head = len(h).to_bytes(8, "little") + h
+        self.size = len(self.head) + offset
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):  # a fresh pass each time: a retried request sends it all again
+        yield self.head
+        yield from self.parts
+
+    def write_to(self, f) -> None:
+        for piece in self:
+            f.write(piece)
+
+
+def parameters_blob(model: torch.nn.Module) -> bytes:
+    """The same safetensors bytes as one blob (tests and the benchmark's file baseline)."""
+    return b"".join(ParametersBody(model))
 
 
 def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
@@ -99,14 +121,15 @@ class WeightSync:
     def publish(self, model: torch.nn.Module, version: int) -> tuple[float, int]:
         """Publish the model's weights as `version`; returns (seconds, bytes)."""
         t0 = time.time()
-        blob = parameters_blob(model)
+        body = ParametersBody(model)
         if self.client is not None:
-            self.client.publish_weights(blob, version)
+            self.client.publish_weights(body, version)
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
             final = self.dir / f"policy-v{version}.safetensors"
             tmp = final.with_suffix(".tmp")
-            tmp.write_bytes(blob)
+            with open(tmp, "wb") as f:
+                body.write_to(f)
             os.replace(tmp, final)
             latest = self.dir / "latest.json"
             tmp_latest = self.dir / "latest.json.tmp"
@@ -117,9 +140,9 @@ class WeightSync:
                     old.unlink(missing_ok=True)
         self.version = version
         dt = time.time() - t0
-        self.bytes_moved += len(blob)
+        self.bytes_moved += len(body)
         self.seconds += dt
-        return dt, len(blob)
+        return dt, len(body)
 
     # ---- worker side --------------------------------------------------------------------
     def latest_version(self) -> Optional[int]:

@@ -27,7 +27,7 @@ from common.modeling import load_model
 from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.config import ServerConfig, check_bind, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
-from ref_server.weights import BlobReader, WeightError, WeightStore
+from ref_server.weights import WeightError, WeightStore
 
 log = logging.getLogger("ref_server")
 JSON = "application/json"
@@ -190,7 +190,7 @@ def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
             raise _error(413, f"weights of {length} bytes exceed the limit of {cfg.max_weights_bytes} bytes")
         buf = getattr(env["wsgi.input"], "body", None)  # received into one bytearray by our channel (no copy)
         if buf is None:  # another WSGI server: one preallocated copy, filled from the request stream
-            buf = bytearray(length)
+            buf = state.weights.buffer(length)
             got = 0
             while got < length:
                 piece = env["wsgi.input"].read(min(length - got, 8 << 20))
@@ -215,11 +215,11 @@ def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
     @app.get("/weights")
     def get_weights():
         require_token()
-        version, blob = state.weights.latest()
-        if blob is None:
+        version, reader = state.weights.open_latest()
+        if reader is None:
             raise _error(404, "no policy weights published yet")
-        return bottle.HTTPResponse(BlobReader(blob), status=200, headers={
-            "Content-Type": "application/octet-stream", "Content-Length": str(len(blob)),
+        return bottle.HTTPResponse(reader, status=200, headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(len(reader.blob)),
             "X-Policy-Version": str(version)})
 
     @app.get("/health")
@@ -264,7 +264,7 @@ class _Throttle(logging.Filter):
         return True
 
 
-def _limited_channel(cfg: ServerConfig):
+def _limited_channel(cfg: ServerConfig, weights: WeightStore):
     """waitress channel whose parser applies our per-path body limits as soon as the headers are in
     (and answers an unsupported Transfer-Encoding with 400, not waitress' 501: bad input is never a 5xx).
 
@@ -286,13 +286,14 @@ def _limited_channel(cfg: ServerConfig):
                 super().parse_header(header_plus)
             except TransferEncodingNotImplemented as e:  # a client error: 400, never a 5xx (waitress: 501)
                 raise ParsingError(str(e)) from None
-            weights = self.path == "/weights"
-            limit = cfg.max_weights_bytes if weights else cfg.max_body_bytes
+            to_weights = self.path == "/weights"
+            limit = cfg.max_weights_bytes if to_weights else cfg.max_body_bytes
             if not self.chunked and self.content_length > limit:
                 self.body_rcv = None               # -> completed now; the app sees CONTENT_LENGTH, answers 413
                 self.headers["CONNECTION"] = "close"  # and waitress closes: the unread body is never parsed
-            elif weights and self.command == "PUT" and not self.chunked and self.content_length > 0:
-                self.body_rcv = FixedStreamReceiver(self.content_length, PreallocatedBody(self.content_length))
+            elif to_weights and self.command == "PUT" and not self.chunked and self.content_length > 0:
+                body = PreallocatedBody(self.content_length, alloc=weights.buffer)
+                self.body_rcv = FixedStreamReceiver(self.content_length, body)
 
     class Channel(HTTPChannel):
         parser_class = Parser
@@ -338,7 +339,7 @@ def serve(cfg: ServerConfig) -> int:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
         state.scorer.stop()
         return 1
-    server.channel_class = _limited_channel(cfg)
+    server.channel_class = _limited_channel(cfg, state.weights)
     threading.Thread(target=server.run, name="http", daemon=True).start()
     log.info("serving %s on http://%s:%s (vocab %d, max_seq_len %d, token %s, %d threads)", cfg.model, cfg.host,
              server.effective_port, state.vocab_size, state.max_seq_len, "required" if token else "off", cfg.threads)

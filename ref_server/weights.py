@@ -51,28 +51,65 @@ def check_safetensors_blob(blob: bytes) -> int:
 
 
 class WeightStore:
-    """The latest published weights and their policy version (monotonically increasing)."""
+    """The latest published weights and their policy version (monotonically increasing).
+
+    The retired blob's memory is kept as a spare for the next publish of the same size, once no
+    GET still streams it: touching hundreds of MB of fresh pages costs more than receiving the
+    bytes. So between publishes the relay holds two copies (current + spare); during one it
+    needs two anyway (the old one may still be streaming).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._version: Optional[int] = None
-        self._blob: Optional[bytes] = None
+        self._blob: Optional[bytearray] = None
+        self._readers: dict[int, int] = {}  # id(blob) -> open BlobReaders (each holds its blob alive)
+        self._spare: Optional[bytearray] = None
 
-    def publish(self, version: int, blob: bytes) -> None:
+    def buffer(self, size: int) -> bytearray:
+        """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
+        with self._lock:
+            if self._spare is not None and len(self._spare) == size:
+                buf, self._spare = self._spare, None
+                return buf
+            self._spare = None  # a different size: let it go rather than hold three copies
+        return bytearray(size)
+
+    def publish(self, version: int, blob: bytearray) -> None:
         count = check_safetensors_blob(blob)
         with self._lock:
             if self._version is not None and version <= self._version:
                 raise WeightError(f"version {version} is not newer than the current {self._version}")
-            self._version, self._blob = version, blob  # the old blob is freed here
+            old, self._version, self._blob = self._blob, version, blob
+            self._retire(old)
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
+
+    def _retire(self, blob: Optional[bytearray]) -> None:  # under the lock
+        if isinstance(blob, bytearray) and blob is not self._blob and not self._readers.get(id(blob)):
+            self._spare = blob  # nobody reads it any more: reusable (an older spare is freed)
 
     def info(self) -> dict:
         with self._lock:
             return {"version": self._version, "bytes": len(self._blob) if self._blob is not None else 0}
 
-    def latest(self) -> tuple[Optional[int], Optional[bytes]]:
+    def open_latest(self) -> tuple[Optional[int], Optional["BlobReader"]]:
+        """(version, reader) of the newest weights; (None, None) before the first publish."""
         with self._lock:
-            return self._version, self._blob
+            blob = self._blob
+            if blob is None:
+                return None, None
+            self._readers[id(blob)] = self._readers.get(id(blob), 0) + 1
+            return self._version, BlobReader(blob, on_close=self._reader_closed)
+
+    def _reader_closed(self, blob: bytearray) -> None:
+        with self._lock:
+            n = self._readers.get(id(blob), 0) - 1
+            if n > 0:
+                self._readers[id(blob)] = n
+                return
+            self._readers.pop(id(blob), None)
+            if self._spare is None:
+                self._retire(blob)
 
 
 class BlobReader:
@@ -82,8 +119,8 @@ class BlobReader:
     straight from these slices: no per-chunk copy and no response buffer of the blob's size.
     """
 
-    def __init__(self, blob: bytes | bytearray) -> None:
-        self.view, self.pos = memoryview(blob), 0
+    def __init__(self, blob: bytearray, on_close=None) -> None:
+        self.blob, self.view, self.pos, self.on_close = blob, memoryview(blob), 0, on_close
 
     def read(self, n: int = -1) -> memoryview:
         end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
@@ -98,8 +135,11 @@ class BlobReader:
     def tell(self) -> int:
         return self.pos
 
-    def close(self) -> None:
-        self.view = memoryview(b"")  # slices already handed out keep the blob alive until sent
+    def close(self) -> None:  # waitress may close twice (sent, then channel closed): once counts
+        if self.on_close is not None:
+            self.view = memoryview(b"")
+            on_close, self.on_close = self.on_close, None
+            on_close(self.blob)
 
 
 class PreallocatedBody:
@@ -110,8 +150,8 @@ class PreallocatedBody:
     and handed to the app as is (`BodyFile.body`).
     """
 
-    def __init__(self, size: int) -> None:
-        self.data = bytearray(size)
+    def __init__(self, size: int, alloc=bytearray) -> None:
+        self.data = alloc(size)
         self.view = memoryview(self.data)
         self.n = 0
 

@@ -58,6 +58,51 @@ def test_worker_matches_trainer_after_http_sync(server, tiny_model_dir):
     assert requests.get(server.url + "/health").json()["policy_version"] == 10
 
 
+def test_successive_publishes_reuse_memory_and_deliver_each_version(server, tiny_model_dir):
+    """The relay recycles a retired blob's memory for the next publish: every fetch must still be
+    exactly the newest weights, also while an older GET is still streaming."""
+    client = RefClient(server.url)
+    pub, sub = WeightSync(client=client), WeightSync(client=RefClient(server.url))
+    worker = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    slow = None
+    for i, version in enumerate((11, 12, 13, 14)):  # between the neighbouring tests' versions
+        model = perturbed(tiny_model_dir, 100 + version)
+        pub.publish(model, version)
+        if i == 1:  # a reader that holds v12 open across the next publishes
+            slow = requests.get(server.url + "/weights", stream=True)
+            assert slow.headers["X-Policy-Version"] == "12"
+            head = slow.raw.read(1 << 16)
+        assert sub.follow(worker) == version
+        assert all(torch.equal(a, b) for a, b in zip(worker.parameters(), model.parameters())), version
+    expected = parameters_blob(perturbed(tiny_model_dir, 112))
+    rest = slow.raw.read()
+    slow.close()
+    assert head + rest == expected  # v12's memory was not recycled while it was being sent
+
+
+def test_weight_store_spare_only_when_nobody_reads():
+    from ref_server.weights import WeightStore
+
+    def blob(fill: int, n: int = 64):
+        import json
+        h = json.dumps({"w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
+        h += b" " * (-len(h) % 8)
+        return bytearray(len(h).to_bytes(8, "little") + h + bytes([fill]) * n)
+
+    store = WeightStore()
+    b1 = blob(1)
+    store.publish(1, b1)
+    version, reader = store.open_latest()
+    assert version == 1 and bytes(reader.read()) == bytes(b1)
+    store.publish(2, blob(2))
+    assert store.buffer(len(b1)) is not b1  # v1 is still being read: never handed out for writing
+    reader.close()
+    reader.close()  # closing twice counts once
+    assert store.buffer(len(b1)) is b1  # now it is recycled
+    store.publish(3, blob(3, n=128))  # retires v2 as the spare
+    assert len(store.buffer(10)) == 10  # a size that does not fit: fresh memory, the spare is let go
+
+
 def test_versions_only_move_forward_and_blobs_are_checked(server, tiny_model_dir):
     client = RefClient(server.url)
     model = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
