@@ -133,7 +133,7 @@ def test_mu_passes_reduce_loss_and_respect_clip():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[1] < losses[0]
     assert losses[-1] == pytest.approx(-0.2, abs=1e-6)  # every ratio pinned at its clip bound: 1.2*1 / 0.8*-1
 
