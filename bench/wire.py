@@ -10,9 +10,10 @@ encoded and decoded again, many times; the median round trip of each side is com
             dtypes, ranks, shapes, lengths, token range, finiteness, logprob sign).
   baseline  simple_GRPO's framing: every tensor torch.save'd into its own blob
             (tensor_to_bytes), blobs length-prefixed into one message (make_bytes_list),
-            and the inverse (bytes_list_to_list + torch.load(..., weights_only=True)),
+            and the inverse (bytes_list_to_list, each blob through torch's loader, weights_only=True),
             plus a JSON blob carrying the same metadata. No validation at all.
-            torch.load is used here only as the baseline being measured, never in product code.
+            That framing (tests/simple_grpo_framing.py) is the only torch.load in the repository:
+            it is the baseline being measured, on bytes made in this process, never product code.
 
 speedup     = median baseline round trip / median ours round trip   (target >= 3)
 bytes_ratio = our message bytes / raw tensor bytes (sum of numel * element_size of the
@@ -23,48 +24,19 @@ This is a benchmark, not a test. The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_REPO, os.path.join(_REPO, "tests")]  # the baseline's torch.load lives with the tests
 
 import torch  # noqa: E402
 
 from common.protocol import RolloutBatch, decode_rollout, encode_rollout  # noqa: E402
-
-
-# --- simple_GRPO's framing (ref_server.py there), verbatim apart from names -----------------
-def tensor_to_bytes(t: torch.Tensor) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(t, buffer)
-    return buffer.getvalue()
-
-
-def bytes_to_tensor(b: bytes) -> torch.Tensor:
-    return torch.load(io.BytesIO(b), weights_only=True)
-
-
-def make_bytes_list(blist: list[bytes]) -> bytes:
-    buffer = io.BytesIO()
-    buffer.write(len(blist).to_bytes(4, "big"))
-    for b in blist:
-        buffer.write(len(b).to_bytes(4, "big"))
-        buffer.write(b)
-    return buffer.getvalue()
-
-
-def bytes_list_to_list(b: bytes) -> list[bytes]:
-    buffer = io.BytesIO(b)
-    num = int.from_bytes(buffer.read(4), "big")
-    blist = []
-    for _ in range(num):
-        length = int.from_bytes(buffer.read(4), "big")
-        blist.append(buffer.read(length))
-    return blist
+from simple_grpo_framing import bytes_list_to_list, bytes_to_tensor, make_bytes_list, tensor_to_bytes  # noqa: E402
 
 
 TENSOR_NAMES = ("input_ids", "prompt_lens", "completion_lens", "advantages", "gen_logps", "rewards")

@@ -194,8 +194,10 @@ class RefClient:
     def fetch_weights(self) -> tuple[int, bytearray]:
         """(version, safetensors blob) of the newest published policy weights."""
         _, r = self._request("GET", self.urls[:1], "/weights", read_timeout=600.0, stream=True)
-        with r:  # into one preallocated buffer (requests' .content joins small chunks), 16 MB a read:
-            size = int(r.headers["Content-Length"])  # urllib3 reads a whole request into a temporary first
+        # Into one preallocated buffer (requests' .content joins small chunks), 16 MB a read:
+        # urllib3's readinto reads the whole requested size into a temporary first.
+        with r:
+            size = int(r.headers["Content-Length"])
             buf, got = bytearray(size), 0
             view = memoryview(buf)
             while got < size:

@@ -37,13 +37,12 @@ class ParametersBody:
 
     def __init__(self, model: torch.nn.Module) -> None:
         header: dict = {}
-        self.tensors, self.parts, offset = [], [], 0
+        self.parts, offset = [], 0
         for name, p in model.named_parameters():
             t = p.detach().contiguous().cpu()
-            raw = t.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as bytes, no copy
+            raw = t.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as bytes, no copy; keeps t alive
             header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [offset, offset + raw.nbytes]}
-            self.tensors.append(t)  # keeps copies made by .contiguous()/.cpu() alive while sending
             self.parts.append(memoryview(raw))
             offset += raw.nbytes
         h = json.dumps(header, separators=(",", ":")).encode()
