@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--batches", type=int, default=8, help="Timed batches per run.")
     t.add_argument("--rows", type=int, default=4, help="Rows per batch.")
     t.add_argument("--prompt-len", type=int, default=32, help="Prompt tokens per row.")
-    t.add_argument("--completion-len", type=int, default=96, help="Max completion tokens per row (ragged down to half).")
+    t.add_argument("--completion-len", type=int, default=96,
+                   help="Max completion tokens per row (ragged down to half).")
     t.add_argument("--hidden", type=int, default=512, help="Model hidden size.")
     t.add_argument("--layers", type=int, default=8, help="Decoder layers.")
     t.add_argument("--vocab", type=int, default=32000, help="Vocabulary size.")

@@ -26,10 +26,10 @@ from pathlib import Path
 import requests
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
 from common.client import RefClient
 from common.weight_sync import WeightSync, parameters_blob
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:

@@ -34,10 +34,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_REPO, os.path.join(_REPO, "tests")]  # the baseline's torch.load lives with the tests
 
 import torch  # noqa: E402
-
-from common.protocol import RolloutBatch, decode_rollout, encode_rollout  # noqa: E402
 from simple_grpo_framing import bytes_list_to_list, bytes_to_tensor, make_bytes_list, tensor_to_bytes  # noqa: E402
 
+from common.protocol import RolloutBatch, decode_rollout, encode_rollout  # noqa: E402
 
 TENSOR_NAMES = ("input_ids", "prompt_lens", "completion_lens", "advantages", "gen_logps", "rewards")
 

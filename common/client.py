@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import requests
 
@@ -49,7 +49,7 @@ def _server_message(r: requests.Response) -> str:
     return r.text.strip()[:300] or r.reason
 
 
-def _retry_after(r: requests.Response) -> Optional[float]:
+def _retry_after(r: requests.Response) -> float | None:
     value = r.headers.get("Retry-After", "")
     try:
         return min(max(float(value), 0.0), 60.0)  # capped: a bad header must not stall us for hours
@@ -58,7 +58,7 @@ def _retry_after(r: requests.Response) -> Optional[float]:
 
 
 class RefClient:
-    def __init__(self, urls: str | Sequence[str], token: Optional[str] = None, timeout: float = 30.0,
+    def __init__(self, urls: str | Sequence[str], token: str | None = None, timeout: float = 30.0,
                  max_retries: int = 20, backoff: float = 0.5, backoff_max: float = 10.0) -> None:
         if isinstance(urls, str):
             urls = urls.split(",")
@@ -119,7 +119,7 @@ class RefClient:
         while True:
             url = urls[attempt % len(urls)]
             attempt += 1
-            retry_after: Optional[float] = None
+            retry_after: float | None = None
             busy = False
             try:
                 r = self._session().request(method, url + path, timeout=(min(self.timeout, 10.0),
@@ -157,7 +157,7 @@ class RefClient:
                              headers={"Content-Type": CONTENT_TYPE})
         return str(r.json()["id"])
 
-    def get(self, timeout: float = 0.0) -> Optional[ScoredBatch]:
+    def get(self, timeout: float = 0.0) -> ScoredBatch | None:
         """The oldest scored batch, waiting (long-poll) up to `timeout` seconds; None if none came."""
         deadline = time.monotonic() + max(timeout, 0.0)
         first_pass = True
@@ -185,7 +185,7 @@ class RefClient:
             self._request("PUT", [url], "/weights", params={"version": str(version)}, data=blob,
                           headers={"Content-Type": "application/octet-stream"}, read_timeout=len(blob) / 50e6)
 
-    def weights_version(self) -> Optional[int]:
+    def weights_version(self) -> int | None:
         """The newest published policy version on the first server, or None before any publish."""
         _, r = self._request("GET", self.urls[:1], "/weights/version")
         v = r.json().get("version")
@@ -207,12 +207,12 @@ class RefClient:
                 got += n
         return int(r.headers["X-Policy-Version"]), buf
 
-    def health(self, url: Optional[str] = None, retry: bool = False) -> dict:
+    def health(self, url: str | None = None, retry: bool = False) -> dict:
         """GET /health of one server (default: the first): one attempt, or with the retry policy if `retry`."""
         _, r = self._request("GET", [url or self.urls[0]], "/health", retry=retry)
         return r.json()
 
-    def stats(self, url: Optional[str] = None) -> dict:
+    def stats(self, url: str | None = None) -> dict:
         """GET /stats of one server (default: the first), one attempt."""
         _, r = self._request("GET", [url or self.urls[0]], "/stats", retry=False)
         return r.json()
@@ -254,7 +254,7 @@ class RefClient:
         for s in sessions:
             s.close()
 
-    def __enter__(self) -> "RefClient":
+    def __enter__(self) -> RefClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,6 @@ chunk is checkpointed, so backward recomputes it instead of keeping every chunk 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -44,7 +42,7 @@ def attention_mask_from_lengths(total_lens: torch.Tensor, L: int) -> torch.Tenso
 
 def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
                          chunk_tokens: int = 256, with_entropy: bool = False
-                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden (B, T, H) predicting targets (B, T) -> logps (B, T) float32 [, entropy (B, T)]."""
     B, T, _ = hidden.shape
     step = max(1, chunk_tokens // max(B, 1))
@@ -65,7 +63,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
                       completion_lens: torch.Tensor, chunk_tokens: int = 256, with_entropy: bool = False
-                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM).
 
     input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).

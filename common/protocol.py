@@ -18,7 +18,6 @@ import struct
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from safetensors import SafetensorError
@@ -43,8 +42,8 @@ class RolloutBatch:
     prompt_lens: torch.Tensor                  # (B,) int64
     completion_lens: torch.Tensor              # (B,) int64
     advantages: torch.Tensor                   # (B,) float32
-    gen_logps: Optional[torch.Tensor] = None   # (B, T) float32, generation-time policy logprobs
-    rewards: Optional[torch.Tensor] = None     # (B,) float32, raw rewards (for metrics)
+    gen_logps: torch.Tensor | None = None   # (B, T) float32, generation-time policy logprobs
+    rewards: torch.Tensor | None = None     # (B,) float32, raw rewards (for metrics)
     policy_version: int = 0
     producer_id: str = ""
     batch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -69,10 +68,10 @@ class RolloutBatch:
 
 @dataclass
 class ScoredBatch(RolloutBatch):
-    ref_logps: Optional[torch.Tensor] = None   # (B, T) float32, reference-model logprobs (None when beta == 0)
+    ref_logps: torch.Tensor | None = None   # (B, T) float32, reference-model logprobs (None when beta == 0)
 
     @classmethod
-    def from_rollout(cls, rb: RolloutBatch, ref_logps: Optional[torch.Tensor]) -> "ScoredBatch":
+    def from_rollout(cls, rb: RolloutBatch, ref_logps: torch.Tensor | None) -> ScoredBatch:
         return cls(**{k: getattr(rb, k) for k in RolloutBatch.__dataclass_fields__}, ref_logps=ref_logps)
 
 
@@ -193,7 +192,7 @@ def _decode(data: bytes, kind: str) -> dict:
     return fields
 
 
-def decode_rollout(data: bytes, vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> RolloutBatch:
+def decode_rollout(data: bytes, vocab_size: int | None = None, max_seq_len: int | None = None) -> RolloutBatch:
     b = RolloutBatch(**_decode(data, "rollout"))
     validate_batch(b, vocab_size=vocab_size, max_seq_len=max_seq_len)
     return b
@@ -231,7 +230,7 @@ def _finite(lo: float, hi: float) -> bool:
     return math.isfinite(lo) and math.isfinite(hi)
 
 
-def validate_batch(b: RolloutBatch, vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> None:
+def validate_batch(b: RolloutBatch, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
     """Raise ProtocolError unless every tensor has the right dtype, rank, shape and range.
 
     One min/max pass per tensor (torch.aminmax) answers all of its range checks: finite iff
@@ -277,7 +276,8 @@ def validate_batch(b: RolloutBatch, vocab_size: Optional[int] = None, max_seq_le
             continue
         _check_tensor(name, t, _FLOAT, 2)
         if tuple(t.shape) != (B, T):
-            raise ProtocolError(f"{name!r} has shape {tuple(t.shape)}, expected ({B}, {T}) = (rows, max completion len)")
+            raise ProtocolError(f"{name!r} has shape {tuple(t.shape)}, "
+                                f"expected ({B}, {T}) = (rows, max completion len)")
         lo, hi = _minmax(t)
         if not _finite(lo, hi):
             raise ProtocolError(f"{name!r} contains NaN or inf")

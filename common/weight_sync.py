@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors.torch import load_file
@@ -84,7 +83,8 @@ def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
             numel *= int(d)
         if dtype is None or not 0 <= start <= end <= data_len or (end - start) != numel * dtype.itemsize:
             raise ValueError(f"weights blob: tensor {name!r} has a bad dtype, shape or offsets")
-        t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + start) if numel else torch.empty(0, dtype=dtype)
+        t = (torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + start) if numel
+             else torch.empty(0, dtype=dtype))
         out[name] = t.reshape(info["shape"])
     return out
 
@@ -107,12 +107,12 @@ def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 class WeightSync:
     """Publish (trainer rank 0) or follow (workers) the policy weights. Either `client` or `sync_dir`."""
 
-    def __init__(self, client=None, sync_dir: Optional[str] = None):
+    def __init__(self, client=None, sync_dir: str | None = None):
         if (client is None) == (sync_dir is None):
             raise ValueError("WeightSync needs exactly one of client (HTTP) or sync_dir (shared directory)")
         self.client = client
         self.dir = Path(sync_dir) if sync_dir else None
-        self.version: Optional[int] = None  # the version this process's model holds
+        self.version: int | None = None  # the version this process's model holds
         self.bytes_moved = 0
         self.seconds = 0.0
 
@@ -144,7 +144,7 @@ class WeightSync:
         return dt, len(body)
 
     # ---- worker side --------------------------------------------------------------------
-    def latest_version(self) -> Optional[int]:
+    def latest_version(self) -> int | None:
         if self.client is not None:
             return self.client.weights_version()
         try:
@@ -152,7 +152,7 @@ class WeightSync:
         except FileNotFoundError:
             return None
 
-    def follow(self, model: torch.nn.Module) -> Optional[int]:
+    def follow(self, model: torch.nn.Module) -> int | None:
         """Fetch and apply the newest weights if they are newer than ours; returns the new version or None."""
         latest = self.latest_version()
         if latest is None or (self.version is not None and latest <= self.version):

@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import bottle
 import torch
@@ -39,7 +38,7 @@ class ServerState:
     model: torch.nn.Module
     scorer: Scorer
     metrics: ServerMetrics
-    token: Optional[str]
+    token: str | None
     vocab_size: int
     max_seq_len: int
     long_polls: threading.BoundedSemaphore  # keeps waitress threads free for uploads
@@ -68,7 +67,7 @@ def _json(obj: dict, status: int = 200) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(json.dumps(obj), status=status, headers={"Content-Type": JSON})
 
 
-def _authorized(token: Optional[str], environ: dict) -> bool:
+def _authorized(token: str | None, environ: dict) -> bool:
     if token is None:
         return True
     # The raw WSGI value (a latin-1 str per PEP 3333): bottle's get_header() would try to
@@ -78,8 +77,8 @@ def _authorized(token: Optional[str], environ: dict) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), token.encode())
 
 
-def make_app(cfg: ServerConfig, model: Optional[torch.nn.Module] = None,
-             token: Optional[str] = None) -> tuple[bottle.Bottle, ServerState]:
+def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
+             token: str | None = None) -> tuple[bottle.Bottle, ServerState]:
     """Build the WSGI app and its state, loading the model unless one is given; starts the scorer thread.
 
     `token` defaults to resolve_token(cfg) (--token-file, then $GRPO_REF_TOKEN).

@@ -12,7 +12,6 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from common.config import build_parser, knob, load_config
 
@@ -25,7 +24,7 @@ class ServerConfig:
     (per-token reference logprobs) and hands the scored batches out FIFO.
     Flags take dashes or underscores (--max-queue = --max_queue); a bare boolean flag means true."""
 
-    model: Optional[str] = knob(None, "Reference model: a Hugging Face id or local directory ('tiny' = the "
+    model: str | None = knob(None, "Reference model: a Hugging Face id or local directory ('tiny' = the "
                                       "embedded tiny Qwen2). Required.")
     host: str = knob("127.0.0.1", "Address to bind. A non-loopback address needs a token (or --insecure).")
     port: int = knob(59875, "TCP port to listen on.")
@@ -35,9 +34,10 @@ class ServerConfig:
     max_output_queue: int = knob(256, "Scored batches waiting for /get; when full the scorer pauses, so the "
                                       "input queue fills and uploads get 503 (backpressure, never a drop).")
     max_body_mb: float = knob(64.0, "Largest accepted upload body in MiB (413 above).")
-    max_weights_mb: float = knob(16384.0, "Largest policy-weights publish (PUT /weights) in MiB. waitress spools request "
-                                                 "bodies to temp files up to max(max_body_mb, this) before the app runs.")
-    token_file: Optional[str] = knob(None, "File holding the bearer token that /upload and /get require "
+    max_weights_mb: float = knob(16384.0, "Largest policy-weights publish (PUT /weights) in MiB. waitress "
+                                          "spools request bodies to temp files up to max(max_body_mb, this) "
+                                          "before the app runs.")
+    token_file: str | None = knob(None, "File holding the bearer token that /upload and /get require "
                                            f"(default: ${TOKEN_ENV} if set, else no token).")
     insecure: bool = knob(False, "Allow binding a non-loopback address without a token.")
     threads: int = knob(8, "HTTP worker threads (waitress). Long-polling /get calls use at most half.")
@@ -49,7 +49,7 @@ class ServerConfig:
     drain_timeout: float = knob(5.0, "On SIGTERM/SIGINT: after the batch being scored is done, keep answering "
                                      "/get this many seconds while scored batches wait (a 2nd signal skips it).")
 
-    def validate(self) -> "ServerConfig":
+    def validate(self) -> ServerConfig:
         checks = [
             (bool(self.model), "--model is required"),
             (0 <= self.port <= 65535, "port must be in 0..65535"),
@@ -92,7 +92,7 @@ def _normalize_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def load_server_config(argv: Optional[list[str]] = None) -> ServerConfig:
+def load_server_config(argv: list[str] | None = None) -> ServerConfig:
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
     return load_config(ServerConfig, _normalize_flags(argv), prog="python -m ref_server")
@@ -103,7 +103,7 @@ def server_parser():
     return build_parser(ServerConfig, prog="python -m ref_server")
 
 
-def resolve_token(cfg: ServerConfig) -> Optional[str]:
+def resolve_token(cfg: ServerConfig) -> str | None:
     """Token from --token-file, else $GRPO_REF_TOKEN, else None. An empty token file is an error."""
     if cfg.token_file:
         path = Path(cfg.token_file)
@@ -125,7 +125,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(cfg: ServerConfig, token: Optional[str]) -> None:
+def check_bind(cfg: ServerConfig, token: str | None) -> None:
     """Refuse to expose an unauthenticated server beyond this machine unless asked to."""
     if not is_loopback(cfg.host) and token is None and not cfg.insecure:
         raise ValueError(f"refusing to bind {cfg.host!r} without a token: pass --token-file, set {TOKEN_ENV}, "

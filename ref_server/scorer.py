@@ -14,7 +14,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -145,7 +144,7 @@ class Scorer:
         metrics.p_depth.labels(queue="input").set_function(lambda: len(self.inq))
         metrics.p_depth.labels(queue="output").set_function(lambda: len(self.outq))
 
-    def start(self) -> "Scorer":
+    def start(self) -> Scorer:
         self.thread.start()
         return self
 
@@ -173,7 +172,7 @@ class Scorer:
             self.work.notify()
             return len(self.inq)
 
-    def take(self, wait: float = 0.0) -> Optional[bytes]:
+    def take(self, wait: float = 0.0) -> bytes | None:
         """Pop the oldest scored message, waiting up to `wait` seconds; None if nothing came."""
         deadline = time.monotonic() + wait
         with self.work:
@@ -200,7 +199,7 @@ class Scorer:
             log.warning("stopping: %d queued upload(s) not scored", dropped)
 
     # -- worker thread ----------------------------------------------------------------------
-    def _next_group(self) -> Optional[list[RolloutBatch]]:
+    def _next_group(self) -> list[RolloutBatch] | None:
         with self.work:
             while not self.stopping and (not self.inq or len(self.outq) >= self.max_output_queue):
                 self.work.wait()

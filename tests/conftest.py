@@ -13,10 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import pytest
 import requests
@@ -63,8 +63,8 @@ class ServerProcess:
 
 
 @contextmanager
-def start_ref_server(model_dir: str | os.PathLike, *args: str, port: Optional[int] = None,
-                     env: Optional[dict] = None, ready_timeout: float = 120.0) -> Iterator[ServerProcess]:
+def start_ref_server(model_dir: str | os.PathLike, *args: str, port: int | None = None,
+                     env: dict | None = None, ready_timeout: float = 120.0) -> Iterator[ServerProcess]:
     """Run `python -m ref_server --model DIR --port P ARGS...`, wait for /health, SIGTERM it at the end."""
     port = port or find_free_port()
     fd, log_name = tempfile.mkstemp(prefix="ref_server.", suffix=".log")

@@ -15,11 +15,11 @@ import psutil
 import pytest
 import requests
 import torch
+from conftest import REPO, find_free_port, start_ref_server, subprocess_env
+from test_ref_server import make_batch
 
 from common.protocol import encode_rollout
-from conftest import REPO, find_free_port, start_ref_server, subprocess_env
 from ref_server.config import ServerConfig
-from test_ref_server import make_batch
 
 TOKEN = "access-token-9f8e7d6c5b4a"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,7 +38,7 @@ def _read_response(s: socket.socket, timeout: float) -> bytes:
     while time.monotonic() < deadline:
         try:
             chunk = s.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             break
         except ConnectionResetError:
             break

@@ -13,7 +13,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from conftest import REPO, find_free_port, start_ref_server, subprocess_env
 
 pytestmark = pytest.mark.slow

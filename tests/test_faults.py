@@ -23,11 +23,11 @@ import psutil
 import pytest
 import requests
 import torch
-
-from common.protocol import decode_scored, encode_rollout
 from conftest import REPO, find_free_port, start_ref_server
 from test_e2e import TOY, env, read_rows
 from test_ref_server import make_batch
+
+from common.protocol import decode_scored, encode_rollout
 
 pytestmark = pytest.mark.slow
 
@@ -224,7 +224,7 @@ def test_trainer_sigkill_then_resume(fault_run):
 
 def test_batch_source_counts_batches_lost_with_the_server(monkeypatch):
     """Unit level: uploads in flight when the server went away are counted as lost and generated anew."""
-    import trainer.main as tm
+    import trainer.batches as tm
     from common.config import GRPOConfig, load_config
     from common.protocol import ScoredBatch
     from trainer.rollout import RolloutStats

@@ -20,11 +20,11 @@ import psutil
 import pytest
 import requests
 import torch
+from conftest import start_ref_server
+from test_ref_server import MAX_SEQ, VOCAB, make_batch
 
 from common.config import GRPOConfig, load_config
 from common.protocol import MAX_ROWS, ProtocolError, ScoredBatch, decode_scored, encode_rollout, encode_scored
-from conftest import start_ref_server
-from test_ref_server import MAX_SEQ, VOCAB, make_batch
 
 SEED = 20240607
 N_CASES = 2400
@@ -198,7 +198,7 @@ def raw_exchange(port: int, data: bytes, half_close: bool, timeout: float = 15.0
         try:
             while chunk := s.recv(65536):
                 got += chunk
-        except socket.timeout:
+        except TimeoutError:
             timed_out = True
         except ConnectionResetError:
             pass
@@ -312,7 +312,7 @@ def test_fuzz_no_5xx_no_crash(fuzz_server):
     srv = fuzz_server
     rng = random.Random(SEED)
     cases = []
-    for i in range(N_CASES):
+    for _ in range(N_CASES):
         if rng.random() < 0.4:
             cases.append(("raw", raw_case(rng)))
         else:
@@ -430,7 +430,7 @@ def test_decode_scored_rejects_a_rollout_message():
 
 
 def test_check_scored_rejects_what_this_trainer_cannot_use():
-    from trainer.main import check_scored
+    from trainer.batches import check_scored
 
     cfg = _cfg()
     ok = decode_scored(encode_scored(_scored()))
@@ -451,7 +451,7 @@ def test_check_scored_rejects_what_this_trainer_cannot_use():
 
 def test_batch_source_skips_a_bad_scored_batch_and_counts_it():
     """A bad batch from /get is logged, counted in rejected_batches and skipped; training goes on."""
-    from trainer.main import BatchSource
+    from trainer.batches import BatchSource
 
     bad = _scored()
     bad.input_ids = bad.input_ids.clone()

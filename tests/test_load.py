@@ -12,11 +12,11 @@ from collections import Counter
 
 import psutil
 import pytest
+from conftest import start_ref_server
+from test_ref_server import make_batch
 
 from common.client import RefClient
 from common.protocol import encode_rollout
-from conftest import start_ref_server
-from test_ref_server import make_batch
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,13 @@ import pytest
 import torch
 
 import common.logprobs as lp
-from common.logprobs import (attention_mask_from_lengths, completion_index, logprobs_from_hidden,
-                             logprobs_from_logits, sequence_logprobs)
+from common.logprobs import (
+    attention_mask_from_lengths,
+    completion_index,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+    sequence_logprobs,
+)
 
 
 def ref_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,21 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from common.protocol import (CONTENT_TYPE, MAX_META_CHARS, MAX_ROWS, PROTOCOL_VERSION, ProtocolError, RolloutBatch,
-                             ScoredBatch, collate, decode_rollout, decode_scored, encode_rollout, encode_scored,
-                             validate_batch)
+from common.protocol import (
+    CONTENT_TYPE,
+    MAX_META_CHARS,
+    MAX_ROWS,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    RolloutBatch,
+    ScoredBatch,
+    collate,
+    decode_rollout,
+    decode_scored,
+    encode_rollout,
+    encode_scored,
+    validate_batch,
+)
 
 VOCAB = 1000
 
@@ -40,7 +52,8 @@ def make_scored(ref: bool = True, **kw) -> ScoredBatch:
     ref_logps = None
     if ref:
         ref_logps = torch.zeros(rb.num_rows, rb.max_completion_len)
-        ref_logps[rb.completion_mask()] = -torch.rand(rb.num_completion_tokens(), generator=torch.Generator().manual_seed(7))
+        gen = torch.Generator().manual_seed(7)
+        ref_logps[rb.completion_mask()] = -torch.rand(rb.num_completion_tokens(), generator=gen)
     return ScoredBatch.from_rollout(rb, ref_logps)
 
 
@@ -573,8 +586,9 @@ def _mutate_header(header: dict, body: bytes, op: int, rng: random.Random) -> by
     elif op == 9:  # metadata values
         key = rng.choice(["kind", "protocol_version", "policy_version", "producer_id", "batch_id", "extra",
                           "surprise"])
-        h.setdefault("__metadata__", {})[key] = rng.choice(["", "rollout", "scored", "1", "0", "-3", "1e3", " 1", "null", "[]",
-                                             "{", '{"a":', "\x00", "x" * 70000, 1, None, [], {}])
+        h.setdefault("__metadata__", {})[key] = rng.choice(["", "rollout", "scored", "1", "0", "-3", "1e3", " 1",
+                                                            "null", "[]", "{", '{"a":', "\x00", "x" * 70000, 1,
+                                                            None, [], {}])
     elif op == 10:  # drop or rename an entry
         entry = h.pop(name if rng.random() < 0.7 else "__metadata__")
         if rng.random() < 0.5:

@@ -8,8 +8,17 @@ import time
 import pytest
 
 from trainer.rewards import (
-    REWARD_FNS, evaluate_countdown, extract_answer, load_reward_fns, parse_final_number, reward_contains,
-    reward_correct, reward_countdown, reward_format, reward_total, score_completion,
+    REWARD_FNS,
+    evaluate_countdown,
+    extract_answer,
+    load_reward_fns,
+    parse_final_number,
+    reward_contains,
+    reward_correct,
+    reward_countdown,
+    reward_format,
+    reward_total,
+    score_completion,
 )
 
 

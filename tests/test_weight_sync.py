@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import requests
 import torch
+from conftest import start_ref_server
 
 from common.client import RefClient, RefServerError
 from common.logprobs import sequence_logprobs
 from common.modeling import load_model
 from common.protocol import RolloutBatch, ScoredBatch
 from common.weight_sync import WeightSync, load_parameters, parameters_blob
-from conftest import start_ref_server
 
 
 def fixed_sequence():
@@ -165,7 +165,7 @@ def test_stale_batches_are_dropped_and_counted(server, tiny_model_dir):
     """BatchSource drops scored batches older than max_staleness versions."""
     from common.config import GRPOConfig
     from common.modeling import load_tokenizer
-    from trainer.main import BatchSource
+    from trainer.batches import BatchSource
 
     client = RefClient(server.url)
     while client.get(timeout=0.0) is not None:  # start from an empty queue

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 from common.prompts import SYSTEM_PROMPT  # re-exported: the R1-style prompt (simple_GRPO's wording)
 
@@ -63,7 +64,7 @@ def _row_to_example(row: Any, where: str) -> Example:
     return Example(prompt=prompt, ground_truth=gt, meta=meta)
 
 
-def _read_jsonl(path: Path, limit: Optional[int]) -> list[Example]:
+def _read_jsonl(path: Path, limit: int | None) -> list[Example]:
     out: list[Example] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -79,7 +80,7 @@ def _read_jsonl(path: Path, limit: Optional[int]) -> list[Example]:
     return out
 
 
-def _read_parquet(path: Path, limit: Optional[int]) -> list[Example]:
+def _read_parquet(path: Path, limit: int | None) -> list[Example]:
     import pyarrow.parquet as pq  # a dependency of `datasets`; reads without touching the HF cache
 
     rows = pq.read_table(path).to_pylist()
@@ -87,7 +88,7 @@ def _read_parquet(path: Path, limit: Optional[int]) -> list[Example]:
     return [_row_to_example(r, f"{path}:row {i}") for i, r in enumerate(rows, 1)]
 
 
-def _read_file(path: Path, limit: Optional[int]) -> list[Example]:
+def _read_file(path: Path, limit: int | None) -> list[Example]:
     if path.suffix == ".jsonl":
         return _read_jsonl(path, limit)
     if path.suffix == ".parquet":
@@ -114,7 +115,7 @@ def _looks_local(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.endswith(_FILE_SUFFIXES + (".json",))
 
 
-def load_examples(source: str, split: str = "train", limit: Optional[int] = None) -> list[Example]:
+def load_examples(source: str, split: str = "train", limit: int | None = None) -> list[Example]:
     """Examples from `source`, first `limit` rows only when given.
 
     source: "arith" (the synthetic task in trainer/arith.py); an existing directory holding
@@ -143,7 +144,7 @@ def load_examples(source: str, split: str = "train", limit: Optional[int] = None
     return examples
 
 
-def _load_hub(source: str, split: str, limit: Optional[int]) -> list[Example]:
+def _load_hub(source: str, split: str, limit: int | None) -> list[Example]:
     import datasets
 
     ds = datasets.load_dataset(source, _HUB_CONFIGS.get(source), split=split)
@@ -153,7 +154,7 @@ def _load_hub(source: str, split: str, limit: Optional[int]) -> list[Example]:
 
 
 # ----------------------------------------------------------------------------- prompts
-def build_prompt(tokenizer, question: str, system_prompt: Optional[str] = SYSTEM_PROMPT) -> str:
+def build_prompt(tokenizer, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> str:
     """The chat-templated prompt text, ending with the assistant turn opener.
 
     A tokenizer without a chat template is an error: a plain-text fallback would train on a

@@ -28,7 +28,6 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo.json"
@@ -40,7 +39,7 @@ QUICK = dict(sft_steps=30, eval_limit=100, grpo_steps=6, grpo_eval_steps=3, grpo
 DEV_HOLDOUT = 500  # the first 500 train-split problems: SFT's stopping check reads them, SFT never trains on them
 
 
-def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -232,7 +231,7 @@ def make_plot(metrics: list[dict], before: dict, after: dict, steps: int, path: 
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     a, extra = parse_args(argv)
     t_start = time.time()
     run_dir = Path(a.run_dir).resolve()
@@ -418,7 +417,7 @@ def _raise_interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def _system_prompt(sp: Optional[str]) -> Optional[str]:
+def _system_prompt(sp: str | None) -> str | None:
     from common.prompts import SYSTEM_PROMPT
     return SYSTEM_PROMPT if sp == "default" else sp
 

@@ -8,19 +8,18 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 from tqdm import tqdm
 
 from common.modeling import eos_ids, load_model, load_tokenizer
 from trainer.data import Example, load_examples
-from trainer.rollout import encode_prompts, sample
 from trainer.rewards import reward_correct, reward_format
+from trainer.rollout import encode_prompts, sample
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: Optional[str] = "default",
+def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
              num_samples: int = 20, progress: bool = True) -> dict:
     """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0."""

@@ -7,8 +7,6 @@ there are no generation-time logprobs), aggregated over completion tokens only.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 AGGREGATIONS = ("seq_mean", "token_mean", "dr_grpo")
@@ -38,7 +36,7 @@ def k3_kl(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def grpo_loss(logps: torch.Tensor, ref_logps: Optional[torch.Tensor], gen_logps: Optional[torch.Tensor],
+def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, eps_low: float, eps_high: float,
               aggregation: str, max_new_tokens: int) -> torch.Tensor:
     """Scalar GRPO loss. logps/ref_logps/gen_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool."""
@@ -65,7 +63,7 @@ def grpo_loss(logps: torch.Tensor, ref_logps: Optional[torch.Tensor], gen_logps:
 
 
 @torch.no_grad()
-def loss_stats(logps: torch.Tensor, ref_logps: Optional[torch.Tensor], gen_logps: Optional[torch.Tensor],
+def loss_stats(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: torch.Tensor | None,
                advantages: torch.Tensor, mask: torch.Tensor, *, eps_low: float, eps_high: float) -> dict:
     """Diagnostics over masked tokens: mean k3 KL to the reference and the fraction of clipped ratios."""
     m = mask.bool()

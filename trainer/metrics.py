@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +19,8 @@ class MetricsLogger:
     """Written by rank 0 only. On resume, rows after the restored step are dropped so that
     the file never holds a step twice (the steps after the last checkpoint are re-run)."""
 
-    def __init__(self, out_dir: str | Path, resume_step: Optional[int] = None, use_wandb: bool = False,
-                 run_config: Optional[dict] = None):
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None, use_wandb: bool = False,
+                 run_config: dict | None = None):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"

@@ -19,8 +19,9 @@ import math
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 RewardFn = Callable[[str, str], float]
 
@@ -40,7 +41,7 @@ _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}"
 
 class _Num(NamedTuple):
     value: Fraction
-    places: Optional[int]  # decimal places as written; None for integers and a/b fractions
+    places: int | None  # decimal places as written; None for integers and a/b fractions
     is_ratio: bool  # written as a/b
 
 
@@ -56,7 +57,7 @@ def _digits(s: str) -> int:
     return sum(c.isdigit() for c in s)
 
 
-def _parse_match(m: re.Match) -> Optional[_Num]:
+def _parse_match(m: re.Match) -> _Num | None:
     num, den = m.group("num").replace(",", ""), m.group("den")
     if _digits(num) + (_digits(den) if den else 0) > MAX_NUMBER_DIGITS:
         return None
@@ -76,14 +77,14 @@ def _numbers(text: str) -> list[re.Match]:
     return list(_NUMBER_RE.finditer(text))
 
 
-def _last_boxed(text: str) -> Optional[str]:
+def _last_boxed(text: str) -> str | None:
     found = None
     for m in _BOXED_RE.finditer(text):
         found = m.group(1)
     return found
 
 
-def extract_answer(completion: str) -> Optional[str]:
+def extract_answer(completion: str) -> str | None:
     """Content of the last closed <answer>...</answer>, or None when there is none.
 
     Found with rfind (linear time) rather than a lazy regex, which is quadratic on
@@ -104,7 +105,7 @@ def _answer_span(completion: str) -> str:
     return span if boxed is None else boxed
 
 
-def parse_final_number(text: str) -> Optional[Fraction]:
+def parse_final_number(text: str) -> Fraction | None:
     """The last number in `text` as an exact Fraction, or None (no number, too long, x/0)."""
     ms = _numbers(_normalise(text))
     if not ms:
@@ -154,7 +155,7 @@ def reward_correct(completion: str, ground_truth: str) -> float:
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-def reward_format(completion: str, ground_truth: Optional[str] = None) -> float:
+def reward_format(completion: str, ground_truth: str | None = None) -> float:
     """1.25 for exactly `<think>...</think>` then `<answer>...</answer>`, else -1.0 (as simple_GRPO).
 
     `ground_truth` is unused; it is accepted so the function is a RewardFn like the others.
@@ -225,7 +226,7 @@ def _eval_node(node: ast.AST, used: list[int], depth: int = 0) -> Fraction:
     raise _Reject(f"disallowed syntax {type(node).__name__}")
 
 
-def evaluate_countdown(expr: str) -> Optional[tuple[Fraction, list[int]]]:
+def evaluate_countdown(expr: str) -> tuple[Fraction, list[int]] | None:
     """(value, integer literals used) of a + - * / ( ) expression, or None when it is not one.
 
     Never eval()s: the text is checked against a character whitelist, parsed with

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
@@ -33,7 +33,7 @@ class RolloutStats:
     components: dict = field(default_factory=dict)
 
 
-def encode_prompts(tokenizer, examples: list[Example], system_prompt: Optional[str], max_prompt_length: int
+def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int
                    ) -> tuple[list[tuple[Example, list[int]]], int]:
     """Chat-template and tokenise; prompts over max_prompt_length are dropped and counted."""
     kept, skipped = [], 0
@@ -89,7 +89,8 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], n: int, *, max_new_tok
     return out
 
 
-def pack_rows(rows: list[tuple[list[int], torch.Tensor]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_rows(rows: list[tuple[list[int], torch.Tensor]], pad_id: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[(prompt ids, completion ids)] -> right-padded input_ids (B, L), prompt_lens, completion_lens."""
     L = max(len(p) + len(c) for p, c in rows)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -23,8 +23,8 @@ from trainer.rollout import encode_prompts
 
 
 def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str], *, steps: int,
-        batch_size: int, lr: float, seed: int, system_prompt: Optional[str] = "", progress: bool = True,
-        on_step: Optional[Callable[[int, float], Optional[bool]]] = None) -> list[float]:
+        batch_size: int, lr: float, seed: int, system_prompt: str | None = "", progress: bool = True,
+        on_step: Callable[[int, float], bool | None] | None = None) -> list[float]:
     """Train in place; returns the loss per step. on_step(step, loss) is called after each step and
     stops the training early by returning True."""
     rng = random.Random(seed)

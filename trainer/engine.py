@@ -1,0 +1,84 @@
+"""DeepSpeed for the policy: distributed init, the ds_config this GRPOConfig implies, the LR schedule,
+and the engine wrapping the model (resumed from output_dir/ds when asked)."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from common.config import GRPOConfig
+from common.modeling import load_model
+
+log = logging.getLogger("trainer")
+
+
+def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
+    """ds_config.json with the fields this config owns filled in (one source of truth for each knob)."""
+    ds = json.loads(Path(cfg.ds_config).read_text())
+    ds.pop("train_batch_size", None)  # derived: micro (1 training batch) x accumulation x world
+    ds["train_micro_batch_size_per_gpu"] = 1
+    ds["gradient_accumulation_steps"] = cfg.grad_accum
+    ds["gradient_clipping"] = cfg.grad_clip
+    opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    opt.setdefault("params", {}).update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if not on_gpu:
+        opt["params"]["torch_adam"] = True  # no fused-op compilation on CPU
+    if cfg.zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = cfg.zero_stage
+    bf16 = ds.setdefault("bf16", {})
+    if bf16.get("enabled") == "auto":
+        bf16["enabled"] = bool(on_gpu and torch.cuda.is_bf16_supported())
+    return ds
+
+
+def lr_lambda(cfg: GRPOConfig):
+    def f(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "cosine":
+            total = max(1, cfg.all_steps * cfg.mu - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup_steps) / total)))
+        return 1.0
+    return f
+
+
+def init_deepspeed(cfg: GRPOConfig):
+    import deepspeed
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 40 s gcc build of the shm op
+    deepspeed.init_distributed(dist_backend=None if on_gpu else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    return deepspeed, rank, world, on_gpu
+
+
+def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
+    """The policy under DeepSpeed. Returns (engine, zero_stage, start_step); start_step > 0 after a resume."""
+    model = load_model(model_path, device="cpu", dtype="float32", trainable=True)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    ds_cfg = ds_config_for(cfg, on_gpu)
+    zero_stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
+    start_step = 0
+    if cfg.resume:
+        ds_dir = Path(cfg.output_dir) / "ds"
+        path, client_state = engine.load_checkpoint(str(ds_dir))
+        if path is None:
+            log.info("--resume: no DeepSpeed checkpoint in %s, starting from step 0", ds_dir)
+        else:
+            start_step = int(client_state["step"])
+            log.info("resumed from %s at step %d", path, start_step)
+    return engine, zero_stage, start_step

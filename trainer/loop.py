@@ -1,0 +1,208 @@
+"""The training loop on each DeepSpeed rank: one GRPO step per batch, metrics, eval, weight publishing.
+
+A step: BatchSource (trainer/batches.py) hands over scored groups -> train_step computes per-token
+logprobs (common/logprobs.py) and the GRPO loss (trainer/grpo.py) -> DeepSpeed backward + step ->
+metrics reduced over ranks -> rank 0 publishes the weights for the genonly workers (common/weight_sync.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from common.client import RefServerError
+from common.config import GRPOConfig, to_dict
+from common.logprobs import sequence_logprobs
+from common.modeling import eos_ids, load_tokenizer, resolve_model_path
+from common.protocol import ScoredBatch
+from common.weight_sync import WeightSync
+from trainer.batches import BatchSource
+from trainer.checkpoint import save_hf
+from trainer.data import PromptSampler, load_examples
+from trainer.engine import build_engine, init_deepspeed
+from trainer.grpo import grpo_loss, loss_stats
+from trainer.rewards import load_reward_fns
+from trainer.rollout import RolloutStats
+from trainer.runtime import make_client, setup_logging
+
+log = logging.getLogger("trainer")
+
+
+def batch_metrics(b: ScoredBatch) -> dict:
+    """Reward metrics of the batch trained on (its rollouts came from whichever producer)."""
+    out = {}
+    if b.rewards is not None:
+        out["reward_mean"] = float(b.rewards.mean())
+        out["reward_std"] = float(b.rewards.std()) if b.rewards.numel() > 1 else 0.0
+    comps = b.extra.get("components", {})
+    if "correct" in comps:
+        out["correct_rate"] = sum(v > 0 for v in comps["correct"]) / max(len(comps["correct"]), 1)
+    if "format" in comps:
+        out["format_rate"] = sum(v > 0 for v in comps["format"]) / max(len(comps["format"]), 1)
+    out["completion_len"] = float(b.completion_lens.float().mean())
+    return out
+
+
+def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
+    """mu optimisation passes over one training batch; returns loss and diagnostics."""
+    device = next(engine.module.parameters()).device
+    mask = b.completion_mask().to(device)
+    if cfg.mask_truncated and "truncated" in b.extra:
+        keep = ~torch.tensor(b.extra["truncated"], dtype=torch.bool, device=device)
+        mask = mask & keep[:, None]
+    adv = b.advantages.to(device)
+    gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
+    ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
+    stats: dict = {}
+    for _ in range(cfg.mu):
+        logps, ent = sequence_logprobs(engine.module, b.input_ids, b.prompt_lens, b.completion_lens,
+                                       chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
+        logps = logps.float()
+        loss = grpo_loss(logps, ref, gen, adv, mask, beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                         aggregation=cfg.aggregation, max_new_tokens=cfg.max_new_tokens)
+        engine.backward(loss)
+        engine.step()
+        if not stats:  # diagnostics of the first pass: the policy that saw this batch
+            stats = loss_stats(logps, ref, gen, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+            m = mask.float()
+            stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
+            stats["loss"] = float(loss.detach())
+    return stats
+
+
+def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) -> dict:
+    """Combine per-rank metrics: means, sums (counts, rank-0-only figures) and maxima."""
+    dist = torch.distributed
+    vals = lambda keys: torch.tensor([float(d.get(k, 0.0)) for k in keys], dtype=torch.float64)  # noqa: E731
+    m, t, x = vals(mean), vals(total), vals(most)
+    dist.all_reduce(m)
+    dist.all_reduce(t)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    m /= dist.get_world_size()
+    return {**dict(zip(mean, m.tolist())), **dict(zip(total, t.tolist())), **dict(zip(most, x.tolist()))}
+
+
+def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
+    from trainer.evaluate import evaluate
+    res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt,
+                   max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                   max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False)
+    return {"eval_accuracy": res["accuracy"], "eval_format": res["format_rate"], "eval_n": res["n"]}
+
+
+# --------------------------------------------------------------------------- train
+def train(cfg: GRPOConfig) -> None:
+    from tqdm import tqdm
+
+    from trainer.metrics import MetricsLogger
+
+    deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
+    setup_logging(f"rank{rank}")
+    torch.manual_seed(cfg.seed + rank)
+    out = Path(cfg.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        resolve_model_path(cfg.model)
+    torch.distributed.barrier()  # rank 0 builds the tiny model once; the others then find it cached
+    model_path = resolve_model_path(cfg.model)
+    tok = load_tokenizer(model_path)
+    engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
+    policy = engine.module
+    vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
+
+    client = make_client(cfg)
+    client.wait_ready(timeout=300)
+    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
+    eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit) \
+        if (cfg.eval_steps or cfg.eval_before) else []
+    sampler = PromptSampler(examples, seed=cfg.seed + 7919 * start_step, shard=rank, num_shards=world)
+    source = BatchSource(cfg, client, policy, tok, sampler, load_reward_fns(cfg.reward_fns), eos_ids(tok, policy),
+                         vocab, producer_id=f"trainer-rank{rank}")
+    metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
+                            run_config=to_dict(cfg)) if rank == 0 else None
+
+    syncer = None
+    if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
+        syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir)
+
+    def publish_rank0(version: int) -> tuple[float, int]:
+        try:
+            return syncer.publish(policy, version)
+        except RefServerError as e:
+            if e.status != 409:
+                raise
+            # Resumed while the server kept weights of a later step from before the crash: it accepts
+            # only newer versions, so publishing picks up again once the step count passes them.
+            log.warning("policy v%d not published (%s); workers keep the server's weights until a newer step",
+                        version, e.message)
+            return 0.0, 0
+
+    def publish(version: int) -> dict:
+        """Rank 0 publishes the live weights (gathered under ZeRO-3, which needs every rank)."""
+        if syncer is None:
+            return {}
+        if zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
+                res = publish_rank0(version) if rank == 0 else (0.0, 0)
+        else:
+            res = publish_rank0(version) if rank == 0 else (0.0, 0)
+        return {"sync_s": res[0], "sync_mb": res[1] / 1e6}
+
+    publish(start_step)
+
+    def maybe_eval(step: int) -> dict:
+        res = run_eval(policy, tok, cfg, eval_examples) if rank == 0 else {}
+        torch.distributed.barrier()
+        if rank == 0:
+            log.info("eval at step %d: accuracy %.3f format %.3f", step, res["eval_accuracy"], res["eval_format"])
+        return res
+
+    if cfg.eval_before and start_step == 0 and eval_examples:
+        res = maybe_eval(0)
+        if metrics:
+            metrics.log(0, {**res, "phase": "eval_before"})
+
+    keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
+            "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness"]
+    sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
+                "sync_s", "sync_mb"]
+    bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
+    for step in range(start_step + 1, cfg.all_steps + 1):
+        t0 = time.time()
+        batch, info = source.next(policy_version=step - 1)
+        t1 = time.time()
+        stats = train_step(engine, batch, cfg)
+        own: RolloutStats = info["own_gen"]
+        row = {**batch_metrics(batch), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
+               "skipped_groups": own.skipped_no_spread, "skipped_long_prompts": own.skipped_long_prompt,
+               "rejected_batches": info["rejected_batches"], "lost_batches": info["lost_batches"],
+               "staleness": (step - 1) - batch.policy_version,
+               "tokens_per_s": batch.num_completion_tokens() / max(time.time() - t1, 1e-9),
+               "step_s": time.time() - t0}
+        row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
+        row["dropped_stale"] = info["dropped_stale"]
+        if syncer is not None and step % cfg.sync_steps == 0:
+            row.update(publish(step))
+        row = reduce_metrics(row, keys, sum_keys, ["staleness_max"])
+        if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
+            row.update(maybe_eval(step))
+        if rank == 0 and step % cfg.log_every == 0:
+            row["lr"] = engine.get_lr()[0]
+            metrics.log(step, row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}")
+        bar.update(1)
+        if step % cfg.save_steps == 0 or step == cfg.all_steps:
+            engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
+            if step % cfg.save_steps == 0:
+                save_hf(engine, tok, out / f"step_{step}", rank, zero_stage)
+    save_hf(engine, tok, out / "final", rank, zero_stage)
+    bar.close()
+    if metrics:
+        metrics.close()
+    log.info("training done: %d steps", cfg.all_steps)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,69 @@
+"""Generate-only worker: sample groups with the current policy, reward them, upload them to the ref
+server, and follow the policy weights rank 0 publishes (between rounds)."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import torch
+
+from common.client import RefServerError
+from common.config import GRPOConfig
+from common.modeling import eos_ids, load_model, load_tokenizer
+from common.weight_sync import WeightSync
+from trainer.data import PromptSampler, load_examples
+from trainer.rewards import load_reward_fns
+from trainer.rollout import generate_batches
+from trainer.runtime import make_client, setup_logging
+
+log = logging.getLogger("trainer")
+
+
+def genonly(cfg: GRPOConfig) -> None:
+    """Generate-only worker: produce and upload rollouts until stopped (SIGTERM/SIGINT end it cleanly)."""
+    setup_logging(f"worker{cfg.worker_id}")
+    stop = {"now": False}
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: finishing this round, then exiting", signum)
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
+    tok = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, device=cfg.device, dtype="auto")
+    client = make_client(cfg)
+    client.wait_ready(timeout=300)
+    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
+    sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
+    reward_fns, eos = load_reward_fns(cfg.reward_fns), eos_ids(tok, model)
+    syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
+    rounds = uploaded = 0
+    t_start = time.time()
+    while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
+        try:
+            q = client.health(retry=True).get("queues", {})  # an outage: backoff, logged once by the client
+            if q.get("input", 0) + q.get("output", 0) >= cfg.worker_max_queued:
+                time.sleep(0.2)  # the trainer has enough to chew on; generate later, with newer weights
+                continue
+            if syncer is not None:  # between rounds: swap in newer policy weights, if any
+                syncer.follow(model)
+            version = syncer.version if syncer is not None and syncer.version is not None else 0
+            batches, st = generate_batches(model, tok, sampler.next_batch(cfg.Q_batch_size), cfg, reward_fns, eos,
+                                           policy_version=version, producer_id=f"worker{cfg.worker_id}")
+            for rb in batches:
+                if stop["now"]:
+                    break
+                client.upload(rb)
+                uploaded += 1
+        except RefServerError as e:  # the client already retried with backoff; keep going, say so
+            log.warning("ref server problem, retrying next round: %s", e)
+            time.sleep(1.0)
+            continue
+        rounds += 1
+        if rounds % 10 == 0:
+            log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
+                     uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
+    log.info("worker done: %d rounds, %d batches uploaded in %.0f s", rounds, uploaded, time.time() - t_start)
