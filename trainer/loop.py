@@ -20,7 +20,7 @@ from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.protocol import ScoredBatch
 from common.weight_sync import WeightSync
 from trainer.batches import BatchSource
-from trainer.checkpoint import save_hf
+from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats
@@ -112,6 +112,7 @@ def train(cfg: GRPOConfig) -> None:
     tok = load_tokenizer(model_path)
     engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
     policy = engine.module
+    hf_dtype = source_dtype(model_path)  # HF checkpoints in the model's own dtype
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
     client = make_client(cfg)
@@ -196,10 +197,8 @@ def train(cfg: GRPOConfig) -> None:
             bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}")
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
-            engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
-            if step % cfg.save_steps == 0:
-                save_hf(engine, tok, out / f"step_{step}", rank, zero_stage)
-    save_hf(engine, tok, out / "final", rank, zero_stage)
+            save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
+    save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype)
     bar.close()
     if metrics:
         metrics.close()
