@@ -16,7 +16,7 @@ import torch
 from common.client import RefServerError
 from common.config import GRPOConfig, to_dict
 from common.logprobs import sequence_logprobs
-from common.modeling import eos_ids, load_tokenizer, resolve_model_path
+from common.modeling import eos_ids, load_tokenizer, pick_dtype, resolve_model_path
 from common.protocol import ScoredBatch
 from common.weight_sync import WeightSync
 from trainer.batches import BatchSource
@@ -130,9 +130,12 @@ def train(cfg: GRPOConfig) -> None:
     if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
         syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir)
 
+    # workers with an explicit dtype get the weights in it (bf16: half the bytes through the relay)
+    publish_dtype = None if cfg.worker_dtype == "auto" else pick_dtype(cfg.worker_dtype, torch.device("cpu"))
+
     def publish_rank0(version: int) -> tuple[float, int]:
         try:
-            return syncer.publish(policy, version)
+            return syncer.publish(policy, version, dtype=publish_dtype)
         except RefServerError as e:
             if e.status != 409:
                 raise
