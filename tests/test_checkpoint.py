@@ -70,3 +70,19 @@ def test_tensorboard_has_no_duplicate_step_after_resume(tmp_path):
     assert _tb_steps(tmp_path / "tensorboard", "loss") == [1, 2, 3, 4, 5, 6]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[-2]["loss"] == 15.0
+
+
+def test_config_knobs_of_issue_11():
+    from common.config import GRPOConfig, load_config
+
+    cfg = load_config(GRPOConfig, ["--save_total_limit", "3", "--worker_dtype", "bfloat16",
+                                   "--train_zero_spread", "true"])
+    assert (cfg.save_total_limit, cfg.worker_dtype, cfg.train_zero_spread) == (3, "bfloat16", True)
+    assert GRPOConfig().save_total_limit == 2 and GRPOConfig().train_zero_spread is False
+    for bad in (["--save_total_limit", "-1"], ["--worker_dtype", "int8"], ["--log_stall_every", "0"]):
+        try:
+            load_config(GRPOConfig, bad)
+        except ValueError as e:
+            assert bad[0].lstrip("-") in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import REPO, find_free_port, start_ref_server, subprocess_env
+from conftest import REPO, start_ref_server, subprocess_env
 
 from common.client import RefClient
 
@@ -87,3 +87,55 @@ def test_paths_are_relative_to_the_caller_and_logs_rotate(tmp_path, free_port):
     assert sorted(p.name for p in (run / "ds").iterdir() if p.is_dir()) == ["step3"]
     assert sorted(p.name for p in run.glob("step_*")) == ["step_1"]
     assert (run / "final" / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def qwen_base_bf16_dir(request) -> Path:
+    """The base real-vocabulary checkpoint stored in bfloat16, as Qwen ships it."""
+    from qwen_vocab import cached_checkpoint
+    return cached_checkpoint(request.config.cache.mkdir("qwen_vocab"), "base", dtype="bfloat16")
+
+
+def _read_rows(run: Path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+REAL = ["--data", "/work/shared/data/gsm8k", "--reward_fns", "toy_rewards:digit_fraction", "--max_new_tokens", "6",
+        "--num_pre_Q", "2", "--max_prompt_length", "400", "--get_wait", "3", "--train_zero_spread", "true",
+        "--save_steps", "1", "--all_steps", "2", "--data_limit", "16"]
+
+
+@pytest.mark.parametrize("variant", ["base_bf16", "instruct"])
+def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
+    """launch.sh train on a Qwen2.5-vocabulary checkpoint: checkpoints keep eos, pad, template and dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not Path("/work/shared/data/gsm8k/train.jsonl").is_file():
+        pytest.skip("GSM8K not available at /work/shared/data/gsm8k")
+    model = request.getfixturevalue("qwen_base_bf16_dir" if variant == "base_bf16" else "qwen_instruct_dir")
+    # base: no system turn at all; instruct: bf16 ref server and workers (launch.sh flags)
+    launcher = [] if variant == "base_bf16" else ["--ref-dtype", "bfloat16", "--worker-dtype", "bfloat16"]
+    trainer = ["--system_prompt", "none"] if variant == "base_bf16" else []
+    run = tmp_path / "run"
+    proc = launch("--run-dir", str(run), "--workers", "1", "--port", str(free_port), *launcher, "--",
+                  "--model", str(model), *REAL, *trainer, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in _read_rows(run)] == [1, 2]
+    src_tok = AutoTokenizer.from_pretrained(model)
+    for name in ("step_1", "final"):
+        tok = AutoTokenizer.from_pretrained(run / name)
+        assert (tok.eos_token, tok.pad_token) == (src_tok.eos_token, src_tok.pad_token)
+        assert tok.chat_template == src_tok.chat_template and len(tok) == 151665
+        conf = AutoConfig.from_pretrained(run / name)
+        assert conf.dtype == AutoConfig.from_pretrained(model).dtype  # the model's own dtype on disk
+    assert not (run / "step_2").exists()
+    m = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert m.get_input_embeddings().weight.shape[0] == 151936
+    stops = "stop ids: [151643, 151645]"
+    assert stops in (run / "worker0.log").read_text() and stops in (run / "trainer.log").read_text()
+    if variant == "instruct":  # bf16 workers get bf16 weights: half the bytes of float32 through the relay
+        numel = sum(p.numel() for p in m.parameters())
+        sync_mb = max(r.get("sync_mb", 0) for r in _read_rows(run))
+        assert numel * 2 <= sync_mb * 1e6 < numel * 2 + 1e6
+        assert "bfloat16" in (run / "ref_server.log").read_text()
