@@ -12,11 +12,16 @@
 #   --ref-url URL      use a running ref server instead of starting one
 #   --ref-model M      model for the ref server (default: the trainer's --model, or 'tiny')
 #   --ref-device D     device for the ref server (auto, cpu, cuda:N; default auto)
+#   --ref-dtype D      dtype of the ref server's model (auto, bfloat16, float32; default auto)
+#   --worker-dtype D   dtype of the genonly workers, also the dtype rank 0 publishes weights in (default auto)
 #   --port P           port of the ref server started here (default 59875)
 #   --token-file F     bearer token file shared by server and clients
 #   --master-port P    DeepSpeed rendezvous port (default: a free one)
-# Everything this script starts is stopped on exit, error or Ctrl-C; each process logs to RUN_DIR/<name>.log.
+# Everything this script starts is stopped on exit, error or Ctrl-C; each process logs to RUN_DIR/<name>.log
+# (an earlier attempt's log is kept as <name>.log.1, .2, ...). Relative paths (--run-dir, --config, --token-file,
+# and --model/--ref_model/--data/--ds_config/--sync_dir after --) are taken from where you run this script.
 set -euo pipefail
+CALLER_DIR=$(pwd)
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 
@@ -42,24 +47,41 @@ if [ "$MODE" = demo ]; then
 fi
 
 RUN_DIR="runs/$(date +%Y%m%d-%H%M%S)"; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
-PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=()
+PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=(); REF_DTYPE=auto; WORKER_DTYPE=""
+from_caller() {  # a path the user typed, relative to where they ran us (we cd'ed to the repository)
+  case "$1" in /*|"") printf '%s' "$1" ;; *) printf '%s' "$CALLER_DIR/$1" ;; esac
+}
+maybe_path() {  # a --model/--data value: a path when it names something there or starts with ./ ../ ~
+  case "$1" in
+    ./*|../*) from_caller "$1" ;;
+    *) if [ -e "$CALLER_DIR/$1" ] && [ "$CALLER_DIR" != "$(pwd)" ]; then from_caller "$1"; else printf '%s' "$1"; fi ;;
+  esac
+}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --run-dir) RUN_DIR=$2; shift 2 ;;
-    --config) CONFIG=$2; shift 2 ;;
+    --run-dir) RUN_DIR=$(from_caller "$2"); shift 2 ;;
+    --config) CONFIG=$(from_caller "$2"); shift 2 ;;
     --workers) WORKERS=$2; shift 2 ;;
     --gpus) GPUS=$2; shift 2 ;;
     --ref-url) REF_URL=$2; shift 2 ;;
-    --ref-model) REF_MODEL=$2; shift 2 ;;
+    --ref-model) REF_MODEL=$(maybe_path "$2"); shift 2 ;;
+    --ref-dtype) REF_DTYPE=$2; shift 2 ;;
+    --worker-dtype) WORKER_DTYPE=$2; shift 2 ;;
     --ref-device) REF_DEVICE=$2; shift 2 ;;
     --port) PORT=$2; shift 2 ;;
-    --token-file) TOKEN_FILE=$2; shift 2 ;;
+    --token-file) TOKEN_FILE=$(from_caller "$2"); shift 2 ;;
     --master-port) MASTER_PORT=$2; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option '$1'" >&2; usage; exit 2 ;;
   esac
 done
+for i in "${!EXTRA[@]}"; do  # path-valued trainer flags: relative to the caller too
+  case "${EXTRA[$i]}" in
+    --model|--ref_model|--data|--ds_config|--sync_dir) j=$((i + 1)); [ $j -lt ${#EXTRA[@]} ] && EXTRA[$j]=$(maybe_path "${EXTRA[$j]}") ;;
+  esac
+done
+[ -n "$WORKER_DTYPE" ] && EXTRA+=(--worker_dtype "$WORKER_DTYPE")  # workers load in it, rank 0 publishes in it
 mkdir -p "$RUN_DIR"
 CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 # The trainer's model (from --config or --model in EXTRA) also serves as reference unless told otherwise.
@@ -96,8 +118,15 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+rotate() {  # keep an earlier attempt's log (a crashed run's, before --resume) as NAME.log.1, .2, ...
+  local f="$RUN_DIR/$1.log" n=1
+  [ -e "$f" ] || return 0
+  while [ -e "$f.$n" ]; do n=$((n + 1)); done
+  mv "$f" "$f.$n"
+}
 start() {  # start NAME CMD...: own process group, log to RUN_DIR/NAME.log
   local name=$1; shift
+  rotate "$name"
   setsid "$@" >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
   echo "[launch] $name (pid $!) -> $RUN_DIR/$name.log" >&2
@@ -108,13 +137,44 @@ if [ -n "$TOKEN_FILE" ]; then
   export GRPO_REF_TOKEN=$(tr -d '[:space:]' <"$TOKEN_FILE")
   TOKEN_ARGS=(--token-file "$TOKEN_FILE")
 fi
+NONCE=""; REF_PID=""
 if [ -z "$REF_URL" ]; then
   REF_URL="http://127.0.0.1:$PORT"
-  start ref_server "$PY" -m ref_server --model "$REF_MODEL" --port "$PORT" --device "$REF_DEVICE" "${TOKEN_ARGS[@]}"
+  NONCE=$("$PY" -c "import secrets; print(secrets.token_hex(8))")  # /health echoes it: our server, no stranger's
+  start ref_server "$PY" -m ref_server --model "$REF_MODEL" --port "$PORT" --device "$REF_DEVICE" \
+    --dtype "$REF_DTYPE" --run-nonce "$NONCE" "${TOKEN_ARGS[@]}"
+  REF_PID=${PIDS[-1]}
 fi
 echo "[launch] waiting for $REF_URL/health" >&2
+# health: 0 = ours and healthy, 3 = healthy but another run's server, 1 = not answering yet
+health() {
+  "$PY" - "$REF_URL" "$NONCE" <<'PYEOF' 2>/dev/null
+import sys, requests
+url, nonce = sys.argv[1], sys.argv[2]
+try:
+    r = requests.get(url + "/health", timeout=2)
+except requests.RequestException:
+    sys.exit(1)
+if not r.ok:
+    sys.exit(1)
+h = r.json()
+if nonce and h.get("run_nonce") != nonce:
+    print(f"pid {h.get('pid')}, model {h.get('model')}")
+    sys.exit(3)
+PYEOF
+}
 for i in $(seq 1 300); do
-  if "$PY" -c "import requests,sys; sys.exit(0 if requests.get('$REF_URL/health', timeout=2).ok else 1)" 2>/dev/null; then break; fi
+  if [ -n "$REF_PID" ] && ! kill -0 "$REF_PID" 2>/dev/null; then  # died (port taken, bad model...): no wait
+    echo "[launch] the ref server exited before becoming healthy; last lines of $RUN_DIR/ref_server.log:" >&2
+    tail -n 15 "$RUN_DIR/ref_server.log" | sed 's/^/    /' >&2
+    exit 1
+  fi
+  set +e; who=$(health); hc=$?; set -e
+  [ $hc = 0 ] && break
+  if [ $hc = 3 ]; then
+    echo "[launch] port $PORT is answered by another run's ref server ($who), not the one started here; pick a free --port" >&2
+    exit 1
+  fi
   [ "$i" = 300 ] && { echo "[launch] ref server did not become healthy; see $RUN_DIR/ref_server.log" >&2; exit 1; }
   sleep 1
 done
@@ -122,6 +182,7 @@ for w in $(seq 0 $((WORKERS - 1))); do
   [ "$WORKERS" -gt 0 ] || break
   start "worker$w" "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" --worker_id "$w"
 done
+rotate trainer
 echo "[launch] trainer: deepspeed --num_gpus $GPUS (log: $RUN_DIR/trainer.log)" >&2
 # In the background with `wait`: bash runs a trap only after the foreground command ends, so a
 # Ctrl-C / SIGINT to this script would otherwise wait for the whole run. Own process group, like the

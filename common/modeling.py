@@ -5,6 +5,8 @@ import logging
 
 import torch
 
+from common.paths import check_model_path
+
 log = logging.getLogger(__name__)
 
 
@@ -13,6 +15,7 @@ def resolve_model_path(path_or_id: str) -> str:
     if path_or_id == "tiny":
         from common.tiny_model import ensure_tiny_model
         return str(ensure_tiny_model())
+    check_model_path(path_or_id)
     return path_or_id
 
 
@@ -58,10 +61,21 @@ def load_model(path_or_id: str, device: str | torch.device = "cpu", dtype: str =
     return model
 
 
-def eos_ids(tokenizer, model=None) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos plus the generation config's."""
+def eos_ids(tokenizer, model=None, chat: bool = True) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos, the generation config's, and (chat=True:
+    prompts go through the chat template) the template's turn end, which a base checkpoint's eos
+    (<|endoftext|>) is not: without it a base model trained on chat prompts never stops."""
+    from common.chat import chat_turn_end_id
+
     ids = {tokenizer.eos_token_id}
     gc = getattr(model, "generation_config", None)
     if gc is not None and gc.eos_token_id is not None:
         ids.update(gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id])
-    return sorted(i for i in ids if i is not None)
+    turn_end = chat_turn_end_id(tokenizer) if chat else None
+    if turn_end is not None and turn_end not in ids:
+        log.info("chat template turn end %r (id %d) added to the stop ids", tokenizer.convert_ids_to_tokens(turn_end),
+                 turn_end)
+        ids.add(turn_end)
+    out = sorted(i for i in ids if i is not None)
+    log.info("stop ids: %s", out)
+    return out

@@ -34,16 +34,18 @@ class ParametersBody:
     of MB, and a joined blob costs a fresh allocation of that size plus a copy on every publish.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+        """dtype: send floating parameters in this dtype (e.g. bfloat16 for bf16 workers: half the bytes);
+        each is cast while it is sent, one at a time, so no cast copy of the whole model is held."""
         header: dict = {}
-        self.parts, offset = [], 0
+        self.items, offset = [], 0
         for name, p in model.named_parameters():
-            t = p.detach().contiguous().cpu()
-            raw = t.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as bytes, no copy; keeps t alive
-            header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                            "data_offsets": [offset, offset + raw.nbytes]}
-            self.parts.append(memoryview(raw))
-            offset += raw.nbytes
+            t = p.detach()
+            out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            nbytes = t.numel() * out.itemsize
+            header[name] = {"dtype": _DTYPES[out], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+            self.items.append((t, out))
+            offset += nbytes
         h = json.dumps(header, separators=(",", ":")).encode()
         h += b" " * (-len(h) % 8)
         self.head = len(h).to_bytes(8, "little") + h
@@ -54,7 +56,9 @@ class ParametersBody:
 
     def __iter__(self):  # a fresh pass each time: a retried request sends it all again
         yield self.head
-        yield from self.parts
+        for t, out in self.items:
+            t = t.contiguous().cpu().to(out)  # CPU parameters already in `out`: no copy at all
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())  # any dtype (bf16 too) as bytes; keeps t
 
     def write_to(self, f) -> None:
         for piece in self:
@@ -117,10 +121,10 @@ class WeightSync:
         self.seconds = 0.0
 
     # ---- trainer side -------------------------------------------------------------------
-    def publish(self, model: torch.nn.Module, version: int) -> tuple[float, int]:
-        """Publish the model's weights as `version`; returns (seconds, bytes)."""
+    def publish(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> tuple[float, int]:
+        """Publish the model's weights as `version` (floating ones in `dtype` when given); returns (seconds, bytes)."""
         t0 = time.time()
-        body = ParametersBody(model)
+        body = ParametersBody(model, dtype)
         if self.client is not None:
             self.client.publish_weights(body, version)
         else:

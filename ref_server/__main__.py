@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from common.paths import check_model_path
 from ref_server.config import check_bind, load_server_config, resolve_token
 
 
@@ -13,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_server_config(argv)
         check_bind(cfg, resolve_token(cfg))  # before the (slow) model load
+        check_model_path(cfg.model)  # a wrong local path: one line, not a hub-lookup traceback
     except (ValueError, FileNotFoundError) as e:  # bad settings: one clear line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

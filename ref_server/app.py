@@ -13,7 +13,9 @@ import hmac
 import json
 import logging
 import math
+import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,6 +57,8 @@ class ServerState:
             "max_output_queue": self.cfg.max_output_queue, "auth": self.token is not None,
             "uptime_s": round(time.time() - self.metrics.started, 3),
             "policy_version": self.weights.info()["version"],
+            # who this is: a launcher checks that the server on its port is the one it started
+            "pid": os.getpid(), "run_nonce": self.cfg.run_nonce,
         }
 
 
@@ -306,6 +310,20 @@ def _limited_channel(cfg: ServerConfig, weights: WeightStore):
     return Channel
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound and listening on host:port (raises OSError when the port is taken)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers only, never a listener
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(cfg: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT: stop taking uploads, finish the forward in progress, return 0."""
     from waitress import create_server
@@ -318,13 +336,19 @@ def serve(cfg: ServerConfig) -> int:
         signals.append(signum)  # a second signal skips the drain wait below
         stop.set()
 
+    try:  # the port first: a port held by another run fails here at once, before the (slow) model load
+        sock = listen_socket(cfg.host, cfg.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s (another server holds the port? pick a free --port)",
+                  cfg.host, cfg.port, e)
+        return 1
     # Installed before the (slow) model load, so an early SIGTERM also ends in a clean exit 0.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     app, state = make_app(cfg, token=token)
     logging.getLogger("waitress.queue").addFilter(_Throttle(60.0))
     try:
-        server = create_server(app, host=cfg.host, port=cfg.port, threads=cfg.threads, ident="grpo-ref-server",
+        server = create_server(app, sockets=[sock], threads=cfg.threads, ident="grpo-ref-server",
                                # waitress buffers a body before the app sees it: cap that too. Slack so
                                # that a modest overshoot still gets our JSON 413 (decided from the header).
                                max_request_body_size=max(cfg.max_body_bytes, cfg.max_weights_bytes) + (1 << 20),

@@ -48,6 +48,10 @@ class ServerConfig:
     retry_after: int = knob(1, "Seconds sent in Retry-After with 503 answers.")
     drain_timeout: float = knob(5.0, "On SIGTERM/SIGINT: after the batch being scored is done, keep answering "
                                      "/get this many seconds while scored batches wait (a 2nd signal skips it).")
+    # --- run identity (issue 11) ---
+    run_nonce: str | None = knob(None, "Opaque id of the run that started this server, echoed by /health: "
+                                          "launch.sh checks it so that it never trains against a stranger's "
+                                          "server that holds the same port.")
 
     def validate(self) -> ServerConfig:
         checks = [

@@ -114,3 +114,21 @@ def free_port() -> int:
 def start_server():
     """The start_ref_server context manager, as a fixture (usable from module-scoped fixtures)."""
     return start_ref_server
+
+
+def _qwen_vocab_dir(request, variant: str) -> Path:
+    """Real-vocabulary Qwen2.5 checkpoint (tests/qwen_vocab.py), cached in pytest's cache dir (not committed)."""
+    from qwen_vocab import cached_checkpoint
+    return cached_checkpoint(request.config.cache.mkdir("qwen_vocab"), variant)
+
+
+@pytest.fixture(scope="session")
+def qwen_instruct_dir(request) -> Path:
+    """Qwen2.5-Instruct-like: real 151,643-rank BPE tokenizer, eos <|im_end|>, pad <|endoftext|>, random body."""
+    return _qwen_vocab_dir(request, "instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_base_dir(request) -> Path:
+    """Qwen2.5 base-like: the same tokenizer with eos = pad = <|endoftext|>, random body."""
+    return _qwen_vocab_dir(request, "base")

@@ -163,6 +163,9 @@ def build_prompt(tokenizer, question: str, system_prompt: str | None = SYSTEM_PR
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an "
                          f"instruct/chat model or set tokenizer.chat_template")
+    if system_prompt == "none":  # no system turn, even where the template inserts a default one (Qwen2.5)
+        from common.chat import render_without_system
+        return render_without_system(tokenizer, [{"role": "user", "content": question}])
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

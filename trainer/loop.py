@@ -16,11 +16,11 @@ import torch
 from common.client import RefServerError
 from common.config import GRPOConfig, to_dict
 from common.logprobs import sequence_logprobs
-from common.modeling import eos_ids, load_tokenizer, resolve_model_path
+from common.modeling import eos_ids, load_tokenizer, pick_dtype, resolve_model_path
 from common.protocol import ScoredBatch
 from common.weight_sync import WeightSync
 from trainer.batches import BatchSource
-from trainer.checkpoint import save_hf
+from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats
@@ -112,6 +112,7 @@ def train(cfg: GRPOConfig) -> None:
     tok = load_tokenizer(model_path)
     engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
     policy = engine.module
+    hf_dtype = source_dtype(model_path)  # HF checkpoints in the model's own dtype
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
     client = make_client(cfg)
@@ -129,9 +130,12 @@ def train(cfg: GRPOConfig) -> None:
     if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
         syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir)
 
+    # workers with an explicit dtype get the weights in it (bf16: half the bytes through the relay)
+    publish_dtype = None if cfg.worker_dtype == "auto" else pick_dtype(cfg.worker_dtype, torch.device("cpu"))
+
     def publish_rank0(version: int) -> tuple[float, int]:
         try:
-            return syncer.publish(policy, version)
+            return syncer.publish(policy, version, dtype=publish_dtype)
         except RefServerError as e:
             if e.status != 409:
                 raise
@@ -196,10 +200,8 @@ def train(cfg: GRPOConfig) -> None:
             bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}")
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
-            engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
-            if step % cfg.save_steps == 0:
-                save_hf(engine, tok, out / f"step_{step}", rank, zero_stage)
-    save_hf(engine, tok, out / "final", rank, zero_stage)
+            save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
+    save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype)
     bar.close()
     if metrics:
         metrics.close()

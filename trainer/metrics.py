@@ -30,7 +30,10 @@ class MetricsLogger:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._fh = self.path.open("a")
         from torch.utils.tensorboard import SummaryWriter
-        self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+        # purge_step: TensorBoard drops the earlier attempt's events from the restored step on, so the
+        # steps re-run after a resume are shown once (their JSONL rows were dropped above for the same reason)
+        self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"),
+                                purge_step=resume_step + 1 if resume_step is not None else None)
         self.wandb = None
         if use_wandb:
             import wandb  # asked for explicitly: an ImportError here is the right message

@@ -125,8 +125,8 @@ def generate_batches(model, tokenizer, examples: list[Example], cfg, reward_fns:
         stats.rewards.extend(rewards.tolist())
         for k, v in components.items():
             stats.components.setdefault(k, []).extend(v)
-        if not has_spread(rewards):
-            stats.skipped_no_spread += 1
+        if not has_spread(rewards) and not getattr(cfg, "train_zero_spread", False):
+            stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens,

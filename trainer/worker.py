@@ -16,6 +16,7 @@ from trainer.data import PromptSampler, load_examples
 from trainer.rewards import load_reward_fns
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
+from trainer.stall import StallReporter
 
 log = logging.getLogger("trainer")
 
@@ -33,7 +34,7 @@ def genonly(cfg: GRPOConfig) -> None:
     signal.signal(signal.SIGINT, on_signal)
     torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
     tok = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, device=cfg.device, dtype="auto")
+    model = load_model(cfg.model, device=cfg.device, dtype=cfg.worker_dtype)
     client = make_client(cfg)
     client.wait_ready(timeout=300)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
@@ -41,6 +42,7 @@ def genonly(cfg: GRPOConfig) -> None:
     reward_fns, eos = load_reward_fns(cfg.reward_fns), eos_ids(tok, model)
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
     rounds = uploaded = 0
+    stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
         try:
@@ -63,6 +65,8 @@ def genonly(cfg: GRPOConfig) -> None:
             time.sleep(1.0)
             continue
         rounds += 1
+        stall.add(st, len(batches))
+        stall.maybe_log()
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))

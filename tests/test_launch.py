@@ -1,0 +1,141 @@
+"""launch.sh as a new user meets it (issue 11): a port held by another run, a ref server that dies, a wrong
+model path, paths relative to where it is run, logs of an earlier attempt, and the stop-and-say-why paths."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import REPO, start_ref_server, subprocess_env
+
+from common.client import RefClient
+
+pytestmark = pytest.mark.slow
+
+
+def env() -> dict:
+    return subprocess_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+                          PATH=f"{REPO / '.venv' / 'bin'}:{subprocess_env()['PATH']}")
+
+
+def launch(*args: str, cwd: Path = REPO, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch.sh"), "train", *args], cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_ref_server_refuses_a_taken_port_before_loading(tiny_model_dir):
+    with start_ref_server(tiny_model_dir) as other:
+        t0 = time.monotonic()
+        proc = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "ref_server", "--model",
+                               str(tiny_model_dir), "--port", str(other.port)], cwd=REPO, env=env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        assert f"127.0.0.1:{other.port}" in proc.stderr and "model" not in proc.stderr.split("cannot listen")[0]
+        assert "loaded in" not in proc.stderr  # failed before the model load
+        assert time.monotonic() - t0 < 60
+
+
+def test_launch_never_trains_against_a_stranger_server(tiny_model_dir, tmp_path):
+    with start_ref_server(tiny_model_dir) as other:
+        t0 = time.monotonic()
+        proc = launch("--run-dir", str(tmp_path / "run"), "--workers", "1", "--port", str(other.port), "--",
+                      "--model", "tiny", "--data", "arith", "--all_steps", "2", timeout=300)
+        assert proc.returncode != 0, proc.stderr[-2000:]
+        assert str(other.port) in proc.stderr
+        assert time.monotonic() - t0 < 120
+        h = requests.get(other.url + "/health", timeout=5).json()
+        assert h["policy_version"] is None  # nothing published into it
+        stats = RefClient(other.url).stats()
+        assert stats.get("uploads_accepted", 0) == 0, stats
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_launch_stops_at_once_when_the_server_dies(tmp_path, free_port):
+    t0 = time.monotonic()
+    proc = launch("--run-dir", str(tmp_path / "run"), "--workers", "0", "--port", str(free_port), "--",
+                  "--model", "./no/such/model", "--data", "arith", "--all_steps", "1", timeout=300)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 120  # not the 300 s health wait
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    log = (tmp_path / "run" / "ref_server.log").read_text()
+    assert "Traceback" not in log and len(log.strip().splitlines()) <= 3, log
+
+
+def test_paths_are_relative_to_the_caller_and_logs_rotate(tmp_path, free_port):
+    """Relative --run-dir/--data from another directory; a second attempt keeps the first one's logs."""
+    data = tmp_path / "tasks" / "arith.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(f'{{"prompt": "{a} + {a} = ?", "ground_truth": "{2 * a}"}}\n' for a in range(1, 9)))
+    common = ["--workers", "1", "--gpus", "2", "--port", str(free_port), "--", "--model", "tiny",
+              "--data", "tasks/arith.jsonl", "--reward_fns", "toy_rewards:digit_fraction", "--system_prompt", "",
+              "--max_new_tokens", "8", "--num_pre_Q", "4", "--temperature", "1.0", "--get_wait", "3",
+              "--save_steps", "1", "--save_total_limit", "1"]
+    first = launch("--run-dir", "myrun", *common, "--all_steps", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "myrun"
+    assert (run / "metrics.jsonl").is_file() and not (REPO / "myrun").exists()
+    second = launch("--run-dir", "myrun", *common, "--all_steps", "3", "--resume", "true", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "training done: 2 steps" in (run / "trainer.log.1").read_text()
+    assert "training done: 3 steps" in (run / "trainer.log").read_text()
+    for name in ("ref_server", "worker0"):
+        assert (run / f"{name}.log.1").is_file() and (run / f"{name}.log").is_file()
+    # retention (save_total_limit=1) and no HF step_N next to an identical `final`
+    assert sorted(p.name for p in (run / "ds").iterdir() if p.is_dir()) == ["step3"]
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_1"]
+    assert (run / "final" / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def qwen_base_bf16_dir(request) -> Path:
+    """The base real-vocabulary checkpoint stored in bfloat16, as Qwen ships it."""
+    from qwen_vocab import cached_checkpoint
+    return cached_checkpoint(request.config.cache.mkdir("qwen_vocab"), "base", dtype="bfloat16")
+
+
+def _read_rows(run: Path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+REAL = ["--data", "/work/shared/data/gsm8k", "--reward_fns", "toy_rewards:digit_fraction", "--max_new_tokens", "6",
+        "--num_pre_Q", "2", "--max_prompt_length", "400", "--get_wait", "3", "--train_zero_spread", "true",
+        "--save_steps", "1", "--all_steps", "2", "--data_limit", "16"]
+
+
+@pytest.mark.parametrize("variant", ["base_bf16", "instruct"])
+def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
+    """launch.sh train on a Qwen2.5-vocabulary checkpoint: checkpoints keep eos, pad, template and dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not Path("/work/shared/data/gsm8k/train.jsonl").is_file():
+        pytest.skip("GSM8K not available at /work/shared/data/gsm8k")
+    model = request.getfixturevalue("qwen_base_bf16_dir" if variant == "base_bf16" else "qwen_instruct_dir")
+    # base: no system turn at all; instruct: bf16 ref server and workers (launch.sh flags)
+    launcher = [] if variant == "base_bf16" else ["--ref-dtype", "bfloat16", "--worker-dtype", "bfloat16"]
+    trainer = ["--system_prompt", "none"] if variant == "base_bf16" else []
+    run = tmp_path / "run"
+    proc = launch("--run-dir", str(run), "--workers", "1", "--port", str(free_port), *launcher, "--",
+                  "--model", str(model), *REAL, *trainer, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in _read_rows(run)] == [1, 2]
+    src_tok = AutoTokenizer.from_pretrained(model)
+    for name in ("step_1", "final"):
+        tok = AutoTokenizer.from_pretrained(run / name)
+        assert (tok.eos_token, tok.pad_token) == (src_tok.eos_token, src_tok.pad_token)
+        assert tok.chat_template == src_tok.chat_template and len(tok) == 151665
+        conf = AutoConfig.from_pretrained(run / name)
+        assert conf.dtype == AutoConfig.from_pretrained(model).dtype  # the model's own dtype on disk
+    assert not (run / "step_2").exists()
+    m = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert m.get_input_embeddings().weight.shape[0] == 151936
+    stops = "stop ids: [151643, 151645]"
+    assert stops in (run / "worker0.log").read_text() and stops in (run / "trainer.log").read_text()
+    if variant == "instruct":  # bf16 workers get bf16 weights: half the bytes of float32 through the relay
+        numel = sum(p.numel() for p in m.parameters())
+        sync_mb = max(r.get("sync_mb", 0) for r in _read_rows(run))
+        assert numel * 2 <= sync_mb * 1e6 < numel * 2 + 1e6
+        assert "bfloat16" in (run / "ref_server.log").read_text()
