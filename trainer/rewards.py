@@ -84,6 +84,9 @@ def _last_boxed(text: str) -> str | None:
     return found
 
 
+last_boxed = _last_boxed  # public: data.py reads MATH-style ground truths with it
+
+
 def extract_answer(completion: str) -> str | None:
     """Content of the last closed <answer>...</answer>, or None when there is none.
 

@@ -33,13 +33,16 @@ class RolloutStats:
     components: dict = field(default_factory=dict)
 
 
-def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int
-                   ) -> tuple[list[tuple[Example, list[int]]], int]:
-    """Chat-template and tokenise; prompts over max_prompt_length are dropped and counted."""
+def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
+                   prompt_format: str = "chat") -> tuple[list[tuple[Example, list[int]]], int]:
+    """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
+    dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages."""
     kept, skipped = [], 0
-    sp = SYSTEM_PROMPT if system_prompt == "default" else system_prompt
+    if system_prompt == "default":
+        system_prompt = SYSTEM_PROMPT if prompt_format == "chat" else None
     for ex in examples:
-        ids = tokenizer(build_prompt(tokenizer, ex.prompt, sp), add_special_tokens=False)["input_ids"]
+        text = build_prompt(tokenizer, ex.prompt, system_prompt, prompt_format)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             skipped += 1
             continue
