@@ -21,10 +21,10 @@ from trainer.rollout import encode_prompts, sample
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
-             num_samples: int = 20, progress: bool = True) -> dict:
+             num_samples: int = 20, progress: bool = True, prompt_format: str = "chat") -> dict:
     """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0."""
     t0 = time.time()
-    kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length)
+    kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format)
     eos = eos_ids(tokenizer, model)
     correct = formatted = 0
     samples = []

@@ -203,7 +203,7 @@ def _serve(specs: list[str]) -> None:
             if req["kind"] == "trl":
                 send({"ok": call_trl_fn(fn, req["kwargs"])})
                 continue
-            for k, (completion, gt) in enumerate(req["items"]):
+            for completion, gt in req["items"]:
                 send({"ok": to_value(fn(completion, gt))})  # NaN travels as JSON NaN; the parent refuses it
         except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the run
             tb = traceback.format_exc(limit=3)
