@@ -12,7 +12,7 @@ from trainer.rewards import extract_answer
 
 def math_verify_reward(completion: str, ground_truth: str) -> float | None:
     from latex2sympy2_extended import NormalizationConfig
-    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     main = threading.current_thread() is threading.main_thread()
     limits = {} if main else {"parsing_timeout": None}
@@ -24,7 +24,7 @@ def math_verify_reward(completion: str, ground_truth: str) -> float | None:
     span = completion if span is None else span
     config = [LatexExtractionConfig(normalization_config=NormalizationConfig(
         nits=False, malformed_operators=False, basic_latex=True, boxed="all", units=True),
-        boxed_match_priority=0, try_extract_without_anchor=True)]
+        boxed_match_priority=0, try_extract_without_anchor=True), ExprExtractionConfig()]
     answer = parse(span, extraction_config=config, extraction_mode="first_match", **limits)
     ok = verify(gold, answer, **({} if main else {"timeout_seconds": None}))
     return 1.0 if ok else -1.0
