@@ -75,7 +75,8 @@ def test_explicit_columns(tmp_path):
 def test_chat_format(tmp_path, tok):
     ex = load_examples(write_jsonl(tmp_path / "a.jsonl", [{"prompt": "2+2", "ground_truth": "4"}]))
     t = texts(tok, ex, "chat")[0]
-    assert t.startswith("<|im_start|>system\n") and t.endswith("<|im_start|>user\n2+2<|im_end|>\n<|im_start|>assistant\n")
+    assert t.startswith("<|im_start|>system\n")
+    assert t.endswith("<|im_start|>user\n2+2<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_messages_format(tmp_path, tok):
