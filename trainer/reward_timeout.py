@@ -18,8 +18,10 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -180,7 +182,19 @@ def make_caller(specs: list[str], fns: list, timeout: float):
 
 
 # ---------------------------------------------------------------------- worker side
+def _watch_parent(parent: int) -> None:
+    """Exit when the parent is gone, even while a reward hangs (stdin EOF is only seen between calls)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def _serve(specs: list[str]) -> None:
+    # The parent decides when we stop (kill on timeout, stdin EOF on close): a Ctrl-C or launch.sh's SIGTERM to
+    # the process group must not kill us mid-call, while the parent finishes its round.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     out = os.fdopen(os.dup(1), "wb", buffering=0)  # private protocol channel
     os.dup2(2, 1)  # what reward code prints goes to stderr
     sys.stdout = sys.stderr
