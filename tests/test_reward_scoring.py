@@ -46,10 +46,11 @@ def test_messages_runs_get_message_completions():
 
     s.fns[0] = s.caller.fns[0] = spy
     conv = [{"role": "user", "content": "hi"}]
-    s.score_group(Example(prompt=conv, ground_truth="1", columns={"ground_truth": "1", "level": 3}), ["12", "a"])
+    s.score_group(Example(prompt=conv, ground_truth="1", columns={"ground_truth": "1", "level": 3}), ["12", "a"],
+                  [[5, 6], [7]])
     assert seen["prompts"] == [conv, conv]
     assert seen["completions"] == [[{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": "a"}]]
-    assert seen["kw"] == {"ground_truth": ["1", "1"], "level": [3, 3]}
+    assert seen["kw"] == {"ground_truth": ["1", "1"], "level": [3, 3], "completion_ids": [[5, 6], [7]]}
 
 
 def test_signature_detection():

@@ -5,7 +5,8 @@ Two kinds of reward function, told apart by their signature:
     TRL   fn(prompts, completions, **columns) -> list[float | None]       called once per group, by keyword,
           as TRL's GRPOTrainer calls it: `prompts` are the dataset prompts (a string, or the message list in
           `messages` runs), `completions` strings (message lists [{"role": "assistant", ...}] in `messages`
-          runs), and every other dataset column as a keyword list, one value per completion.
+          runs), `completion_ids` (token ids) and every other dataset column as a keyword list, one value per
+          completion.
 None means "not applicable": skipped in the weighted sum (as TRL does) and in the per-function means.
 A call that runs past `reward_timeout` also counts as None (trainer/reward_timeout.py). A function that
 raises, returns the wrong length or a non-finite number stops the run, naming itself and the example.
@@ -101,15 +102,19 @@ class RewardScorer:
         raise RuntimeError(f"reward function {self.names[idx]!r} failed: {why}\n  prompt: {_short(example.prompt)}\n"
                            f"  ground_truth: {_short(example.ground_truth)}\n  completion: {_short(completion)}")
 
-    def _trl_kwargs(self, idx: int, example, completions: list[str]) -> dict:
+    def _trl_kwargs(self, idx: int, example, completions: list[str], completion_ids: list | None) -> dict:
         n = len(completions)
         comps = [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions
         kwargs = {col: [v] * n for col, v in example.columns.items()}
         kwargs.update(prompts=[example.prompt] * n, completions=comps)
+        if completion_ids is not None:
+            kwargs["completion_ids"] = completion_ids
         return _accepted_kwargs(self.fns[idx], kwargs)
 
-    def score_group(self, example, completions: list[str]) -> GroupScore:
-        """Rewards for the completions of one prompt (decoded text, special tokens stripped)."""
+    def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None
+                    ) -> GroupScore:
+        """Rewards for the completions of one prompt (decoded text, special tokens stripped; TRL-style
+        functions also get `completion_ids`, the sampled token ids, when given)."""
         n = len(completions)
         comps: dict[str, list[float | None]] = {}
         score = GroupScore(rewards=[0.0] * n, components=comps)
@@ -118,7 +123,7 @@ class RewardScorer:
                 if kind == "ours":
                     values, late = self.caller.call_simple(i, [(c, example.ground_truth) for c in completions])
                 else:
-                    values = self.caller.call_trl(i, self._trl_kwargs(i, example, completions))
+                    values = self.caller.call_trl(i, self._trl_kwargs(i, example, completions, completion_ids))
                     late = [] if values is not None else list(range(n))
                     values = [None] * n if values is None else values
             except RewardCallError as e:

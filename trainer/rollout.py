@@ -127,8 +127,8 @@ def generate_batches(model, tokenizer, examples: list[Example], cfg, scorer, eos
                      temperature=cfg.temperature, top_p=cfg.top_p, eos_ids=eos_ids,
                      gen_batch_size=cfg.gen_batch_size)
     groups = [samples[g * cfg.num_pre_Q:(g + 1) * cfg.num_pre_Q] for g in range(len(kept))]
-    scores = [scorer.score_group(ex, [tokenizer.decode(c, skip_special_tokens=True) for _, c in rows])
-              for (ex, _), rows in zip(kept, groups)]
+    scores = [scorer.score_group(ex, [tokenizer.decode(c, skip_special_tokens=True) for _, c in rows],
+                                 [c.tolist() for _, c in rows]) for (ex, _), rows in zip(kept, groups)]
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]
     advantages = round_advantages(all_rewards, cfg.advantage_mode)
     batches = []
