@@ -78,6 +78,8 @@ REFUSED: dict[str, str] = {
     "adam_beta1": "set betas in ds_config", "adam_beta2": "set betas in ds_config",
     "adam_epsilon": "set eps in ds_config", "report_to": "TensorBoard always; wandb with --wandb",
     "push_to_hub": "not supported",
+    "cast_lm_head_to_fp32": "precision comes from ds_config",
+    "remove_unused_columns": "every dataset column always reaches TRL-style rewards (as TRL's False)",
 }
 
 
