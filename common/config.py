@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from common import trl_aliases
+
 T = TypeVar("T")
 
 
@@ -74,8 +76,10 @@ class GRPOConfig:
     eps_high: float = knob(0.2, "Upper clip epsilon of the policy ratio (raise for DAPO-style clip-higher).")
     compute_gen_logps: bool = knob(True, "Upload generation-time logprobs and use the clipped ratio; False = "
                                          "REINFORCE form exp(logp - logp.detach()) * A.")
-    advantage_mode: str = knob("grpo", "grpo (r-mean)/std, grpo_no_std (r-mean) or raw (r).")
-    aggregation: str = knob("seq_mean", "Loss aggregation: seq_mean (simple_GRPO), token_mean or dr_grpo.")
+    advantage_mode: str = knob("grpo", "grpo (r-mean)/std, grpo_no_std (r-mean), grpo_batch_std (r - group mean) "
+                                       "/ std of the generation round's rewards (TRL scale_rewards=batch) or raw.")
+    aggregation: str = knob("seq_mean", "Loss aggregation: seq_mean (simple_GRPO), token_mean (= TRL bnpo), "
+                                        "dr_grpo or dapo (token sum / the global batch's token count).")
     mu: int = knob(1, "Optimisation passes per training batch.")
     mask_truncated: bool = knob(False, "Drop completions that hit max_new_tokens without EOS from the loss.")
     # --- optimisation ---------------------------------------------------------------
@@ -120,13 +124,32 @@ class GRPOConfig:
                                      "bfloat16 halves the worker, the weight relay and each publish.")
     log_stall_every: float = knob(30.0, "While nothing trains (all groups skipped), log cumulative rollout "
                                         "counts every this many seconds.")
+    # --- data, prompts and rewards (issue 13; reward_timeout from issue 16) ------------------------------
+    prompt_format: str = knob("chat", "How a prompt becomes model input: chat (question + system prompt through "
+                                      "the chat template), messages (the row's prompt is a [{role, content}] "
+                                      "conversation, templated as is), raw (the prompt string verbatim, already "
+                                      "templated, e.g. ReasonRL), r1zero (plain-text R1-Zero template, base "
+                                      "models). See trainer/prompt_formats.py.")
+    prompt_column: str | None = knob(None, "Dataset column holding the prompt (default: detected: prompt, "
+                                           "question or problem).")
+    answer_column: str | None = knob(None, "Dataset column(s) holding the answer (default: detected: "
+                                           "ground_truth, answer (GSM8K ####), solution (MATH \\boxed{}), "
+                                           "nums,target (Countdown)). 'a,b' passes several as a JSON object.")
+    prompt_template: str | None = knob(None, "Build the prompt from the row's columns with str.format, e.g. "
+                                             "'Using {nums}, make {target}.' (Countdown has no prompt column).")
+    reward_weights: list = knob([], "One weight per reward function (default: all 1.0).")
+    reward_timeout: float = knob(10.0, "Seconds one reward call may take; past it the call counts as not "
+                                       "applicable (None) and reward_timeouts is counted. Rewards run in a "
+                                       "worker process killed on timeout. 0 = in-process, no timeout.")
 
     def validate(self) -> GRPOConfig:
         checks = [
             (self.num_pre_Q >= 2, "num_pre_Q must be >= 2 (a group needs a spread)"),
             (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
-            (self.advantage_mode in ("grpo", "grpo_no_std", "raw"), f"unknown advantage_mode {self.advantage_mode!r}"),
-            (self.aggregation in ("seq_mean", "token_mean", "dr_grpo"), f"unknown aggregation {self.aggregation!r}"),
+            (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw"),
+             f"unknown advantage_mode {self.advantage_mode!r}"),
+            (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo"),
+             f"unknown aggregation {self.aggregation!r}"),
             (self.lr_schedule in ("constant", "cosine"), f"unknown lr_schedule {self.lr_schedule!r}"),
             (self.beta >= 0, "beta must be >= 0"),
             (0 <= self.eps_low < 1 and self.eps_high >= 0, "eps_low in [0,1) and eps_high >= 0"),
@@ -142,10 +165,26 @@ class GRPOConfig:
              f"unknown worker_dtype {self.worker_dtype!r}; use auto, bfloat16, float16 or float32"),
             (self.log_stall_every > 0, "log_stall_every must be > 0"),
         ]
+        checks += self._check_data_and_rewards()
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"config: {msg}")
         return self
+
+    def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
+        n_fns = len(self.reward_fns) if isinstance(self.reward_fns, list) else len(str(self.reward_fns).split(","))
+        return [
+            (self.prompt_format in ("chat", "messages", "raw", "r1zero"),
+             f"unknown prompt_format {self.prompt_format!r}; use chat, messages, raw or r1zero"),
+            (self.prompt_format not in ("raw", "r1zero") or self.system_prompt in ("default", "", None),
+             f"prompt_format {self.prompt_format!r} takes the prompt as it is: a system_prompt cannot be added "
+             f"(set system_prompt to '')"),
+            (not self.reward_weights or len(self.reward_weights) == n_fns,
+             f"reward_weights has {len(self.reward_weights)} values for {n_fns} reward_fns"),
+            (all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.reward_weights),
+             f"reward_weights must be numbers, got {self.reward_weights!r}"),
+            (self.reward_timeout >= 0, "reward_timeout must be >= 0 (0 = no timeout)"),
+        ]
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,7 +232,21 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         p.add_argument(f"--{f.name}", dest=f.name, type=_converter(tp, optional), default=argparse.SUPPRESS,
                        help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
+    if _has_aliases(cls):
+        g = p.add_argument_group("TRL GRPOConfig aliases", "TRL's names, mapped to ours (common/trl_aliases.py); "
+                                 "giving both names of one knob is an error. Refused by name: "
+                                 + ", ".join(sorted(trl_aliases.REFUSED)) + ".")
+        for alias, (target, conv, hint) in trl_aliases.ALIASES.items():
+            tp = hints[target]
+            typ = str if conv is not None else float if alias == "warmup_ratio" else \
+                _converter(tp, type(None) in typing.get_args(tp))
+            g.add_argument(f"--{alias}", dest=alias, type=typ, default=argparse.SUPPRESS,
+                           help=f"-> {target}: {hint}".replace("%", "%%"))
     return p
+
+
+def _has_aliases(cls: type) -> bool:
+    return cls is GRPOConfig
 
 
 def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
@@ -213,6 +266,8 @@ def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
 
 
 def from_dict(cls: type[T], values: dict, source: str = "config") -> T:
+    if _has_aliases(cls):
+        values = trl_aliases.resolve_for(cls, values, source)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
@@ -237,10 +292,14 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
         try:
-            values.update(json.loads(path.read_text()))
+            file_values = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path} is not valid JSON: {e}") from e
-    values.update(ns)
+        if not isinstance(file_values, dict):
+            raise ValueError(f"config file {path} must hold a JSON object")
+        # Aliases are resolved per source: both names in one place is an error; the CLI overrides the file.
+        values.update(trl_aliases.resolve_for(cls, file_values, str(path)) if _has_aliases(cls) else file_values)
+    values.update(trl_aliases.resolve_for(cls, ns, "command line", values) if _has_aliases(cls) else ns)
     cfg = from_dict(cls, values, source=str(cfg_file or "command line"))
     validate = getattr(cfg, "validate", None)
     return validate() if validate else cfg

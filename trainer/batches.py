@@ -36,9 +36,9 @@ def is_stale(cfg: GRPOConfig, policy_version: int, b: ScoredBatch) -> bool:
 class BatchSource:
     """Yields training batches: scored groups from the server, generating our own when none is ready."""
 
-    def __init__(self, cfg, client, model, tokenizer, sampler, reward_fns, eos, vocab_size, producer_id):
+    def __init__(self, cfg, client, model, tokenizer, sampler, scorer, eos, vocab_size, producer_id):
         self.cfg, self.client, self.model, self.tok = cfg, client, model, tokenizer
-        self.sampler, self.reward_fns, self.eos, self.vocab = sampler, reward_fns, eos, vocab_size
+        self.sampler, self.scorer, self.eos, self.vocab = sampler, scorer, eos, vocab_size
         self.producer_id = producer_id
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
@@ -83,7 +83,7 @@ class BatchSource:
             if cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - idle_since > cfg.get_wait):
                 t0 = time.time()
                 batches, st = generate_batches(self.model, self.tok, self.sampler.next_batch(cfg.Q_batch_size), cfg,
-                                               self.reward_fns, self.eos, policy_version, self.producer_id)
+                                               self.scorer, self.eos, policy_version, self.producer_id)
                 info["gen_s"] += time.time() - t0
                 _merge_stats(gen, st)
                 for rb in batches:
@@ -108,7 +108,8 @@ class BatchSource:
 
 
 def _merge_stats(acc: RolloutStats, st: RolloutStats) -> None:
-    for k in ("groups", "skipped_no_spread", "skipped_long_prompt", "completions", "completion_tokens", "seconds"):
+    for k in ("groups", "skipped_no_spread", "skipped_long_prompt", "completions", "completion_tokens", "seconds",
+              "reward_timeouts"):
         setattr(acc, k, getattr(acc, k) + getattr(st, k))
     acc.rewards.extend(st.rewards)
     for k, v in st.components.items():

@@ -1,10 +1,13 @@
 """Training/eval examples: loading (hub, local JSONL/Parquet, synthetic), prompts, sharded sampling.
 
-Row formats understood:
-    GSM8K    {"question": ..., "answer": "... #### 72"}   ground truth = text after the last ####, commas removed
-    generic  {"prompt": ..., "ground_truth": ...}         used as-is (a dict/list ground truth is JSON-encoded,
-                                                           e.g. countdown's {"numbers": [...], "target": N})
-Other fields of a row are kept in Example.meta.
+Row layouts found without configuration (prompt_column/answer_column/prompt_template override them):
+    GSM8K      {"question": ..., "answer": "... #### 72"}   ground truth = text after the last ####, commas removed
+    ReasonRL   {"prompt": ..., "ground_truth": ...}         used as-is (a dict/list ground truth is JSON-encoded,
+                                                             e.g. countdown's {"numbers": [...], "target": N})
+    MATH       {"problem": ..., "solution": "... \\boxed{3}"} ground truth = the last \\boxed{} of the solution
+    Countdown  {"nums": [...], "target": N}                 ground truth = {"nums": [...], "target": N}; the
+                                                             prompt comes from prompt_template
+Other fields of a row are kept in Example.meta; Example.columns (all but the prompt) go to TRL-style rewards.
 """
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from common.prompts import SYSTEM_PROMPT  # re-exported: the R1-style prompt (simple_GRPO's wording)
+from trainer.prompt_formats import build_prompt, check_messages  # re-exported: prompt formats live there
+from trainer.rewards import last_boxed
 
-__all__ = ["Example", "SYSTEM_PROMPT", "load_examples", "build_prompt", "PromptSampler"]
+__all__ = ["Example", "ColumnSpec", "SYSTEM_PROMPT", "load_examples", "build_prompt", "PromptSampler"]
 
 # Hub datasets that need a config name (GSM8K has "main" and "socratic").
 _HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
@@ -26,45 +31,101 @@ _FILE_SUFFIXES = (".jsonl", ".parquet")
 
 @dataclass
 class Example:
-    prompt: str
+    prompt: str | list  # text, or a message list [{"role", "content"}, ...] for prompt_format "messages"
     ground_truth: str
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # the row's other columns (GSM8K: "solution" = the worked answer)
+    columns: dict = field(default_factory=dict, compare=False)  # all columns but the prompt: TRL reward keywords
 
 
 # ----------------------------------------------------------------------------- rows -> examples
-def _row_to_example(row: Any, where: str) -> Example:
-    """One dataset row in GSM8K or generic format; `where` ("file:line") goes into error messages."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "prompt" in row and "ground_truth" in row:
-        prompt, gt = row["prompt"], row["ground_truth"]
-        if isinstance(gt, (dict, list)):
-            gt = json.dumps(gt)
-        elif isinstance(gt, (int, float, str)) and not isinstance(gt, bool):
-            gt = str(gt)
-        else:
-            raise ValueError(f"{where}: ground_truth must be a string, number, object or list, got {gt!r}")
-        meta = {k: v for k, v in row.items() if k not in ("prompt", "ground_truth")}
-    elif "question" in row and "answer" in row:
-        prompt, answer = row["question"], row["answer"]
+@dataclass(frozen=True)
+class ColumnSpec:
+    """Which row columns hold the prompt and the answer (None = detect the layout), and how to read them."""
+    prompt_column: str | None = None
+    answer_column: str | None = None  # "a,b" = several columns, passed on as the JSON object {"a": .., "b": ..}
+    prompt_template: str | None = None  # str.format over the row's columns, e.g. "Reach {target} with {nums}"
+    prompt_format: str = "chat"
+
+    @classmethod
+    def from_config(cls, cfg) -> ColumnSpec:
+        return cls(cfg.prompt_column, cfg.answer_column, cfg.prompt_template, cfg.prompt_format)
+
+
+# Layouts found without configuration: (prompt column, answer column); the first that fits a row wins.
+_LAYOUTS = (("prompt", "ground_truth"), ("question", "answer"), ("problem", "solution"), (None, "nums,target"))
+
+
+def _detect(row: dict, spec: ColumnSpec, where: str) -> tuple[str | None, str]:
+    if spec.answer_column is not None:
+        return spec.prompt_column or ("prompt" if spec.prompt_template is None else None), spec.answer_column
+    for pcol, acol in _LAYOUTS:
+        if (spec.prompt_column or pcol) in row or pcol is None:
+            if all(c in row for c in acol.split(",")):
+                return spec.prompt_column or pcol, acol
+    raise ValueError(f"{where}: row has none of the known layouts ('prompt'+'ground_truth', 'question'+'answer', "
+                     f"'problem'+'solution', 'nums'+'target'); set prompt_column/answer_column "
+                     f"(keys: {sorted(row)[:10]})")
+
+
+def _ground_truth(row: dict, acol: str, where: str) -> str:
+    cols = [c.strip() for c in acol.split(",")]
+    missing = [c for c in cols if c not in row]
+    if missing:
+        raise ValueError(f"{where}: answer column(s) {missing} not in the row (keys: {sorted(row)[:10]})")
+    if len(cols) > 1:  # e.g. countdown: {"nums": [...], "target": N}
+        return json.dumps({c: row[c] for c in cols})
+    gt = row[cols[0]]
+    if isinstance(gt, (dict, list)):
+        return json.dumps(gt)
+    if isinstance(gt, bool) or not isinstance(gt, (int, float, str)):
+        raise ValueError(f"{where}: {cols[0]} must be a string, number, object or list, got {gt!r}")
+    gt = str(gt)
+    if acol == "answer" and "####" not in gt:
         # Without the marker the whole solution would become the "ground truth" and every
         # reward would silently be -1, so this is an error, not a fallback.
-        if not isinstance(answer, str) or "####" not in answer:
-            raise ValueError(f"{where}: GSM8K-style 'answer' has no '#### <final answer>' marker; "
-                             f"use {{\"prompt\", \"ground_truth\"}} rows for other datasets")
-        gt = answer.rsplit("####", 1)[1].strip().replace(",", "")
-        meta = {"solution": answer, **{k: v for k, v in row.items() if k not in ("question", "answer")}}
-    else:
-        raise ValueError(f"{where}: row has neither 'prompt'+'ground_truth' nor 'question'+'answer' "
-                         f"(keys: {sorted(row)[:10]})")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: the prompt/question must be a non-empty string")
+        raise ValueError(f"{where}: GSM8K-style 'answer' has no '#### <final answer>' marker; "
+                         f"use {{\"prompt\", \"ground_truth\"}} rows for other datasets")
+    if "####" in gt:  # a GSM8K worked solution: the final answer follows the last ####
+        return gt.rsplit("####", 1)[1].strip().replace(",", "")
+    boxed = last_boxed(gt) if acol != "ground_truth" else None
+    return gt if boxed is None else boxed.strip()  # a MATH-style solution: its last \\boxed{}
+
+
+def _prompt(row: dict, pcol: str | None, spec: ColumnSpec, where: str):
+    if spec.prompt_template is not None:
+        try:
+            return spec.prompt_template.format(**row)
+        except (KeyError, IndexError) as e:
+            raise ValueError(f"{where}: prompt_template names a column the row lacks: {e} "
+                             f"(keys: {sorted(row)[:10]})") from e
+    if pcol is None or pcol not in row:
+        raise ValueError(f"{where}: no prompt column {pcol!r} (keys: {sorted(row)[:10]}); set prompt_column, "
+                         f"or prompt_template to build the prompt from other columns")
+    prompt = row[pcol]
+    if spec.prompt_format == "messages":
+        check_messages(prompt, where)
+    elif not isinstance(prompt, str) or not prompt.strip():
+        hint = " (a message list: use prompt_format 'messages')" if isinstance(prompt, list) else ""
+        raise ValueError(f"{where}: the prompt ({pcol!r}) must be a non-empty string{hint}")
+    return prompt
+
+
+def _row_to_example(row: Any, where: str, spec: ColumnSpec = ColumnSpec()) -> Example:
+    """One dataset row -> Example; `where` ("file:line") goes into error messages."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    pcol, acol = _detect(row, spec, where)
+    prompt, gt = _prompt(row, pcol, spec, where), _ground_truth(row, acol, where)
     if not gt:
         raise ValueError(f"{where}: empty ground truth")
-    return Example(prompt=prompt, ground_truth=gt, meta=meta)
+    meta = {k: v for k, v in row.items() if k not in (pcol, acol)}
+    if acol == "answer":
+        meta = {"solution": row["answer"], **meta}  # GSM8K rows keep their worked solution
+    columns = {k: v for k, v in row.items() if k != pcol}  # what TRL-style rewards receive as keywords
+    return Example(prompt=prompt, ground_truth=gt, meta=meta, columns=columns)
 
 
-def _read_jsonl(path: Path, limit: int | None) -> list[Example]:
+def _read_jsonl(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:
     out: list[Example] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -76,23 +137,23 @@ def _read_jsonl(path: Path, limit: int | None) -> list[Example]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-            out.append(_row_to_example(row, f"{path}:{lineno}"))
+            out.append(_row_to_example(row, f"{path}:{lineno}", spec))
     return out
 
 
-def _read_parquet(path: Path, limit: int | None) -> list[Example]:
+def _read_parquet(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:
     import pyarrow.parquet as pq  # a dependency of `datasets`; reads without touching the HF cache
 
     rows = pq.read_table(path).to_pylist()
     rows = rows if limit is None else rows[:limit]
-    return [_row_to_example(r, f"{path}:row {i}") for i, r in enumerate(rows, 1)]
+    return [_row_to_example(r, f"{path}:row {i}", spec) for i, r in enumerate(rows, 1)]
 
 
-def _read_file(path: Path, limit: int | None) -> list[Example]:
+def _read_file(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:
     if path.suffix == ".jsonl":
-        return _read_jsonl(path, limit)
+        return _read_jsonl(path, limit, spec)
     if path.suffix == ".parquet":
-        return _read_parquet(path, limit)
+        return _read_parquet(path, limit, spec)
     raise ValueError(f"{path}: unsupported file type (use .jsonl or .parquet)")
 
 
@@ -115,14 +176,16 @@ def _looks_local(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.endswith(_FILE_SUFFIXES + (".json",))
 
 
-def load_examples(source: str, split: str = "train", limit: int | None = None) -> list[Example]:
+def load_examples(source: str, split: str = "train", limit: int | None = None,
+                  columns: ColumnSpec | None = None) -> list[Example]:
     """Examples from `source`, first `limit` rows only when given.
 
     source: "arith" (the synthetic task in trainer/arith.py); an existing directory holding
     {split}.jsonl / {split}.parquet; an existing .jsonl / .parquet file (split ignored);
     otherwise a Hugging Face hub id loaded with datasets.load_dataset (needs internet or a
-    warm HF cache; "openai/gsm8k" uses its "main" config).
+    warm HF cache; "openai/gsm8k" uses its "main" config). `columns` maps the row layout (ColumnSpec).
     """
+    spec = columns or ColumnSpec()
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     if source == "arith":
@@ -132,43 +195,25 @@ def load_examples(source: str, split: str = "train", limit: int | None = None) -
         return examples if limit is None else examples[:limit]
     path = Path(source).expanduser()
     if path.is_dir():
-        examples = _read_file(_split_file(path, split), limit)
+        examples = _read_file(_split_file(path, split), limit, spec)
     elif path.is_file():
-        examples = _read_file(path, limit)
+        examples = _read_file(path, limit, spec)
     elif _looks_local(source):
         raise FileNotFoundError(f"data source {source!r} does not exist")
     else:
-        examples = _load_hub(source, split, limit)
+        examples = _load_hub(source, split, limit, spec)
     if not examples and limit != 0:
         raise ValueError(f"data source {source!r} (split {split!r}) holds no examples")
     return examples
 
 
-def _load_hub(source: str, split: str, limit: int | None) -> list[Example]:
+def _load_hub(source: str, split: str, limit: int | None, spec: ColumnSpec) -> list[Example]:
     import datasets
 
     ds = datasets.load_dataset(source, _HUB_CONFIGS.get(source), split=split)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
-    return [_row_to_example(r, f"{source}[{split}] row {i}") for i, r in enumerate(ds, 1)]
-
-
-# ----------------------------------------------------------------------------- prompts
-def build_prompt(tokenizer, question: str, system_prompt: str | None = SYSTEM_PROMPT) -> str:
-    """The chat-templated prompt text, ending with the assistant turn opener.
-
-    A tokenizer without a chat template is an error: a plain-text fallback would train on a
-    prompt format the model was never meant to see.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template; use an "
-                         f"instruct/chat model or set tokenizer.chat_template")
-    if system_prompt == "none":  # no system turn, even where the template inserts a default one (Qwen2.5)
-        from common.chat import render_without_system
-        return render_without_system(tokenizer, [{"role": "user", "content": question}])
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return [_row_to_example(r, f"{source}[{split}] row {i}", spec) for i, r in enumerate(ds, 1)]
 
 
 # ----------------------------------------------------------------------------- sampling

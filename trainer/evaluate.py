@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from common.modeling import eos_ids, load_model, load_tokenizer
-from trainer.data import Example, load_examples
+from trainer.data import ColumnSpec, Example, load_examples
 from trainer.rewards import reward_correct, reward_format
 from trainer.rollout import encode_prompts, sample
 
@@ -21,11 +21,11 @@ from trainer.rollout import encode_prompts, sample
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
-             num_samples: int = 20, progress: bool = True) -> dict:
+             num_samples: int = 20, progress: bool = True, prompt_format: str = "chat") -> dict:
     """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0."""
     t0 = time.time()
-    kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length)
-    eos = eos_ids(tokenizer, model)
+    kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format)
+    eos = eos_ids(tokenizer, model, chat=prompt_format != "r1zero")
     correct = formatted = 0
     samples = []
     bar = tqdm(total=len(kept), desc="eval", disable=not progress, leave=False)
@@ -58,15 +58,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--system-prompt", default="default", help="'default' (R1-style), '' (none) or a text.")
+    p.add_argument("--prompt-format", default="chat", help="chat, messages, raw or r1zero (trainer/prompt_formats.py).")
+    p.add_argument("--prompt-column", default=None, help="Dataset column of the prompt (default: detected).")
+    p.add_argument("--answer-column", default=None, help="Dataset column(s) of the answer (default: detected).")
+    p.add_argument("--prompt-template", default=None, help="str.format template over the row's columns.")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
     p.add_argument("--out", default=None, help="Write the JSON summary (with sample completions) here.")
     a = p.parse_args(argv)
     tok = load_tokenizer(a.model)
     model = load_model(a.model, device=a.device, dtype=a.dtype)
-    examples = load_examples(a.data, split=a.split, limit=a.limit)
+    columns = ColumnSpec(a.prompt_column, a.answer_column, a.prompt_template, a.prompt_format)
+    examples = load_examples(a.data, split=a.split, limit=a.limit, columns=columns)
     res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
-                   batch_size=a.batch_size)
+                   batch_size=a.batch_size, prompt_format=a.prompt_format)
     res.update(model=a.model, data=a.data, split=a.split)
     print(f"accuracy {res['accuracy']:.4f}  format {res['format_rate']:.4f}  n={res['n']}  ({res['seconds']} s)")
     if a.out:

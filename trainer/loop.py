@@ -21,10 +21,10 @@ from common.protocol import ScoredBatch
 from common.weight_sync import WeightSync
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
-from trainer.data import PromptSampler, load_examples
+from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats
-from trainer.rewards import load_reward_fns
+from trainer.reward_scoring import RewardScorer, component_means
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
 
@@ -38,10 +38,12 @@ def batch_metrics(b: ScoredBatch) -> dict:
         out["reward_mean"] = float(b.rewards.mean())
         out["reward_std"] = float(b.rewards.std()) if b.rewards.numel() > 1 else 0.0
     comps = b.extra.get("components", {})
-    if "correct" in comps:
-        out["correct_rate"] = sum(v > 0 for v in comps["correct"]) / max(len(comps["correct"]), 1)
-    if "format" in comps:
-        out["format_rate"] = sum(v > 0 for v in comps["format"]) / max(len(comps["format"]), 1)
+    for name, key in (("correct", "correct_rate"), ("format", "format_rate")):
+        vals = [v for v in comps.get(name, []) if v is not None]  # None: not applicable / timed out
+        if vals:
+            out[key] = sum(v > 0 for v in vals) / len(vals)
+    out.update(component_means(comps))  # reward/<name>: each function's mean where it applied
+    out["reward_timeouts"] = float(sum(b.extra.get("reward_timeouts", [])))
     out["completion_len"] = float(b.completion_lens.float().mean())
     return out
 
@@ -62,7 +64,10 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
                                        chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
         logps = logps.float()
         loss = grpo_loss(logps, ref, gen, adv, mask, beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                         aggregation=cfg.aggregation, max_new_tokens=cfg.max_new_tokens)
+                         aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
+                         max_new_tokens=cfg.max_new_tokens)
+        if cfg.aggregation == "dapo":
+            loss = loss * dapo_scale(mask)
         engine.backward(loss)
         engine.step()
         if not stats:  # diagnostics of the first pass: the policy that saw this batch
@@ -71,6 +76,15 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
             stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
             stats["loss"] = float(loss.detach())
     return stats
+
+
+def dapo_scale(mask: torch.Tensor) -> float:
+    """TRL's dapo: token sum / the token count of the whole global batch. DeepSpeed averages gradients over
+    ranks, so a rank's token_mean (sum / local tokens) is scaled by local tokens * world / global tokens."""
+    local = mask.sum().to(torch.float64).cpu()
+    total = local.clone()
+    torch.distributed.all_reduce(total)
+    return float(local * torch.distributed.get_world_size() / total.clamp(min=1))
 
 
 def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) -> dict:
@@ -87,7 +101,7 @@ def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
     from trainer.evaluate import evaluate
-    res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt,
+    res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt, prompt_format=cfg.prompt_format,
                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False)
     return {"eval_accuracy": res["accuracy"], "eval_format": res["format_rate"], "eval_n": res["n"]}
@@ -117,11 +131,13 @@ def train(cfg: GRPOConfig) -> None:
 
     client = make_client(cfg)
     client.wait_ready(timeout=300)
-    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
-    eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit) \
+    columns = ColumnSpec.from_config(cfg)
+    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit, columns=columns)
+    eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit, columns=columns) \
         if (cfg.eval_steps or cfg.eval_before) else []
+    scorer = RewardScorer.from_config(cfg)
     sampler = PromptSampler(examples, seed=cfg.seed + 7919 * start_step, shard=rank, num_shards=world)
-    source = BatchSource(cfg, client, policy, tok, sampler, load_reward_fns(cfg.reward_fns), eos_ids(tok, policy),
+    source = BatchSource(cfg, client, policy, tok, sampler, scorer, eos_ids(tok, policy, cfg.prompt_format != "r1zero"),
                          vocab, producer_id=f"trainer-rank{rank}")
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
                             run_config=to_dict(cfg)) if rank == 0 else None
@@ -172,8 +188,9 @@ def train(cfg: GRPOConfig) -> None:
 
     keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
             "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness"]
+    keys += [f"reward/{name}" for name in scorer.names]
     sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
-                "sync_s", "sync_mb"]
+                "sync_s", "sync_mb", "reward_timeouts"]
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
     for step in range(start_step + 1, cfg.all_steps + 1):
         t0 = time.time()
@@ -202,6 +219,7 @@ def train(cfg: GRPOConfig) -> None:
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
             save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
     save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype)
+    scorer.close()
     bar.close()
     if metrics:
         metrics.close()

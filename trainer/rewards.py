@@ -5,6 +5,10 @@ Built-ins (names usable in `--reward_fns`):
     format     1.25 / -1: exactly `<think>...</think>` then `<answer>...</answer>`, nothing else
     countdown  +1 / -1: the `<answer>` expression hits the target using each given number once
     contains   1 / 0: the ground-truth string occurs in the completion (a toy task for smoke tests)
+    math_verify +1 / -1: math-verify's LaTeX equivalence (MATH-style answers); None if the truth won't parse
+
+TRL-style batch functions `f(prompts, completions, **columns) -> list[float | None]` are accepted too
+(trainer/reward_scoring.py tells the kinds apart and calls them).
 
 Anything else is a dotted path to your own function: "my_pkg.my_rewards:score" or
 "my_pkg.my_rewards.score". Rewards see the decoded completion text with special tokens
@@ -82,6 +86,9 @@ def _last_boxed(text: str) -> str | None:
     for m in _BOXED_RE.finditer(text):
         found = m.group(1)
     return found
+
+
+last_boxed = _last_boxed  # public: data.py reads MATH-style ground truths with it
 
 
 def extract_answer(completion: str) -> str | None:
@@ -190,7 +197,7 @@ def parse_countdown_truth(ground_truth: str) -> tuple[list[int], int]:
     """
     try:
         obj = json.loads(ground_truth)
-        numbers, target = obj["numbers"], obj["target"]
+        numbers, target = obj["numbers" if "numbers" in obj else "nums"], obj["target"]  # nums: Countdown-Tasks
     except (json.JSONDecodeError, TypeError, KeyError) as e:
         raise ValueError(f'countdown ground truth must be JSON {{"numbers": [...], "target": N}}, '
                          f'got {ground_truth[:200]!r}') from e
@@ -265,12 +272,21 @@ def reward_contains(completion: str, ground_truth: str) -> float:
     return 1.0 if ground_truth in completion else 0.0
 
 
+def reward_math_verify(completion: str, ground_truth: str) -> float | None:
+    """+1 / -1 by Hugging Face's math-verify (LaTeX-aware equivalence); None when the ground truth does not
+    parse (not applicable). See trainer/reward_math.py."""
+    from trainer.reward_math import math_verify_reward  # lazy: sympy is slow to import
+
+    return math_verify_reward(completion, ground_truth)
+
+
 # ----------------------------------------------------------------------------- registry
 REWARD_FNS: dict[str, RewardFn] = {
     "correct": reward_correct,
     "format": reward_format,
     "countdown": reward_countdown,
     "contains": reward_contains,
+    "math_verify": reward_math_verify,
 }
 
 

@@ -1,4 +1,5 @@
-"""Rollouts: sample a group of completions per prompt, reward them, build upload batches.
+"""Rollouts: sample a group of completions per prompt, reward them (trainer/reward_scoring.py), build upload
+batches.
 
 The exact sampled token ids travel to the server (never decoded and re-tokenised); the
 completion length counts tokens up to and including the first end-of-sequence token, so
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +18,6 @@ from common.prompts import SYSTEM_PROMPT
 from common.protocol import RolloutBatch
 from trainer.data import Example, build_prompt
 from trainer.grpo import group_advantages, has_spread
-from trainer.rewards import score_completion
 
 
 @dataclass
@@ -26,6 +25,7 @@ class RolloutStats:
     groups: int = 0
     skipped_no_spread: int = 0
     skipped_long_prompt: int = 0
+    reward_timeouts: int = 0
     completions: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0
@@ -33,13 +33,16 @@ class RolloutStats:
     components: dict = field(default_factory=dict)
 
 
-def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int
-                   ) -> tuple[list[tuple[Example, list[int]]], int]:
-    """Chat-template and tokenise; prompts over max_prompt_length are dropped and counted."""
+def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
+                   prompt_format: str = "chat") -> tuple[list[tuple[Example, list[int]]], int]:
+    """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
+    dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages."""
     kept, skipped = [], 0
-    sp = SYSTEM_PROMPT if system_prompt == "default" else system_prompt
+    if system_prompt == "default":
+        system_prompt = SYSTEM_PROMPT if prompt_format == "chat" else None
     for ex in examples:
-        ids = tokenizer(build_prompt(tokenizer, ex.prompt, sp), add_special_tokens=False)["input_ids"]
+        text = build_prompt(tokenizer, ex.prompt, system_prompt, prompt_format)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             skipped += 1
             continue
@@ -100,39 +103,53 @@ def pack_rows(rows: list[tuple[list[int], torch.Tensor]], pad_id: int
     return ids, torch.tensor([len(p) for p, _ in rows]), torch.tensor([len(c) for _, c in rows])
 
 
-def generate_batches(model, tokenizer, examples: list[Example], cfg, reward_fns: list[Callable], eos_ids: list[int],
+def round_advantages(rewards: list[torch.Tensor], mode: str) -> list[torch.Tensor]:
+    """Advantages of each group of a generation round; grpo_batch_std (TRL scale_rewards="batch") centres per
+    group and scales by the std of every reward of the round, so it needs the whole round."""
+    if mode != "grpo_batch_std":
+        return [group_advantages(r, mode) for r in rewards]
+    std = torch.cat(rewards).float().std() if sum(r.numel() for r in rewards) > 1 else torch.tensor(0.0)
+    return [(r.float() - r.float().mean()) / (std + 1e-4) for r in rewards]
+
+
+def generate_batches(model, tokenizer, examples: list[Example], cfg, scorer, eos_ids: list[int],
                      policy_version: int = 0, producer_id: str = "") -> tuple[list[RolloutBatch], RolloutStats]:
-    """One generation round: a RolloutBatch per prompt group with reward spread."""
+    """One generation round: a RolloutBatch per prompt group with reward spread.
+
+    scorer: a trainer.reward_scoring.RewardScorer (rewards, per-function components, timeouts per group)."""
     t0 = time.time()
     stats = RolloutStats()
-    kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length)
+    kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
+                                                     cfg.prompt_format)
     if not kept:
         return [], stats
     samples = sample(model, tokenizer, [ids for _, ids in kept], cfg.num_pre_Q, max_new_tokens=cfg.max_new_tokens,
                      temperature=cfg.temperature, top_p=cfg.top_p, eos_ids=eos_ids,
                      gen_batch_size=cfg.gen_batch_size)
+    groups = [samples[g * cfg.num_pre_Q:(g + 1) * cfg.num_pre_Q] for g in range(len(kept))]
+    scores = [scorer.score_group(ex, [tokenizer.decode(c, skip_special_tokens=True) for _, c in rows],
+                                 [c.tolist() for _, c in rows]) for (ex, _), rows in zip(kept, groups)]
+    all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]
+    advantages = round_advantages(all_rewards, cfg.advantage_mode)
     batches = []
-    for g, (ex, _) in enumerate(kept):
-        rows = samples[g * cfg.num_pre_Q:(g + 1) * cfg.num_pre_Q]
-        texts = [tokenizer.decode(c, skip_special_tokens=True) for _, c in rows]
-        scored = [score_completion(t, ex.ground_truth, reward_fns) for t in texts]
-        rewards = torch.tensor([s for s, _ in scored], dtype=torch.float32)
-        components = {k: [c[k] for _, c in scored] for k in scored[0][1]}
+    for rows, sc, rewards, adv in zip(groups, scores, all_rewards, advantages):
         truncated = [bool(len(c) == cfg.max_new_tokens and int(c[-1]) not in eos_ids) for _, c in rows]
         stats.groups += 1
         stats.completions += len(rows)
         stats.completion_tokens += sum(len(c) for _, c in rows)
+        stats.reward_timeouts += sc.timeouts
         stats.rewards.extend(rewards.tolist())
-        for k, v in components.items():
+        for k, v in sc.components.items():
             stats.components.setdefault(k, []).extend(v)
         if not has_spread(rewards) and not getattr(cfg, "train_zero_spread", False):
             stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
-        batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens,
-                             advantages=group_advantages(rewards, cfg.advantage_mode), rewards=rewards,
-                             policy_version=policy_version, producer_id=producer_id, batch_id=uuid.uuid4().hex,
-                             extra={"components": components, "truncated": truncated})
+        batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
+                             rewards=rewards, policy_version=policy_version, producer_id=producer_id,
+                             batch_id=uuid.uuid4().hex,
+                             extra={"components": sc.components, "truncated": truncated,
+                                    "reward_timeouts": [sc.timeouts]})
         if cfg.compute_gen_logps:
             with torch.no_grad():
                 batch.gen_logps, _ = sequence_logprobs(model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens)

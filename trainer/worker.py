@@ -12,8 +12,8 @@ from common.client import RefServerError
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer
 from common.weight_sync import WeightSync
-from trainer.data import PromptSampler, load_examples
-from trainer.rewards import load_reward_fns
+from trainer.data import ColumnSpec, PromptSampler, load_examples
+from trainer.reward_scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
 from trainer.stall import StallReporter
@@ -37,11 +37,12 @@ def genonly(cfg: GRPOConfig) -> None:
     model = load_model(cfg.model, device=cfg.device, dtype=cfg.worker_dtype)
     client = make_client(cfg)
     client.wait_ready(timeout=300)
-    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
+    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit,
+                             columns=ColumnSpec.from_config(cfg))
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
-    reward_fns, eos = load_reward_fns(cfg.reward_fns), eos_ids(tok, model)
+    scorer, eos = RewardScorer.from_config(cfg), eos_ids(tok, model, chat=cfg.prompt_format != "r1zero")
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
-    rounds = uploaded = 0
+    rounds = uploaded = timeouts = 0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
@@ -53,7 +54,7 @@ def genonly(cfg: GRPOConfig) -> None:
             if syncer is not None:  # between rounds: swap in newer policy weights, if any
                 syncer.follow(model)
             version = syncer.version if syncer is not None and syncer.version is not None else 0
-            batches, st = generate_batches(model, tok, sampler.next_batch(cfg.Q_batch_size), cfg, reward_fns, eos,
+            batches, st = generate_batches(model, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer, eos,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}")
             for rb in batches:
                 if stop["now"]:
@@ -67,7 +68,10 @@ def genonly(cfg: GRPOConfig) -> None:
         rounds += 1
         stall.add(st, len(batches))
         stall.maybe_log()
+        timeouts += st.reward_timeouts
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
-    log.info("worker done: %d rounds, %d batches uploaded in %.0f s", rounds, uploaded, time.time() - t_start)
+    scorer.close()
+    log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts", rounds, uploaded,
+             time.time() - t_start, timeouts)

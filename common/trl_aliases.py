@@ -1,0 +1,121 @@
+"""TRL `GRPOConfig` names accepted as aliases of ours, in the JSON config and on the command line.
+
+Every alias maps to exactly one of our fields (some with a value translation); names TRL shares with us
+(`beta`, `temperature`, `seed`, ...) need no alias. A TRL name we cannot honour is refused by name, never
+ignored; giving an alias and our own name for the same knob in one place is an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+# TRL loss_type -> our aggregation. TRL's bnpo normalises by the local batch's tokens = our token_mean.
+LOSS_TYPES = {"grpo": "seq_mean", "bnpo": "token_mean", "dr_grpo": "dr_grpo", "dapo": "dapo"}
+# TRL scale_rewards -> our advantage_mode (bools are TRL's older spelling).
+SCALE_REWARDS = {"group": "grpo", "true": "grpo", "batch": "grpo_batch_std", "none": "grpo_no_std",
+                 "false": "grpo_no_std"}
+SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine"}
+
+
+def _pick(table: dict, trl_name: str):
+    def conv(v: Any) -> str:
+        key = str(v).strip().lower()
+        if key not in table:
+            raise ValueError(f"TRL {trl_name}={v!r} is not supported here; supported: {', '.join(table)}")
+        return table[key]
+    return conv
+
+
+# TRL name -> (our field, value translation or None, what it means for --help)
+ALIASES: dict[str, tuple[str, Any, str]] = {
+    "num_generations": ("num_pre_Q", None, "completions per prompt"),
+    "max_completion_length": ("max_new_tokens", None, "completion length cap"),
+    "learning_rate": ("lr", None, "peak learning rate"),
+    "epsilon": ("eps_low", None, "lower clip; also eps_high unless epsilon_high/eps_high is given (as TRL)"),
+    "epsilon_high": ("eps_high", None, "upper clip"),
+    "num_iterations": ("mu", None, "optimisation passes per batch"),
+    "loss_type": ("aggregation", _pick(LOSS_TYPES, "loss_type"),
+                  "grpo->seq_mean, bnpo->token_mean, dr_grpo->dr_grpo, dapo->dapo"),
+    "scale_rewards": ("advantage_mode", _pick(SCALE_REWARDS, "scale_rewards"),
+                      "group->grpo, batch->grpo_batch_std, none->grpo_no_std"),
+    "mask_truncated_completions": ("mask_truncated", None, "drop truncated completions from the loss"),
+    "max_grad_norm": ("grad_clip", None, "gradient norm clip"),
+    "warmup_ratio": ("warmup_steps", None, "warmup_steps = ceil(ratio * all_steps * mu) optimizer steps"),
+    "lr_scheduler_type": ("lr_schedule", _pick(SCHEDULERS, "lr_scheduler_type"),
+                          "constant, constant_with_warmup->constant, cosine (linear etc. refused)"),
+    "max_steps": ("all_steps", None, "training steps"),
+    "logging_steps": ("log_every", None, "metrics row every N steps"),
+}
+
+# TRL GRPOConfig / TrainingArguments names we cannot honour, with the reason given to the user.
+_GEN = "generation settings beyond temperature/top_p are not implemented"
+REFUSED: dict[str, str] = {
+    **{n: _GEN for n in ("top_k", "min_p", "repetition_penalty", "generation_kwargs", "cache_implementation",
+                         "use_transformers_paged", "chat_template_kwargs")},
+    **{n: "vLLM is configured with gen_backend and its own fields, not TRL's vllm_* options" for n in (
+        "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+        "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl",
+        "vllm_guided_decoding_regex", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_cap")},
+    "generation_batch_size": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
+    "steps_per_generation": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
+    "per_device_train_batch_size": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
+    "gradient_accumulation_steps": "TRL's accumulation also sets the generation batch; use grad_accum knowingly",
+    "num_train_epochs": "training length is all_steps (alias max_steps)",
+    "delta": "two-sided clipping (delta) is not implemented",
+    "top_entropy_quantile": "entropy-masked tokens are not implemented",
+    "sync_ref_model": "the reference model is frozen on the ref server",
+    "ref_model_mixup_alpha": "the reference model is frozen on the ref server",
+    "ref_model_sync_steps": "the reference model is frozen on the ref server",
+    "disable_dropout": "the policy trains with the model's own dropout settings",
+    "use_liger_loss": "the loss is trainer/grpo.py",
+    "log_completions": "sample completions are not logged", "num_completions_to_print": "not logged",
+    "wandb_log_unique_prompts": "not logged", "shuffle_dataset": "the prompt sampler always shuffles (seeded)",
+    "ds3_gather_for_generation": "ZeRO-3 generation gathers always", "model_init_kwargs": "not supported",
+    "lr_scheduler_kwargs": "use lr_schedule and warmup_steps", "bf16": "precision comes from ds_config",
+    "fp16": "precision comes from ds_config", "optim": "the optimizer is AdamW from ds_config",
+    "adam_beta1": "set betas in ds_config", "adam_beta2": "set betas in ds_config",
+    "adam_epsilon": "set eps in ds_config", "report_to": "TensorBoard always; wandb with --wandb",
+    "push_to_hub": "not supported",
+    "cast_lm_head_to_fp32": "precision comes from ds_config",
+    "remove_unused_columns": "every dataset column always reaches TRL-style rewards (as TRL's False)",
+}
+
+
+def help_lines() -> list[str]:
+    return [f"--{a} -> --{f}: {h}" for a, (f, _, h) in ALIASES.items()]
+
+
+def resolve(values: dict, defaults: dict, field_names: set[str], source: str) -> dict:
+    """Translate TRL names in one source's values (a JSON file or the CLI) into ours."""
+    out = dict(values)
+    refused = sorted(k for k in out if k in REFUSED and k not in field_names)
+    if refused:
+        raise ValueError(f"{source}: TRL GRPOConfig field(s) we cannot honour: "
+                         + "; ".join(f"{k!r} ({REFUSED[k]})" for k in refused))
+    for alias, (target, conv, _) in ALIASES.items():
+        if alias not in out or alias in field_names:
+            continue
+        if target in out:
+            raise ValueError(f"{source}: both the TRL name {alias!r} and our {target!r} are given for one knob; "
+                             f"give one")
+        value = out.pop(alias)
+        if alias == "warmup_ratio":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise ValueError(f"{source}: warmup_ratio must be a number in [0, 1], got {value!r}")
+            steps = out.get("all_steps", out.get("max_steps", defaults["all_steps"]))
+            mu = out.get("mu", out.get("num_iterations", defaults["mu"]))
+            value = math.ceil(float(value) * int(steps) * int(mu))
+        out[target] = conv(value) if conv is not None and value is not None else value
+    if "epsilon" in values and "eps_high" not in values and "epsilon_high" not in values:
+        out["eps_high"] = out["eps_low"]  # TRL: epsilon_high defaults to epsilon
+    return out
+
+
+def resolve_for(cls: type, values: dict, source: str, base: dict | None = None) -> dict:
+    """`base`: values already set by an earlier source (the file, for the CLI), seen by warmup_ratio."""
+    fields = dataclasses.fields(cls)
+    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    defaults.update(base or {})
+    return resolve(values, defaults, {f.name for f in fields}, source)

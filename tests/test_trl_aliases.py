@@ -1,0 +1,112 @@
+"""TRL GRPOConfig names as aliases (issue 13): every alias reaches the same field as our name, in the JSON file
+and on the command line; unsupported names and values are refused by name; both names at once is an error."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common import trl_aliases
+from common.config import GRPOConfig, build_parser, from_dict, load_config
+
+# alias, value given, our field, value it must reach
+CASES = [
+    ("num_generations", 4, "num_pre_Q", 4),
+    ("max_completion_length", 64, "max_new_tokens", 64),
+    ("max_prompt_length", 100, "max_prompt_length", 100),
+    ("learning_rate", 3e-5, "lr", 3e-5),
+    ("beta", 0.0, "beta", 0.0),
+    ("epsilon_high", 0.28, "eps_high", 0.28),
+    ("num_iterations", 2, "mu", 2),
+    ("temperature", 0.7, "temperature", 0.7),
+    ("top_p", 0.95, "top_p", 0.95),
+    ("loss_type", "grpo", "aggregation", "seq_mean"),
+    ("loss_type", "bnpo", "aggregation", "token_mean"),
+    ("loss_type", "dr_grpo", "aggregation", "dr_grpo"),
+    ("loss_type", "dapo", "aggregation", "dapo"),
+    ("scale_rewards", "group", "advantage_mode", "grpo"),
+    ("scale_rewards", "batch", "advantage_mode", "grpo_batch_std"),
+    ("scale_rewards", "none", "advantage_mode", "grpo_no_std"),
+    ("mask_truncated_completions", True, "mask_truncated", True),
+    ("max_grad_norm", 0.5, "grad_clip", 0.5),
+    ("lr_scheduler_type", "cosine", "lr_schedule", "cosine"),
+    ("lr_scheduler_type", "constant_with_warmup", "lr_schedule", "constant"),
+    ("save_steps", 50, "save_steps", 50),
+    ("seed", 7, "seed", 7),
+    ("max_steps", 30, "all_steps", 30),
+    ("logging_steps", 5, "log_every", 5),
+]
+
+
+@pytest.mark.parametrize("alias, value, field, want", CASES)
+def test_alias_reaches_our_field_in_json_and_cli(tmp_path, alias, value, field, want):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({alias: value}))
+    assert getattr(load_config(GRPOConfig, ["--config", str(path)]), field) == want
+    assert getattr(from_dict(GRPOConfig, {alias: value}), field) == want
+    assert getattr(load_config(GRPOConfig, [f"--{alias}", str(value)]), field) == want
+    if alias != field:  # our own name gives the same result
+        our = want if not isinstance(want, str) or field != "aggregation" else want
+        assert getattr(load_config(GRPOConfig, [f"--{field}", str(our)]), field) == want
+
+
+def test_epsilon_sets_both_clips_like_trl():
+    c = load_config(GRPOConfig, ["--epsilon", "0.3"])
+    assert c.eps_low == 0.3 and c.eps_high == 0.3
+    c = load_config(GRPOConfig, ["--epsilon", "0.2", "--epsilon_high", "0.28"])
+    assert (c.eps_low, c.eps_high) == (0.2, 0.28)
+
+
+def test_warmup_ratio_uses_the_run_length(tmp_path):
+    assert load_config(GRPOConfig, ["--warmup_ratio", "0.1", "--max_steps", "50"]).warmup_steps == 5
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"all_steps": 200, "mu": 2}))
+    assert load_config(GRPOConfig, ["--config", str(path), "--warmup_ratio", "0.05"]).warmup_steps == 20
+
+
+def test_both_names_for_one_knob_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="'learning_rate'.*'lr'"):
+        load_config(GRPOConfig, ["--learning_rate", "1e-5", "--lr", "1e-4"])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"num_generations": 4, "num_pre_Q": 8}))
+    with pytest.raises(ValueError, match="'num_generations'.*'num_pre_Q'"):
+        load_config(GRPOConfig, ["--config", str(path)])
+
+
+@pytest.mark.parametrize("name, value", [("use_vllm", True), ("top_k", 50), ("num_train_epochs", 1),
+                                         ("generation_batch_size", 16), ("sync_ref_model", True)])
+def test_unsupported_trl_names_are_refused_by_name(name, value):
+    with pytest.raises(ValueError, match=f"cannot honour.*'{name}'"):
+        from_dict(GRPOConfig, {name: value})
+
+
+@pytest.mark.parametrize("alias, value", [("loss_type", "cispo"), ("scale_rewards", "sometimes"),
+                                          ("lr_scheduler_type", "linear")])
+def test_unsupported_values_are_refused_with_the_name(alias, value):
+    with pytest.raises(ValueError, match=f"{alias}={value!r}"):
+        from_dict(GRPOConfig, {alias: value})
+
+
+def test_unknown_name_still_refused():
+    with pytest.raises(ValueError, match="no_such_knob"):
+        from_dict(GRPOConfig, {"no_such_knob": 1})
+
+
+def test_help_lists_the_aliases():
+    text = build_parser(GRPOConfig).format_help()
+    for alias in trl_aliases.ALIASES:
+        assert f"--{alias}" in text
+    assert "Refused by name" in text and "use_vllm" in text
+
+
+def test_new_data_and_reward_fields_validate():
+    c = load_config(GRPOConfig, ["--prompt_format", "messages", "--reward_weights", "[1, 0.5]"])
+    assert c.prompt_format == "messages" and c.reward_weights == [1, 0.5]
+    with pytest.raises(ValueError, match="prompt_format"):
+        load_config(GRPOConfig, ["--prompt_format", "jinja"])
+    with pytest.raises(ValueError, match="reward_weights has 1 values for 2"):
+        load_config(GRPOConfig, ["--reward_weights", "[1]"])
+    with pytest.raises(ValueError, match="system_prompt"):
+        load_config(GRPOConfig, ["--prompt_format", "raw", "--system_prompt", "Be brief."])
+    with pytest.raises(ValueError, match="reward_timeout"):
+        load_config(GRPOConfig, ["--reward_timeout", "-1"])

@@ -1,0 +1,158 @@
+"""Score one group of completions with the configured reward functions: both signatures, weights, timeouts.
+
+Two kinds of reward function, told apart by their signature:
+    ours  fn(completion: str, ground_truth: str) -> float                 called once per completion
+    TRL   fn(prompts, completions, **columns) -> list[float | None]       called once per group, by keyword,
+          as TRL's GRPOTrainer calls it: `prompts` are the dataset prompts (a string, or the message list in
+          `messages` runs), `completions` strings (message lists [{"role": "assistant", ...}] in `messages`
+          runs), `completion_ids` (token ids) and every other dataset column as a keyword list, one value per
+          completion.
+None means "not applicable": skipped in the weighted sum (as TRL does) and in the per-function means.
+A call that runs past `reward_timeout` also counts as None (trainer/reward_timeout.py). A function that
+raises, returns the wrong length or a non-finite number stops the run, naming itself and the example.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from dataclasses import dataclass, field
+
+from trainer.reward_timeout import RewardCallError, make_caller
+from trainer.rewards import load_reward_fns, reward_name
+
+log = logging.getLogger("trainer")
+
+OURS_SIG = "fn(completion: str, ground_truth: str) -> float"
+TRL_SIG = "fn(prompts, completions, **columns) -> list[float | None]"
+
+
+def reward_kind(fn, name: str) -> str:
+    """'ours' or 'trl' from the signature; anything else is an error naming both signatures."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"reward function {name!r}: cannot read its signature ({e})") from e
+    params = sig.parameters
+    if "completions" in params:
+        return "trl"
+    try:
+        sig.bind("completion", "ground truth")
+        return "ours"
+    except TypeError:
+        pass
+    if all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params.values()) and params:
+        return "trl"  # keyword-only / **kwargs: TRL calls by keyword
+    raise ValueError(f"reward function {name!r} has signature {sig}, which fits neither {OURS_SIG} (ours) "
+                     f"nor {TRL_SIG} (TRL-style)")
+
+
+def _accepted_kwargs(fn, kwargs: dict) -> dict:
+    """All of them when fn takes **kwargs (TRL's convention), else only the names it declares."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+@dataclass
+class GroupScore:
+    rewards: list[float]  # weighted sum per completion (0.0 where every function said None)
+    components: dict[str, list[float | None]]  # unweighted value per function and completion
+    timeouts: int = 0  # timed-out calls in this group
+    timed_out: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _short(x, n: int = 300) -> str:
+    s = x if isinstance(x, str) else repr(x)
+    return s if len(s) <= n else s[:n] + f"... ({len(s)} chars)"
+
+
+class RewardScorer:
+    """The run's reward functions, ready to score groups (one worker process when reward_timeout > 0)."""
+
+    def __init__(self, specs, weights: list | None = None, timeout: float = 10.0, conversational: bool = False):
+        specs = specs.split(",") if isinstance(specs, str) else list(specs)
+        self.specs = [s.strip() for s in specs]
+        self.fns = load_reward_fns(self.specs)
+        self.names: list[str] = []
+        for fn in self.fns:  # a repeated name gets a #2, #3... suffix
+            name = base = reward_name(fn)
+            k = 2
+            while name in self.names:
+                name, k = f"{base}#{k}", k + 1
+            self.names.append(name)
+        self.kinds = [reward_kind(fn, n) for fn, n in zip(self.fns, self.names)]
+        weights = [1.0] * len(self.fns) if not weights else [float(w) for w in weights]
+        if len(weights) != len(self.fns):
+            raise ValueError(f"reward_weights has {len(weights)} values for {len(self.fns)} reward functions "
+                             f"({', '.join(self.names)})")
+        self.weights = weights
+        self.timeout, self.conversational = timeout, conversational
+        self.caller = make_caller(self.specs, self.fns, timeout)
+
+    @classmethod
+    def from_config(cls, cfg) -> RewardScorer:
+        return cls(cfg.reward_fns, cfg.reward_weights, cfg.reward_timeout, cfg.prompt_format == "messages")
+
+    def close(self) -> None:
+        self.caller.close()
+
+    def _fail(self, idx: int, example, completion, why: str):
+        raise RuntimeError(f"reward function {self.names[idx]!r} failed: {why}\n  prompt: {_short(example.prompt)}\n"
+                           f"  ground_truth: {_short(example.ground_truth)}\n  completion: {_short(completion)}")
+
+    def _trl_kwargs(self, idx: int, example, completions: list[str], completion_ids: list | None) -> dict:
+        n = len(completions)
+        comps = [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions
+        kwargs = {col: [v] * n for col, v in example.columns.items()}
+        kwargs.update(prompts=[example.prompt] * n, completions=comps)
+        if completion_ids is not None:
+            kwargs["completion_ids"] = completion_ids
+        return _accepted_kwargs(self.fns[idx], kwargs)
+
+    def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None
+                    ) -> GroupScore:
+        """Rewards for the completions of one prompt (decoded text, special tokens stripped; TRL-style
+        functions also get `completion_ids`, the sampled token ids, when given)."""
+        n = len(completions)
+        comps: dict[str, list[float | None]] = {}
+        score = GroupScore(rewards=[0.0] * n, components=comps)
+        for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
+            try:
+                if kind == "ours":
+                    values, late = self.caller.call_simple(i, [(c, example.ground_truth) for c in completions])
+                else:
+                    values = self.caller.call_trl(i, self._trl_kwargs(i, example, completions, completion_ids))
+                    late = [] if values is not None else list(range(n))
+                    values = [None] * n if values is None else values
+            except RewardCallError as e:
+                bad = completions[e.item] if kind == "ours" else f"(the group of {n}; first) {completions[0]!r}"
+                self._fail(i, example, bad, str(e))
+            if len(values) != n:
+                self._fail(i, example, completions[0], f"returned {len(values)} values for {n} completions")
+            for k, v in enumerate(values):
+                if v is not None and not math.isfinite(v):  # a NaN would poison the group's advantages
+                    self._fail(i, example, completions[k], f"returned {v!r}")
+            if late:
+                calls = len(late) if kind == "ours" else 1
+                score.timeouts += calls
+                score.timed_out[name] = late
+                log.warning("reward function %r timed out (%.1f s) on prompt %s, completion %s: counted as not "
+                            "applicable", name, self.timeout, _short(example.prompt, 120),
+                            _short(completions[late[0]], 120))
+            comps[name] = values
+            for k, v in enumerate(values):
+                if v is not None:
+                    score.rewards[k] += self.weights[i] * v
+        return score
+
+
+def component_means(components: dict[str, list]) -> dict[str, float]:
+    """Per-function mean over the completions where it applied ("reward/<name>" metrics)."""
+    out = {}
+    for name, vals in components.items():
+        vs = [v for v in vals if v is not None]
+        if vs:
+            out[f"reward/{name}"] = sum(vs) / len(vs)
+    return out

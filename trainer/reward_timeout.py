@@ -1,0 +1,228 @@
+"""Reward calls under a hard per-call timeout: a reward worker process, killed on timeout, reused otherwise.
+
+Why a process: a thread cannot be stopped (a C-level loop in sympy ignores everything), and
+`signal.alarm` (math-verify's own timeout) only works in the main thread, which a DeepSpeed rank's
+reward call need not be on. The worker is `python -m trainer.reward_timeout SPECS_JSON`: it loads the
+reward functions by the same names/dotted paths as the trainer (nothing is pickled), then answers
+JSON lines on a private pipe (stdout is redirected to stderr there, so a reward that prints cannot
+corrupt the protocol).
+
+Per-completion functions (`fn(completion, ground_truth)`) are sent a whole group at once and answer
+item by item, each item with its own deadline: a call that hangs costs one timeout, the worker is
+killed and restarted for the rest of the group. A TRL-style batch function is one call per group.
+A timed-out call yields None ("not applicable"); an exception in the reward stays a hard error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+log = logging.getLogger("trainer")
+
+STARTUP_TIMEOUT = 120.0  # importing user reward modules (sympy for math-verify) is not a reward call
+
+
+class RewardCallError(RuntimeError):
+    """A reward function raised (or returned something unusable): the run must stop."""
+
+    def __init__(self, fn_index: int, item: int, message: str):
+        super().__init__(message)
+        self.fn_index, self.item = fn_index, item
+
+
+def to_value(x) -> float | None:
+    """None stays None (not applicable); anything else must be a real number (bools, numpy/torch scalars)."""
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"returned {x!r} ({type(x).__name__}), not a number or None") from e
+
+
+def call_trl_fn(fn, kwargs: dict) -> list:
+    out = fn(**kwargs)
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise TypeError(f"returned {type(out).__name__}, not a list with one value per completion")
+    return [to_value(v) for v in out]
+
+
+class InProcessCaller:
+    """reward_timeout = 0: call the functions directly (no isolation, no timeout)."""
+
+    def __init__(self, fns: list):
+        self.fns = fns
+        self.timeouts = 0
+
+    def call_simple(self, idx: int, items: list[tuple[str, str]]) -> tuple[list[float | None], list[int]]:
+        out = []
+        for k, (completion, gt) in enumerate(items):
+            try:
+                out.append(to_value(self.fns[idx](completion, gt)))
+            except Exception as e:  # noqa: BLE001 - re-raised with the function and the example named
+                raise RewardCallError(idx, k, f"{type(e).__name__}: {e}") from e
+        return out, []
+
+    def call_trl(self, idx: int, kwargs: dict) -> list | None:
+        try:
+            return call_trl_fn(self.fns[idx], kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised with the function and the example named
+            raise RewardCallError(idx, 0, f"{type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessCaller:
+    """Runs the reward functions named by `specs` in a worker process, each call under `timeout` seconds."""
+
+    def __init__(self, specs: list[str], timeout: float):
+        self.specs, self.timeout = list(specs), float(timeout)
+        self.proc: subprocess.Popen | None = None
+        self._buf = b""
+        self.timeouts = 0  # timed-out calls over this caller's life
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ process
+    def _start(self) -> None:
+        env = dict(os.environ)
+        # The child imports the same modules by name: give it the parent's import path.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.reward_timeout", json.dumps(self.specs)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+        self._buf = b""
+        msg = self._read(STARTUP_TIMEOUT)
+        if msg is None or "ready" not in msg:
+            err = (msg or {}).get("error", f"no answer within {STARTUP_TIMEOUT:.0f} s")
+            self._kill()
+            raise RuntimeError(f"reward worker failed to start: {err}")
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for f in (self.proc.stdin, self.proc.stdout):
+                f.close()
+            self.proc = None
+
+    def close(self) -> None:
+        self._kill()
+
+    def __del__(self):  # best effort: the worker also exits on EOF of its stdin
+        if getattr(self, "proc", None) is not None:
+            self._kill()
+
+    def _send(self, obj: dict) -> None:
+        if self.proc is None:
+            self._start()
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+
+    def _read(self, timeout: float) -> dict | None:
+        """Next JSON line from the worker, or None when `timeout` passes first."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                code = self.proc.poll()
+                raise RuntimeError(f"reward worker exited unexpectedly (code {code}); see its stderr above")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _on_timeout(self) -> None:
+        self.timeouts += 1
+        self.restarts += 1
+        self._kill()  # a hung call cannot be interrupted any other way; restarted lazily by the next send
+
+    # ------------------------------------------------------------------ calls
+    def _answer(self, idx: int, item: int) -> tuple[bool, object]:
+        msg = self._read(self.timeout)
+        if msg is None:
+            self._on_timeout()
+            return False, None
+        if "error" in msg:
+            raise RewardCallError(idx, item, msg["error"])
+        return True, msg["ok"]
+
+    def call_simple(self, idx: int, items: list[tuple[str, str]]) -> tuple[list[float | None], list[int]]:
+        """(one value per item, indices of the items that timed out)."""
+        out: list[float | None] = []
+        timed_out: list[int] = []
+        while len(out) < len(items):
+            start = len(out)
+            self._send({"fn": idx, "kind": "simple", "items": items[start:]})
+            for k in range(start, len(items)):
+                done, value = self._answer(idx, k)
+                out.append(value)
+                if not done:
+                    timed_out.append(k)
+                    break  # worker killed: resend the rest of the group to a fresh one
+        return out, timed_out
+
+    def call_trl(self, idx: int, kwargs: dict) -> list | None:
+        self._send({"fn": idx, "kind": "trl", "kwargs": kwargs})
+        done, value = self._answer(idx, 0)
+        return value if done else None
+
+
+def make_caller(specs: list[str], fns: list, timeout: float):
+    return ProcessCaller(specs, timeout) if timeout > 0 else InProcessCaller(fns)
+
+
+# ---------------------------------------------------------------------- worker side
+def _watch_parent(parent: int) -> None:
+    """Exit when the parent is gone, even while a reward hangs (stdin EOF is only seen between calls)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _serve(specs: list[str]) -> None:
+    # The parent decides when we stop (kill on timeout, stdin EOF on close): a Ctrl-C or launch.sh's SIGTERM to
+    # the process group must not kill us mid-call, while the parent finishes its round.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    out = os.fdopen(os.dup(1), "wb", buffering=0)  # private protocol channel
+    os.dup2(2, 1)  # what reward code prints goes to stderr
+    sys.stdout = sys.stderr
+
+    def send(obj: dict) -> None:
+        out.write((json.dumps(obj, allow_nan=True) + "\n").encode())
+
+    try:
+        from trainer.rewards import load_reward_fns
+
+        fns = load_reward_fns(specs)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+        send({"error": f"{type(e).__name__}: {e}"})
+        return
+    send({"ready": True})
+    for line in sys.stdin.buffer:
+        req = json.loads(line)
+        fn = fns[req["fn"]]
+        try:
+            if req["kind"] == "trl":
+                send({"ok": call_trl_fn(fn, req["kwargs"])})
+                continue
+            for completion, gt in req["items"]:
+                send({"ok": to_value(fn(completion, gt))})  # NaN travels as JSON NaN; the parent refuses it
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the run
+            tb = traceback.format_exc(limit=3)
+            send({"error": f"{type(e).__name__}: {e}\n{tb}"})
+
+
+if __name__ == "__main__":
+    _serve(json.loads(sys.argv[1]))
