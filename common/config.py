@@ -118,7 +118,7 @@ class GRPOConfig:
     vllm_max_model_len: int | None = knob(None, "vLLM max model length (prompt + completion); default "
                                                 "max_prompt_length + max_new_tokens.")
     vllm_gpu_memory_utilization: float = knob(0.5, "vLLM share of GPU memory for weights + KV cache (CUDA only).")
-    vllm_kv_cache_gb: float = knob(1.0, "vLLM KV cache space in GiB on CPU (VLLM_CPU_KVCACHE_SPACE, unless set).")
+    vllm_kv_cache_gb: int = knob(1, "vLLM KV cache space in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE, unless set).")
     vllm_cpu_threads_bind: str = knob("nobind", "VLLM_CPU_OMP_THREADS_BIND on CPU (unless set): 'nobind' lets "
                                                 "the OS place threads, right when other processes share cores; "
                                                 "'auto' or a core list like '0-1' pins them.")
