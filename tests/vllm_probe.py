@@ -6,6 +6,7 @@ thread settings; kept out of the pytest process). Prints one JSON line of measur
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -53,6 +54,7 @@ def eos_rules_ok(samples, eos: list[int], max_new: int) -> bool:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     from common.config import GRPOConfig
     from common.modeling import load_model
     from common.weight_sync import WeightSync
