@@ -51,3 +51,34 @@ def test_logprobs_equal_trainer_after_sync_and_differ_before(probe):
 def test_eos_and_truncation_rules(probe):
     assert probe["eos_rules_ok"]
     assert probe["n_truncated"] > 0 and probe["n_stopped"] > 0  # both outcomes exercised
+
+
+def test_a_model_vllm_cannot_serve_gets_a_clear_error(probe):
+    assert "vLLM cannot serve model" in probe["bad_model_error"] and "gen_backend='hf'" in probe["bad_model_error"]
+
+
+def test_missing_vllm_says_how_to_install(monkeypatch):
+    from trainer.engines import vllm as ve
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to import
+    with pytest.raises(ImportError, match="scripts/setup.sh"):
+        ve.import_vllm()
+
+
+def test_engine_failure_mid_run_is_engine_died(tiny_model_dir):
+    from common.modeling import load_tokenizer
+    from trainer.engines import EngineDied
+    from trainer.engines.vllm import VLLMEngine
+
+    class DeadLLM:
+        def generate(self, *a, **k):
+            raise RuntimeError("EngineCore encountered an issue")
+
+        def collective_rpc(self, *a, **k):
+            raise RuntimeError("EngineCore encountered an issue")
+
+    eng = VLLMEngine(DeadLLM(), load_tokenizer(str(tiny_model_dir)), [0], temperature=1.0, top_p=1.0, top_k=0,
+                     seed=0)
+    with pytest.raises(EngineDied, match="failed during generate"):
+        eng.generate([[1, 2]], 2, max_new_tokens=4)
+    with pytest.raises(EngineDied, match="failed to load new weights"):
+        eng.load_weights([])

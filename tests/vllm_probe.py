@@ -104,6 +104,17 @@ def main() -> None:
     res["eos_rules_ok"] = eos_rules_ok(samples, engine.eos_ids, 12)
     res["n_truncated"] = sum(s.truncated for s in samples)
     res["n_stopped"] = sum(not s.truncated for s in samples)
+    # a model vLLM cannot serve: a clear error naming it, not a crash deep inside vLLM
+    bad = work / "bad_model"
+    shutil.copytree(model_dir, bad, dirs_exist_ok=True)
+    conf = json.loads((bad / "config.json").read_text())
+    conf["architectures"] = ["NoSuchModelForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(conf))
+    try:
+        make_engine(cfg, str(bad))
+        res["bad_model_error"] = ""
+    except RuntimeError as e:
+        res["bad_model_error"] = str(e)[:300]
     print(json.dumps(res))
 
 
