@@ -112,6 +112,9 @@ def test_hf_load_weights_subset_and_bad_names(tiny_model_dir):
     name, p = next(iter(eng.model.named_parameters()))
     eng.load_weights([(name, torch.zeros_like(p))])
     assert float(p.abs().sum()) == 0.0
+    emb = eng.model.get_input_embeddings().weight
+    eng.load_weights([("lm_head.weight", torch.ones_like(emb))])  # tied: the alias lands in the embedding
+    assert float(emb.sum()) == emb.numel()
     with pytest.raises(ValueError, match="not a parameter"):
         eng.load_weights([("nope.weight", torch.zeros(1))])
 

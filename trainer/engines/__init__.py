@@ -3,6 +3,7 @@
     engine = make_engine(cfg, model_path)            # cfg.gen_backend in {"hf", "vllm"}
     samples = engine.generate(prompt_ids, n, max_new_tokens=64, greedy=False)
     engine.load_weights(named_tensors)               # HF parameter names, full tensors, any subset
+                                                     # (tied lm_head.weight: optional, filled from the embedding)
 
 Both sample exactly the configured distribution (temperature, top_p, top_k and nothing else): the
 checkpoint's generation_config (repetition_penalty, its own top_k/top_p/temperature, ...) is ignored,

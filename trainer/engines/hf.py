@@ -38,7 +38,7 @@ class HFEngine(GenEngine):
         return cls(model, tok, model_eos_ids(tok, model), temperature=cfg.temperature, top_p=cfg.top_p,
                    top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size)
 
-    def _clean_config(self, greedy: bool):
+    def _clean_config(self, greedy: bool, max_new_tokens: int):
         from transformers import GenerationConfig
 
         # Explicit values for everything that shapes the distribution: transformers fills only unset (None)
@@ -48,7 +48,7 @@ class HFEngine(GenEngine):
         return GenerationConfig(**kw, eos_token_id=self.eos_ids, pad_token_id=self.tok.pad_token_id,
                                 bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
                                 repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, num_beams=1,
-                                use_cache=True)
+                                use_cache=True, max_new_tokens=max_new_tokens)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int,
@@ -58,7 +58,7 @@ class HFEngine(GenEngine):
         jobs = [p for p in prompt_ids for _ in range(n)]
         out: list[Sample] = []
         was_training, saved = model.training, model.generation_config
-        gc = self._clean_config(greedy)
+        gc = self._clean_config(greedy, max_new_tokens)
         model.eval()
         model.generation_config = copy.deepcopy(gc)  # nothing of the checkpoint's left to merge in
         try:
@@ -71,7 +71,7 @@ class HFEngine(GenEngine):
                     ids[i, width - len(p):] = torch.tensor(p)
                     mask[i, width - len(p):] = 1
                 seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      generation_config=gc, max_new_tokens=max_new_tokens)
+                                      generation_config=gc)
                 comps = seqs[:, width:].cpu()
                 for i, p in enumerate(chunk):
                     c, trunc = cut_at_eos(comps[i], self.eos_ids, max_new_tokens)
@@ -83,7 +83,7 @@ class HFEngine(GenEngine):
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the given tensors into the live parameters (a subset is fine; names must exist)."""
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied aliases (lm_head) too
         with torch.no_grad():
             for name, t in named:
                 if name not in params:
