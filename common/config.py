@@ -141,6 +141,28 @@ class GRPOConfig:
     reward_timeout: float = knob(10.0, "Seconds one reward call may take; past it the call counts as not "
                                        "applicable (None) and reward_timeouts is counted. Rewards run in a "
                                        "worker process killed on timeout. 0 = in-process, no timeout.")
+    # --- generation engine (vLLM) and train/inference mismatch ------------------------
+    gen_backend: str = knob("hf", "Generation engine of genonly workers and `python -m trainer.evaluate`: hf "
+                                  "(transformers generate) or vllm. Trainer ranks' own fallback rollouts and "
+                                  "in-training eval stay on HF (they sample from the live DeepSpeed module).")
+    top_k: int = knob(0, "Top-k sampling for rollouts (0 = off). Rollouts and eval sample exactly temperature/"
+                         "top_p/top_k: the checkpoint's generation_config (repetition_penalty, ...) is ignored.")
+    vllm_dtype: str = knob("auto", "vLLM weights dtype: auto (the checkpoint's), bfloat16, float16 or float32 "
+                                   "(float32 for exact logprob agreement with the trainer).")
+    vllm_eager: bool = knob(True, "vLLM enforce_eager: no graph capture/compilation (faster start; on CPU the "
+                                  "compiled mode was not faster in our measurements).")
+    vllm_max_model_len: int | None = knob(None, "vLLM max model length (prompt + completion); default "
+                                                "max_prompt_length + max_new_tokens.")
+    vllm_gpu_memory_utilization: float = knob(0.5, "vLLM share of GPU memory for weights + KV cache (CUDA only).")
+    vllm_kv_cache_gb: int = knob(1, "vLLM KV cache space in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE, unless set).")
+    vllm_cpu_threads_bind: str = knob("nobind", "VLLM_CPU_OMP_THREADS_BIND on CPU (unless set): 'nobind' lets "
+                                                "the OS place threads, right when other processes share cores; "
+                                                "'auto' or a core list like '0-1' pins them.")
+    tis_cap: float | None = knob(None, "Truncated importance sampling: weight each token's policy loss by "
+                                       "min(exp(trainer old logp - engine logp), tis_cap) and take the PPO ratio "
+                                       "against the trainer's own old logp (null = off). Corrects bf16/vLLM "
+                                       "train-inference mismatch; costs no forward pass (old logp = the first "
+                                       "pass's), one (B, T) tensor per batch.")
 
     def validate(self) -> GRPOConfig:
         checks = [
@@ -166,6 +188,18 @@ class GRPOConfig:
             (self.log_stall_every > 0, "log_stall_every must be > 0"),
         ]
         checks += self._check_data_and_rewards()
+        checks += [  # --- generation engine / mismatch (issue 12) ---
+            (self.gen_backend in ("hf", "vllm"), f"unknown gen_backend {self.gen_backend!r}; use hf or vllm"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.vllm_dtype in ("auto", "bfloat16", "float16", "float32"),
+             f"unknown vllm_dtype {self.vllm_dtype!r}; use auto, bfloat16, float16 or float32"),
+            (self.vllm_max_model_len is None or self.vllm_max_model_len >= 2, "vllm_max_model_len must be >= 2"),
+            (0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]"),
+            (self.vllm_kv_cache_gb > 0, "vllm_kv_cache_gb must be > 0"),
+            (self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 (or null = off)"),
+            (self.tis_cap is None or self.compute_gen_logps, "tis_cap needs compute_gen_logps (engine logprobs)"),
+        ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"config: {msg}")

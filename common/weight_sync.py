@@ -156,8 +156,10 @@ class WeightSync:
         except FileNotFoundError:
             return None
 
-    def follow(self, model: torch.nn.Module) -> int | None:
-        """Fetch and apply the newest weights if they are newer than ours; returns the new version or None."""
+    def follow(self, model: torch.nn.Module | None = None, apply=None) -> int | None:
+        """Fetch and apply the newest weights if they are newer than ours; returns the new version or None.
+
+        `apply(tensors)` loads them somewhere else than an HF model's parameters (a generation engine)."""
         latest = self.latest_version()
         if latest is None or (self.version is not None and latest <= self.version):
             return None
@@ -173,7 +175,10 @@ class WeightSync:
             except FileNotFoundError:  # superseded while we read the pointer: catch the next one
                 return None
         moved = sum(t.numel() * t.element_size() for t in tensors.values())
-        load_parameters(model, tensors)
+        if apply is not None:
+            apply(tensors)
+        else:
+            load_parameters(model, tensors)
         del tensors
         self.version = version
         dt = time.time() - t0

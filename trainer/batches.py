@@ -8,6 +8,7 @@ import time
 from common.client import RefServerError
 from common.config import GRPOConfig
 from common.protocol import ProtocolError, ScoredBatch, collate
+from trainer.engines.hf import HFEngine
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
 
@@ -40,6 +41,10 @@ class BatchSource:
         self.cfg, self.client, self.model, self.tok = cfg, client, model, tokenizer
         self.sampler, self.scorer, self.eos, self.vocab = sampler, scorer, eos, vocab_size
         self.producer_id = producer_id
+        # Ranks generate from the live DeepSpeed module with HF: it already holds the exact current weights,
+        # where a vLLM engine per rank would hold a second copy and need a weight swap every step.
+        self.engine = HFEngine(model, tokenizer, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                               gen_batch_size=cfg.gen_batch_size)
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
         self.stall = StallReporter(producer_id, cfg.log_stall_every)  # says so when every group is skipped
@@ -82,8 +87,8 @@ class BatchSource:
             self.in_flight = 0  # nothing pending: what we uploaded went to another rank (or was lost)
             if cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - idle_since > cfg.get_wait):
                 t0 = time.time()
-                batches, st = generate_batches(self.model, self.tok, self.sampler.next_batch(cfg.Q_batch_size), cfg,
-                                               self.scorer, self.eos, policy_version, self.producer_id)
+                batches, st = generate_batches(self.engine, self.tok, self.sampler.next_batch(cfg.Q_batch_size),
+                                               cfg, self.scorer, policy_version, self.producer_id)
                 info["gen_s"] += time.time() - t0
                 _merge_stats(gen, st)
                 for rb in batches:

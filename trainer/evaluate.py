@@ -12,29 +12,36 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.modeling import eos_ids, load_model, load_tokenizer
+from common.config import GRPOConfig
+from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
 from trainer.data import ColumnSpec, Example, load_examples
+from trainer.engines import GenEngine, make_engine
+from trainer.engines.hf import HFEngine
 from trainer.rewards import reward_correct, reward_format
-from trainer.rollout import encode_prompts, sample
+from trainer.rollout import encode_prompts
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
              num_samples: int = 20, progress: bool = True, prompt_format: str = "chat") -> dict:
-    """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0."""
+    """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0.
+
+    `model` is an HF model (wrapped in the HF engine) or any GenEngine (e.g. vLLM); greedy decoding
+    ignores the checkpoint's generation_config (no repetition_penalty) either way."""
     t0 = time.time()
     kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format)
-    eos = eos_ids(tokenizer, model, chat=prompt_format != "r1zero")
+    engine = model if isinstance(model, GenEngine) else \
+        HFEngine(model, tokenizer, eos_ids(tokenizer, model, chat=prompt_format != "r1zero"), temperature=1.0,
+                 top_p=1.0, top_k=0, gen_batch_size=batch_size)
     correct = formatted = 0
     samples = []
     bar = tqdm(total=len(kept), desc="eval", disable=not progress, leave=False)
     for s in range(0, len(kept), batch_size):
         chunk = kept[s:s + batch_size]
-        outs = sample(model, tokenizer, [ids for _, ids in chunk], 1, max_new_tokens=max_new_tokens,
-                      temperature=1.0, top_p=1.0, eos_ids=eos, gen_batch_size=batch_size, do_sample=False)
-        for (ex, _), (_, comp) in zip(chunk, outs):
-            text = tokenizer.decode(comp, skip_special_tokens=True)
+        outs = engine.generate([ids for _, ids in chunk], 1, max_new_tokens=max_new_tokens, greedy=True)
+        for (ex, _), out in zip(chunk, outs):
+            text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)
             ok, fmt = reward_correct(text, ex.ground_truth) > 0, reward_format(text) > 0
             correct += ok
             formatted += fmt
@@ -64,10 +71,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-template", default=None, help="str.format template over the row's columns.")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
+    p.add_argument("--gen-backend", default="hf", choices=["hf", "vllm"], help="Generation engine.")
+    p.add_argument("--vllm-dtype", default="auto", help="vLLM dtype (auto, bfloat16, float16, float32).")
     p.add_argument("--out", default=None, help="Write the JSON summary (with sample completions) here.")
     a = p.parse_args(argv)
-    tok = load_tokenizer(a.model)
-    model = load_model(a.model, device=a.device, dtype=a.dtype)
+    path = resolve_model_path(a.model)
+    tok = load_tokenizer(path)
+    if a.gen_backend == "vllm":
+        cfg = GRPOConfig(model=path, gen_backend="vllm", vllm_dtype=a.vllm_dtype, max_new_tokens=a.max_new_tokens,
+                         max_prompt_length=4096, device=a.device, prompt_format=a.prompt_format).validate()
+        model = make_engine(cfg, path, tokenizer=tok)
+    else:
+        model = load_model(path, device=a.device, dtype=a.dtype)
     columns = ColumnSpec(a.prompt_column, a.answer_column, a.prompt_template, a.prompt_format)
     examples = load_examples(a.data, split=a.split, limit=a.limit, columns=columns)
     res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,

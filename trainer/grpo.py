@@ -38,8 +38,10 @@ def k3_kl(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
 
 def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, eps_low: float, eps_high: float,
-              aggregation: str, max_new_tokens: int) -> torch.Tensor:
-    """Scalar GRPO loss. logps/ref_logps/gen_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool."""
+              aggregation: str, max_new_tokens: int, is_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Scalar GRPO loss. logps/ref_logps/gen_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool.
+
+    is_weights (B, T), optional: per-token importance weights on the policy term (truncated IS, see tis_weights)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; use one of {AGGREGATIONS}")
     A = advantages.to(logps.dtype)[:, None]
@@ -49,6 +51,8 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: to
     else:
         per_token = torch.exp(logps - logps.detach()) * A  # value 1, gradient = grad(logp) * A
     per_token = -per_token
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
     if beta != 0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps")
@@ -80,3 +84,18 @@ def loss_stats(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: t
         out["clip_frac"] = 0.0
         out["ratio_mean"] = 1.0
     return out
+
+
+def tis_weights(old_logps: torch.Tensor, engine_logps: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (train/inference mismatch correction, as in verl/Yao et al. 2025):
+    min(exp(trainer old logp - engine logp), cap) per token, no gradient. Tokens the engine sampled more
+    often than the trainer's policy would are down-weighted; the cap bounds the variance."""
+    return torch.exp(old_logps.detach() - engine_logps).clamp(max=cap)
+
+
+@torch.no_grad()
+def mismatch_stats(logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Mean and max |trainer logp - engine logp| over the trained (masked) tokens."""
+    d = (logps.detach() - engine_logps).abs().masked_fill(~mask.bool(), 0.0)
+    n = mask.sum().clamp(min=1)
+    return {"logp_mismatch_mean": float(d.sum() / n), "logp_mismatch_max": float(d.max()) if d.numel() else 0.0}

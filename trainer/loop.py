@@ -23,7 +23,7 @@ from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
-from trainer.grpo import grpo_loss, loss_stats
+from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, tis_weights
 from trainer.reward_scoring import RewardScorer, component_means
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
@@ -59,13 +59,18 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
     stats: dict = {}
+    old = weights = None  # truncated IS: the trainer's own old logps (first pass) and the per-token weights
     for _ in range(cfg.mu):
         logps, ent = sequence_logprobs(engine.module, b.input_ids, b.prompt_lens, b.completion_lens,
                                        chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
         logps = logps.float()
-        loss = grpo_loss(logps, ref, gen, adv, mask, beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        if cfg.tis_cap is not None and gen is not None and old is None:
+            old = logps.detach()
+            weights = tis_weights(old, gen, cfg.tis_cap)
+        loss = grpo_loss(logps, ref, old if old is not None else gen, adv, mask, beta=cfg.beta,
+                         eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                          aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
-                         max_new_tokens=cfg.max_new_tokens)
+                         max_new_tokens=cfg.max_new_tokens, is_weights=weights)
         if cfg.aggregation == "dapo":
             loss = loss * dapo_scale(mask)
         engine.backward(loss)
@@ -75,6 +80,10 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
             m = mask.float()
             stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
             stats["loss"] = float(loss.detach())
+            if gen is not None:  # train/inference mismatch (includes policy drift when the batch is stale)
+                stats.update(mismatch_stats(logps, gen, mask))
+            if weights is not None:
+                stats["tis_weight_mean"] = float((weights * m).sum() / m.sum().clamp(min=1))
     return stats
 
 
@@ -187,7 +196,8 @@ def train(cfg: GRPOConfig) -> None:
             metrics.log(0, {**res, "phase": "eval_before"})
 
     keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
-            "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness"]
+            "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness",
+            "logp_mismatch_mean", "tis_weight_mean"]
     keys += [f"reward/{name}" for name in scorer.names]
     sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
                 "sync_s", "sync_mb", "reward_timeouts"]
@@ -208,7 +218,7 @@ def train(cfg: GRPOConfig) -> None:
         row["dropped_stale"] = info["dropped_stale"]
         if syncer is not None and step % cfg.sync_steps == 0:
             row.update(publish(step))
-        row = reduce_metrics(row, keys, sum_keys, ["staleness_max"])
+        row = reduce_metrics(row, keys, sum_keys, ["staleness_max", "logp_mismatch_max"])
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             row.update(maybe_eval(step))
         if rank == 0 and step % cfg.log_every == 0:

