@@ -119,7 +119,9 @@ def start_server():
 def _qwen_vocab_dir(request, variant: str) -> Path:
     """Real-vocabulary Qwen2.5 checkpoint (tests/qwen_vocab.py), cached in pytest's cache dir (not committed)."""
     from qwen_vocab import cached_checkpoint
-    return cached_checkpoint(request.config.cache.mkdir("qwen_vocab"), variant)
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider: build in a temp dir then
+    root = cache.mkdir("qwen_vocab") if cache is not None else request.getfixturevalue("tmp_path_factory").mktemp("qv")
+    return cached_checkpoint(root, variant)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,8 @@ from common.client import RefClient
 from common.modeling import eos_ids, load_model, load_tokenizer
 from common.protocol import RolloutBatch
 from trainer.data import build_prompt
-from trainer.rollout import completion_lengths, encode_prompts, pack_rows
+from trainer.engines import cut_at_eos
+from trainer.rollout import encode_prompts, pack_rows
 
 ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
 GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
@@ -70,9 +71,9 @@ def test_masks_and_truncation_with_pad_equal_eos(base_tok):
     comps = torch.tensor([[11, 12, IM_END, P, P],     # turn end: stops, eos counted in the length
                           [11, ENDOFTEXT, P, P, P],  # eos == pad: the first one ends it
                           [11, 12, 13, 14, 15]])     # no stop id: truncated
-    lens, truncated = completion_lengths(comps, stop)
-    assert lens.tolist() == [3, 2, 5] and truncated.tolist() == [False, False, True]
-    rows = [([IM_START, 1, 2], comps[i, :int(lens[i])]) for i in range(3)]
+    cut = [cut_at_eos(comps[i], stop, max_new_tokens=5) for i in range(3)]
+    assert [len(c) for c, _ in cut] == [3, 2, 5] and [t for _, t in cut] == [False, False, True]
+    rows = [([IM_START, 1, 2], c) for c, _ in cut]
     ids, plens, clens = pack_rows(rows, base_tok.pad_token_id)
     b = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=torch.zeros(3))
     assert b.completion_mask().sum(1).tolist() == [3, 2, 5]  # masks from lengths, never from pad ids
