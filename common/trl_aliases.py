@@ -49,9 +49,9 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
 }
 
 # TRL GRPOConfig / TrainingArguments names we cannot honour, with the reason given to the user.
-_GEN = "generation settings beyond temperature/top_p are not implemented"
+_GEN = "generation settings beyond temperature/top_p/top_k are not implemented"
 REFUSED: dict[str, str] = {
-    **{n: _GEN for n in ("top_k", "min_p", "repetition_penalty", "generation_kwargs", "cache_implementation",
+    **{n: _GEN for n in ("min_p", "repetition_penalty", "generation_kwargs", "cache_implementation",
                          "use_transformers_paged", "chat_template_kwargs")},
     **{n: "vLLM is configured with gen_backend and its own fields, not TRL's vllm_* options" for n in (
         "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",

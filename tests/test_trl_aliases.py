@@ -73,7 +73,7 @@ def test_both_names_for_one_knob_is_an_error(tmp_path):
         load_config(GRPOConfig, ["--config", str(path)])
 
 
-@pytest.mark.parametrize("name, value", [("use_vllm", True), ("top_k", 50), ("num_train_epochs", 1),
+@pytest.mark.parametrize("name, value", [("use_vllm", True), ("min_p", 0.1), ("num_train_epochs", 1),
                                          ("generation_batch_size", 16), ("sync_ref_model", True)])
 def test_unsupported_trl_names_are_refused_by_name(name, value):
     with pytest.raises(ValueError, match=f"cannot honour.*'{name}'"):
