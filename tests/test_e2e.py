@@ -22,7 +22,9 @@ TOY = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--reward_fn
 
 
 def env() -> dict:
-    return subprocess_env(PYTHONPATH=str(REPO / "tests"), PATH=f"{REPO / '.venv' / 'bin'}:{subprocess_env()['PATH']}")
+    # the checkout under test first: the venv's editable install may point at another copy of the repository
+    return subprocess_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}",
+                          PATH=f"{REPO / '.venv' / 'bin'}:{subprocess_env()['PATH']}")
 
 
 def read_rows(run_dir: Path) -> list[dict]:

@@ -21,3 +21,13 @@ def accuracy(prompts, completions, ground_truth, **kwargs):
 def format_reward(completions, **kwargs):
     """1.0 for completions that hold an <answer>...</answer> block."""
     return [1.0 if re.search(r"<answer>.*?</answer>", _text(c), flags=re.S) else 0.0 for c in completions]
+
+
+def digits(completions, **kwargs):
+    """Share of digits in the completion: a shaped reward even a random tiny model moves (so every group has a
+    reward spread in the CPU smoke runs of the README; real runs drop it)."""
+    out = []
+    for c in completions:
+        chars = [ch for ch in _text(c) if not ch.isspace()]
+        out.append(sum(ch.isdigit() for ch in chars) / len(chars) if chars else 0.0)
+    return out
