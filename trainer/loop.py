@@ -23,7 +23,7 @@ from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf
 from trainer.data import PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
-from trainer.grpo import grpo_loss, loss_stats
+from trainer.grpo import grpo_loss, loss_stats, reinforce_pp_advantages
 from trainer.rewards import load_reward_fns
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
@@ -43,6 +43,8 @@ def batch_metrics(b: ScoredBatch) -> dict:
     if "format" in comps:
         out["format_rate"] = sum(v > 0 for v in comps["format"]) / max(len(comps["format"]), 1)
     out["completion_len"] = float(b.completion_lens.float().mean())
+    if "overlong_penalty" in b.extra:  # DAPO shaping: mean penalty added to the reward (not in reward_mean)
+        out["overlong_penalty"] = sum(b.extra["overlong_penalty"]) / max(len(b.extra["overlong_penalty"]), 1)
     return out
 
 
@@ -54,19 +56,25 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
         keep = ~torch.tensor(b.extra["truncated"], dtype=torch.bool, device=device)
         mask = mask & keep[:, None]
     adv = b.advantages.to(device)
+    if cfg.advantage_mode == "reinforce_pp":  # group-centred at generation; normalised over the step's batch here
+        adv = reinforce_pp_advantages(adv, all_reduce=torch.distributed.all_reduce
+                                      if torch.distributed.is_initialized() else None)
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
+    level = cfg.importance_sampling_level
+    eps = dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high) if level == "sequence" else \
+        dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
     stats: dict = {}
     for _ in range(cfg.mu):
         logps, ent = sequence_logprobs(engine.module, b.input_ids, b.prompt_lens, b.completion_lens,
                                        chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
         logps = logps.float()
-        loss = grpo_loss(logps, ref, gen, adv, mask, beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                         aggregation=cfg.aggregation, max_new_tokens=cfg.max_new_tokens)
+        loss = grpo_loss(logps, ref, gen, adv, mask, beta=cfg.beta, aggregation=cfg.aggregation,
+                         max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level, **eps)
         engine.backward(loss)
         engine.step()
         if not stats:  # diagnostics of the first pass: the policy that saw this batch
-            stats = loss_stats(logps, ref, gen, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+            stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=level, **eps)
             m = mask.float()
             stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
             stats["loss"] = float(loss.detach())
@@ -168,6 +176,7 @@ def train(cfg: GRPOConfig) -> None:
 
     keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
             "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness"]
+    keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
     sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
                 "sync_s", "sync_mb"]
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)

@@ -17,7 +17,7 @@ from common.logprobs import sequence_logprobs
 from common.prompts import SYSTEM_PROMPT
 from common.protocol import RolloutBatch
 from trainer.data import Example, build_prompt
-from trainer.grpo import group_advantages, has_spread
+from trainer.grpo import group_advantages, has_spread, overlong_penalty
 from trainer.rewards import score_completion
 
 
@@ -125,14 +125,21 @@ def generate_batches(model, tokenizer, examples: list[Example], cfg, reward_fns:
         stats.rewards.extend(rewards.tolist())
         for k, v in components.items():
             stats.components.setdefault(k, []).extend(v)
-        if not has_spread(rewards):
+        # DAPO overlong shaping acts where rewards become advantages; `rewards` stays the task reward (metrics)
+        penalty = overlong_penalty(torch.tensor([len(c) for _, c in rows]), cfg.max_new_tokens,
+                                   cfg.overlong_buffer, cfg.overlong_penalty)
+        shaped = rewards + penalty
+        if not has_spread(shaped):
             stats.skipped_no_spread += 1
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
+        extra = {"components": components, "truncated": truncated}
+        if cfg.overlong_buffer > 0:
+            extra["overlong_penalty"] = penalty.tolist()
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens,
-                             advantages=group_advantages(rewards, cfg.advantage_mode), rewards=rewards,
+                             advantages=group_advantages(shaped, cfg.advantage_mode), rewards=rewards,
                              policy_version=policy_version, producer_id=producer_id, batch_id=uuid.uuid4().hex,
-                             extra={"components": components, "truncated": truncated})
+                             extra=extra)
         if cfg.compute_gen_logps:
             with torch.no_grad():
                 batch.gen_logps, _ = sequence_logprobs(model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens)
