@@ -69,6 +69,8 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
     input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).
     Returns (B, T) float32 with T = max(completion_lens), zeros past each row's length.
     """
+    if hasattr(model, "get_base_model"):  # a peft (LoRA) model: its adapters live inside the base model's layers
+        model = model.get_base_model()
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     prompt_lens, completion_lens = prompt_lens.to(device), completion_lens.to(device)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,11 @@ class ParametersBody:
     of MB, and a joined blob costs a fresh allocation of that size plus a copy on every publish.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        header: dict = {}
+    def __init__(self, model: torch.nn.Module, named=None, metadata: dict[str, str] | None = None) -> None:
+        # named: (name, tensor) pairs to send instead of every parameter (e.g. LoRA adapters only, trainer/lora.py)
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.parts, offset = [], 0
-        for name, p in model.named_parameters():
+        for name, p in (model.named_parameters() if named is None else named):
             t = p.detach().contiguous().cpu()
             raw = t.reshape(-1).view(torch.uint8).numpy()  # any dtype (bf16 too) as bytes, no copy; keeps t alive
             header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
@@ -89,6 +91,17 @@ def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
     return out
 
 
+def blob_metadata(buf: bytes | bytearray) -> dict[str, str]:
+    """The safetensors `__metadata__` of a blob ({} when it has none)."""
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    if len(buf) < 8 or n > len(buf) - 8:
+        raise ValueError("weights blob: bad header length")
+    meta = json.loads(bytes(buf[8:8 + n])).get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("weights blob: __metadata__ must be an object")
+    return meta
+
+
 def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy tensors into the model's parameters in place; every parameter must be there with its shape."""
     params = dict(model.named_parameters())
@@ -107,20 +120,24 @@ def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 class WeightSync:
     """Publish (trainer rank 0) or follow (workers) the policy weights. Either `client` or `sync_dir`."""
 
-    def __init__(self, client=None, sync_dir: str | None = None):
+    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None):
         if (client is None) == (sync_dir is None):
             raise ValueError("WeightSync needs exactly one of client (HTTP) or sync_dir (shared directory)")
         self.client = client
+        # adapter_loader(model, tensors, metadata): applies an adapter-only blob (LoRA; trainer/lora.py LoraMerger)
+        self.adapter_loader = adapter_loader
         self.dir = Path(sync_dir) if sync_dir else None
         self.version: int | None = None  # the version this process's model holds
         self.bytes_moved = 0
         self.seconds = 0.0
 
     # ---- trainer side -------------------------------------------------------------------
-    def publish(self, model: torch.nn.Module, version: int) -> tuple[float, int]:
-        """Publish the model's weights as `version`; returns (seconds, bytes)."""
+    def publish(self, model: torch.nn.Module, version: int, named=None, metadata: dict[str, str] | None = None
+                ) -> tuple[float, int]:
+        """Publish the model's weights (or just `named` ones, described by `metadata`) as `version`;
+        returns (seconds, bytes)."""
         t0 = time.time()
-        body = ParametersBody(model)
+        body = ParametersBody(model, named=named, metadata=metadata)
         if self.client is not None:
             self.client.publish_weights(body, version)
         else:
@@ -161,15 +178,24 @@ class WeightSync:
         if self.client is not None:
             version, blob = self.client.fetch_weights()
             tensors = tensors_from_blob(blob)  # views into blob: freed together after the copy
+            metadata = blob_metadata(blob)
         else:
             meta = json.loads((self.dir / "latest.json").read_text())
             version = int(meta["version"])
             try:
-                tensors = load_file(self.dir / meta["file"])
+                path = self.dir / meta["file"]
+                with safe_open(path, framework="pt") as f:
+                    metadata = f.metadata() or {}
+                tensors = load_file(path)
             except FileNotFoundError:  # superseded while we read the pointer: catch the next one
                 return None
         moved = sum(t.numel() * t.element_size() for t in tensors.values())
-        load_parameters(model, tensors)
+        if metadata.get("format") == "lora_adapter":
+            if self.adapter_loader is None:
+                raise ValueError("the trainer publishes LoRA adapters only, and this follower has no adapter loader")
+            self.adapter_loader(model, tensors, metadata)
+        else:
+            load_parameters(model, tensors)
         del tensors
         self.version = version
         dt = time.time() - t0

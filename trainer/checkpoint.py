@@ -9,11 +9,16 @@ import torch
 log = logging.getLogger("trainer")
 
 
-def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int) -> None:
-    """HF directory loadable with from_pretrained. Under ZeRO-3 the shards are gathered first (all ranks)."""
+def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, final: bool = False) -> None:
+    """HF directory loadable with from_pretrained. Under ZeRO-3 the shards are gathered first (all ranks).
+    A LoRA policy saves its adapter (PeftModel-loadable), and at the end (`final`) the merged model."""
     import deepspeed
 
+    from trainer.lora import is_lora, save_adapter, save_merged
+
     model = engine.module
+    if is_lora(model):
+        return (save_merged if final else save_adapter)(engine, tokenizer, out, rank, zero_stage)
     if zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             if rank == 0:

@@ -24,6 +24,7 @@ from trainer.checkpoint import save_hf
 from trainer.data import PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, reinforce_pp_advantages
+from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora, trainable_summary
 from trainer.rewards import load_reward_fns
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
@@ -101,6 +102,29 @@ def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
     return {"eval_accuracy": res["accuracy"], "eval_format": res["format_rate"], "eval_n": res["n"]}
 
 
+def model_summary(policy, rank: int) -> dict:
+    """Trainable parameters and fraction (LoRA or full) and the size of the full weights, logged once."""
+    summary = trainable_summary(policy)
+    full_mb = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in policy.parameters()) / 1e6
+    if rank == 0:
+        log.info("trainable parameters: %d of %d (%.4f%%)%s; full weights %.1f MB", summary["trainable_params"],
+                 summary["total_params"], 100 * summary["trainable_fraction"],
+                 " (LoRA adapters)" if is_lora(policy) else "", full_mb)
+    # summed over ranks by reduce_metrics: only rank 0 contributes
+    return {k: (float(v) if rank == 0 else 0.0) for k, v in {**summary, "full_weights_mb": full_mb}.items()}
+
+
+def mem_keys(world: int) -> list[str]:
+    return [f"peak_mem_mb_rank{r}" for r in range(world)]
+
+
+def memory_row(rank: int, world: int) -> dict:
+    """Peak memory of this rank (peak RSS on CPU, max allocated on GPU) under its own key, summed over ranks."""
+    from trainer.lora import peak_memory_mb
+    mb = peak_memory_mb()
+    return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb}
+
+
 # --------------------------------------------------------------------------- train
 def train(cfg: GRPOConfig) -> None:
     from tqdm import tqdm
@@ -120,6 +144,8 @@ def train(cfg: GRPOConfig) -> None:
     tok = load_tokenizer(model_path)
     engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
     policy = engine.module
+    lora = is_lora(policy)
+    setup_row = model_summary(policy, rank)
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
     client = make_client(cfg)
@@ -139,6 +165,8 @@ def train(cfg: GRPOConfig) -> None:
 
     def publish_rank0(version: int) -> tuple[float, int]:
         try:
+            if lora:  # adapter tensors only; workers merge them into their base weights (trainer/lora.py)
+                return syncer.publish(policy, version, named=adapter_tensors(policy), metadata=adapter_metadata(policy))
             return syncer.publish(policy, version)
         except RefServerError as e:
             if e.status != 409:
@@ -154,7 +182,8 @@ def train(cfg: GRPOConfig) -> None:
         if syncer is None:
             return {}
         if zero_stage == 3:
-            with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
+            params = [p for _, p in adapter_parameters(policy)] if lora else list(policy.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 res = publish_rank0(version) if rank == 0 else (0.0, 0)
         else:
             res = publish_rank0(version) if rank == 0 else (0.0, 0)
@@ -194,9 +223,12 @@ def train(cfg: GRPOConfig) -> None:
                "step_s": time.time() - t0}
         row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
         row["dropped_stale"] = info["dropped_stale"]
+        row.update(memory_row(rank, world))
+        if step == start_step + 1:
+            row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
         if syncer is not None and step % cfg.sync_steps == 0:
             row.update(publish(step))
-        row = reduce_metrics(row, keys, sum_keys, ["staleness_max"])
+        row = reduce_metrics(row, keys, sum_keys + mem_keys(world) + list(setup_row), ["staleness_max", "peak_mem_mb"])
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             row.update(maybe_eval(step))
         if rank == 0 and step % cfg.log_every == 0:
@@ -208,7 +240,7 @@ def train(cfg: GRPOConfig) -> None:
             engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
             if step % cfg.save_steps == 0:
                 save_hf(engine, tok, out / f"step_{step}", rank, zero_stage)
-    save_hf(engine, tok, out / "final", rank, zero_stage)
+    save_hf(engine, tok, out / "final", rank, zero_stage, final=True)
     bar.close()
     if metrics:
         metrics.close()

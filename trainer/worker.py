@@ -13,6 +13,7 @@ from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer
 from common.weight_sync import WeightSync
 from trainer.data import PromptSampler, load_examples
+from trainer.lora import LoraMerger
 from trainer.rewards import load_reward_fns
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
@@ -39,7 +40,8 @@ def genonly(cfg: GRPOConfig) -> None:
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
     reward_fns, eos = load_reward_fns(cfg.reward_fns), eos_ids(tok, model)
-    syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
+    syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir,
+                        adapter_loader=LoraMerger().apply) if cfg.sync_steps else None
     rounds = uploaded = 0
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
