@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, find_free_port
+from conftest import REPO, find_free_port, subprocess_env
 from safetensors.torch import load_file
-from test_e2e import env, read_rows
+from test_e2e import read_rows
 
 from common.logprobs import sequence_logprobs
 from trainer.lora import base_name
@@ -22,6 +22,12 @@ from trainer.lora import base_name
 pytestmark = pytest.mark.slow
 
 LORA = ["--lora_r", "8", "--lora_alpha", "16"]
+
+
+def env() -> dict:
+    """This checkout's code first (also where another checkout is pip-installed), tests/ for the toy reward."""
+    return subprocess_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}",
+                          PATH=f"{REPO / '.venv' / 'bin'}:{subprocess_env()['PATH']}")
 
 
 @pytest.fixture(scope="module")
