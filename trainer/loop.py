@@ -228,7 +228,8 @@ def train(cfg: GRPOConfig) -> None:
             row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
         if syncer is not None and step % cfg.sync_steps == 0:
             row.update(publish(step))
-        row = reduce_metrics(row, keys, sum_keys + mem_keys(world) + list(setup_row), ["staleness_max", "peak_mem_mb"])
+        once = list(setup_row) if step == start_step + 1 else []
+        row = reduce_metrics(row, keys, sum_keys + mem_keys(world) + once, ["staleness_max", "peak_mem_mb"])
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             row.update(maybe_eval(step))
         if rank == 0 and step % cfg.log_every == 0:
