@@ -45,7 +45,7 @@ def reinforce_pp_advantages(centred: torch.Tensor, eps: float = 1e-8, all_reduce
     `all_reduce(t)` sums a float64 tensor over the data-parallel ranks in place (None = this batch is the
     whole batch), so every rank normalises with the statistics of the global step batch."""
     x = centred.double()
-    s = torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=torch.float64)])
+    s = torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
     if all_reduce is not None:
         all_reduce(s)
     n = s[2].clamp(min=1)
