@@ -77,7 +77,9 @@ class GRPOConfig:
     compute_gen_logps: bool = knob(True, "Upload generation-time logprobs and use the clipped ratio; False = "
                                          "REINFORCE form exp(logp - logp.detach()) * A.")
     advantage_mode: str = knob("grpo", "grpo (r-mean)/std, grpo_no_std (r-mean), grpo_batch_std (r - group mean) "
-                                       "/ std of the generation round's rewards (TRL scale_rewards=batch) or raw.")
+                                       "/ std of the generation round's rewards (TRL scale_rewards=batch), raw (r) "
+                                       "or reinforce_pp (REINFORCE++-baseline, arXiv:2501.03262: r - group mean, "
+                                       "normalised over the whole step batch).")
     aggregation: str = knob("seq_mean", "Loss aggregation: seq_mean (simple_GRPO), token_mean (= TRL bnpo), "
                                         "dr_grpo or dapo (token sum / the global batch's token count).")
     mu: int = knob(1, "Optimisation passes per training batch.")
@@ -163,12 +165,28 @@ class GRPOConfig:
                                        "against the trainer's own old logp (null = off). Corrects bf16/vLLM "
                                        "train-inference mismatch; costs no forward pass (old logp = the first "
                                        "pass's), one (B, T) tensor per batch.")
+    # --- LoRA and GRPO variants (issue 14) -------------------------------------------
+    lora_r: int = knob(0, "LoRA rank (peft). 0 = full fine-tuning. > 0: only the adapters train; workers get "
+                          "adapter-only weight syncs; checkpoints are adapters plus a merged model at the end.")
+    lora_alpha: float = knob(16.0, "LoRA alpha: the update is scaled by lora_alpha / lora_r.")
+    lora_dropout: float = knob(0.0, "Dropout on the LoRA input (training only).")
+    lora_target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     "Module names that get LoRA adapters (default: attention and MLP projections).")
+    importance_sampling_level: str = knob("token", "token: one ratio per token (GRPO). sequence: GSPO "
+                                                   "(arXiv:2507.18071), one length-normalised ratio per completion, "
+                                                   "clipped with gspo_eps_low/gspo_eps_high.")
+    gspo_eps_low: float = knob(3e-4, "GSPO lower clip epsilon of the sequence ratio (paper: 3e-4).")
+    gspo_eps_high: float = knob(4e-4, "GSPO upper clip epsilon of the sequence ratio (paper: 4e-4).")
+    overlong_buffer: int = knob(0, "DAPO overlong shaping (arXiv:2503.14476): length of the soft punishment zone "
+                                   "before max_new_tokens, in tokens (0 = off).")
+    overlong_penalty: float = knob(1.0, "DAPO overlong shaping: reward penalty at max_new_tokens, linear from 0 "
+                                        "at max_new_tokens - overlong_buffer.")
 
     def validate(self) -> GRPOConfig:
         checks = [
             (self.num_pre_Q >= 2, "num_pre_Q must be >= 2 (a group needs a spread)"),
             (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
-            (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw"),
+            (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"),
              f"unknown advantage_mode {self.advantage_mode!r}"),
             (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo"),
              f"unknown aggregation {self.aggregation!r}"),
@@ -199,6 +217,19 @@ class GRPOConfig:
             (self.vllm_kv_cache_gb > 0, "vllm_kv_cache_gb must be > 0"),
             (self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 (or null = off)"),
             (self.tis_cap is None or self.compute_gen_logps, "tis_cap needs compute_gen_logps (engine logprobs)"),
+        ]
+        checks += [  # --- LoRA and GRPO variants (issue 14) ---
+            (self.lora_r >= 0, "lora_r must be >= 0 (0 = full fine-tuning)"),
+            (self.lora_r == 0 or self.lora_alpha > 0, "lora_alpha must be > 0"),
+            (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
+            (self.lora_r == 0 or (bool(self.lora_target_modules)
+                                  and all(isinstance(m, str) and m for m in self.lora_target_modules)),
+             "lora_target_modules must be a non-empty list of module names"),
+            (self.importance_sampling_level in ("token", "sequence"),
+             f"importance_sampling_level must be token or sequence, got {self.importance_sampling_level!r}"),
+            (0 <= self.gspo_eps_low < 1 and self.gspo_eps_high >= 0, "gspo_eps_low in [0,1) and gspo_eps_high >= 0"),
+            (0 <= self.overlong_buffer <= self.max_new_tokens, "overlong_buffer must be in [0, max_new_tokens]"),
+            (self.overlong_penalty >= 0, "overlong_penalty must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:

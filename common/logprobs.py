@@ -40,6 +40,28 @@ def attention_mask_from_lengths(total_lens: torch.Tensor, L: int) -> torch.Tenso
     return (torch.arange(L, device=total_lens.device)[None, :] < total_lens[:, None]).long()
 
 
+def _frozen_zero3(lm_head: torch.nn.Module) -> bool:
+    ps = list(lm_head.parameters())
+    return bool(ps) and not any(p.requires_grad for p in ps) and all(hasattr(p, "ds_id") for p in ps)
+
+
+@torch.no_grad()
+def _gathered_copy(lm_head: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) copied while ZeRO-3's forward hooks hold the head gathered (one 1-position forward)."""
+    got: dict = {}
+
+    def grab(mod, _inp):  # runs after ZeRO-3's own pre-forward hook (registered earlier) gathered the weight
+        got["w"] = mod.weight.detach().clone()
+        got["b"] = mod.bias.detach().clone() if getattr(mod, "bias", None) is not None else None
+
+    handle = lm_head.register_forward_pre_hook(grab)
+    try:
+        lm_head(hidden[:1, :1].detach())
+    finally:
+        handle.remove()
+    return got["w"], got["b"]
+
+
 def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
                          chunk_tokens: int = 256, with_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -50,6 +72,14 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
 
     def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return logprobs_from_logits(lm_head(h), t)
+
+    if grad and _frozen_zero3(lm_head):
+        # A frozen head under ZeRO-3 (LoRA) is gathered only while its forward runs, so the checkpoint's
+        # recompute would see the released (empty) weight: use a full copy taken during one forward instead.
+        weight, bias = _gathered_copy(lm_head, hidden)
+
+        def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # noqa: F811
+            return logprobs_from_logits(torch.nn.functional.linear(h, weight, bias), t)
 
     out, ents = [], []
     for s in range(0, T, step):
@@ -69,6 +99,8 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
     input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).
     Returns (B, T) float32 with T = max(completion_lens), zeros past each row's length.
     """
+    if hasattr(model, "get_base_model"):  # a peft (LoRA) model: its adapters live inside the base model's layers
+        model = model.get_base_model()
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     prompt_lens, completion_lens = prompt_lens.to(device), completion_lens.to(device)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,15 @@ class ParametersBody:
     of MB, and a joined blob costs a fresh allocation of that size plus a copy on every publish.
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, named=None,
+                 metadata: dict[str, str] | None = None) -> None:
         """dtype: send floating parameters in this dtype (e.g. bfloat16 for bf16 workers: half the bytes);
-        each is cast while it is sent, one at a time, so no cast copy of the whole model is held."""
-        header: dict = {}
+        each is cast while it is sent, one at a time, so no cast copy of the whole model is held.
+        named: (name, tensor) pairs to send instead of every parameter (LoRA adapters only, trainer/lora.py),
+        described by `metadata` (the safetensors header's __metadata__)."""
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.items, offset = [], 0
-        for name, p in model.named_parameters():
+        for name, p in (model.named_parameters() if named is None else named):
             t = p.detach()
             out = dtype if dtype is not None and t.is_floating_point() else t.dtype
             nbytes = t.numel() * out.itemsize
@@ -93,6 +97,17 @@ def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
     return out
 
 
+def blob_metadata(buf: bytes | bytearray) -> dict[str, str]:
+    """The safetensors `__metadata__` of a blob ({} when it has none)."""
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    if len(buf) < 8 or n > len(buf) - 8:
+        raise ValueError("weights blob: bad header length")
+    meta = json.loads(bytes(buf[8:8 + n])).get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("weights blob: __metadata__ must be an object")
+    return meta
+
+
 def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy tensors into the model's parameters in place; every parameter must be there with its shape."""
     params = dict(model.named_parameters())
@@ -111,20 +126,24 @@ def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 class WeightSync:
     """Publish (trainer rank 0) or follow (workers) the policy weights. Either `client` or `sync_dir`."""
 
-    def __init__(self, client=None, sync_dir: str | None = None):
+    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None):
         if (client is None) == (sync_dir is None):
             raise ValueError("WeightSync needs exactly one of client (HTTP) or sync_dir (shared directory)")
         self.client = client
+        # adapter_loader(model, tensors, metadata): applies an adapter-only blob (LoRA; trainer/lora.py LoraMerger)
+        self.adapter_loader = adapter_loader
         self.dir = Path(sync_dir) if sync_dir else None
         self.version: int | None = None  # the version this process's model holds
         self.bytes_moved = 0
         self.seconds = 0.0
 
     # ---- trainer side -------------------------------------------------------------------
-    def publish(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> tuple[float, int]:
-        """Publish the model's weights as `version` (floating ones in `dtype` when given); returns (seconds, bytes)."""
+    def publish(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None, named=None,
+                metadata: dict[str, str] | None = None) -> tuple[float, int]:
+        """Publish the model's weights (or just `named` ones, described by `metadata`) as `version`, floating
+        ones in `dtype` when given; returns (seconds, bytes)."""
         t0 = time.time()
-        body = ParametersBody(model, dtype)
+        body = ParametersBody(model, dtype, named=named, metadata=metadata)
         if self.client is not None:
             self.client.publish_weights(body, version)
         else:
@@ -159,7 +178,8 @@ class WeightSync:
     def follow(self, model: torch.nn.Module | None = None, apply=None) -> int | None:
         """Fetch and apply the newest weights if they are newer than ours; returns the new version or None.
 
-        `apply(tensors)` loads them somewhere else than an HF model's parameters (a generation engine)."""
+        `apply(tensors, metadata)` loads them somewhere else than an HF model's parameters (a generation
+        engine); metadata says whether they are full weights or a LoRA adapter (trainer/lora.py)."""
         latest = self.latest_version()
         if latest is None or (self.version is not None and latest <= self.version):
             return None
@@ -167,16 +187,24 @@ class WeightSync:
         if self.client is not None:
             version, blob = self.client.fetch_weights()
             tensors = tensors_from_blob(blob)  # views into blob: freed together after the copy
+            metadata = blob_metadata(blob)
         else:
             meta = json.loads((self.dir / "latest.json").read_text())
             version = int(meta["version"])
             try:
-                tensors = load_file(self.dir / meta["file"])
+                path = self.dir / meta["file"]
+                with safe_open(path, framework="pt") as f:
+                    metadata = f.metadata() or {}
+                tensors = load_file(path)
             except FileNotFoundError:  # superseded while we read the pointer: catch the next one
                 return None
         moved = sum(t.numel() * t.element_size() for t in tensors.values())
         if apply is not None:
-            apply(tensors)
+            apply(tensors, metadata)
+        elif metadata.get("format") == "lora_adapter":
+            if self.adapter_loader is None:
+                raise ValueError("the trainer publishes LoRA adapters only, and this follower has no adapter loader")
+            self.adapter_loader(model, tensors, metadata)
         else:
             load_parameters(model, tensors)
         del tensors

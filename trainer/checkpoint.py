@@ -45,12 +45,18 @@ def cast_state(state: dict, dtype: torch.dtype | None) -> dict:
     return out
 
 
-def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, dtype: torch.dtype | None = None) -> None:
+def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, dtype: torch.dtype | None = None,
+            final: bool = False) -> None:
     """HF directory loadable with from_pretrained, in `dtype` (the source checkpoint's; None = as trained).
-    Under ZeRO-3 the shards are gathered first (all ranks)."""
+    Under ZeRO-3 the shards are gathered first (all ranks). A LoRA policy saves its adapter
+    (PeftModel-loadable), and at the end (`final`) the merged model."""
     import deepspeed
 
+    from trainer.lora import is_lora, save_adapter, save_merged
+
     model = engine.module
+    if is_lora(model):
+        return (save_merged if final else save_adapter)(engine, tokenizer, out, rank, zero_stage)
     state = None
     if zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
@@ -105,7 +111,10 @@ def save_step(engine, tokenizer, out: Path, step: int, cfg, rank: int, zero_stag
     """The DeepSpeed tag (for --resume) and, except at the last step (`final` follows, the same weights),
     an HF step_N directory; then retention."""
     engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
-    if step % cfg.save_steps == 0 and step != cfg.all_steps:
+    from trainer.lora import is_lora
+
+    # a LoRA run's `final` is the merged model, so its last adapter is no duplicate: keep it as step_N
+    if step % cfg.save_steps == 0 and (step != cfg.all_steps or is_lora(engine.module)):
         save_hf(engine, tokenizer, out / f"step_{step}", rank, zero_stage, dtype)
     torch.distributed.barrier()  # every rank's shards are on disk before rank 0 deletes older ones
     if rank == 0:

@@ -67,6 +67,9 @@ def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if cfg.lora_r > 0:  # only the adapters get gradients and optimizer state (trainer/lora.py)
+        from trainer.lora import wrap_lora
+        model = wrap_lora(model, cfg)
     ds_cfg = ds_config_for(cfg, on_gpu)
     zero_stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
     engine, _, _, _ = deepspeed.initialize(

@@ -4,25 +4,65 @@
 
 with r = exp(logp - gen_logp) per token (or the REINFORCE form exp(logp - logp.detach()) when
 there are no generation-time logprobs), aggregated over completion tokens only.
+
+Variants (each a config value):
+- importance_sampling_level="sequence": GSPO (Zheng et al. 2025, arXiv:2507.18071). One ratio per completion,
+  s_i = exp(mean_t(logp - gen_logp)) (the length-normalised sequence log-ratio), clipped per sequence with its own
+  small epsilons (the paper uses 3e-4 / 4e-4); it is broadcast over the completion's tokens, so the aggregation
+  and the per-token k3 KL work unchanged (as in TRL).
+- advantage_mode="reinforce_pp": REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262): the group mean is
+  subtracted at generation time, the result is normalised over the whole training batch (all ranks) at train time.
+- overlong shaping: DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), a linear reward
+  penalty for completions that enter the last `overlong_buffer` tokens before max_new_tokens.
 """
 from __future__ import annotations
 
 import torch
 
 AGGREGATIONS = ("seq_mean", "token_mean", "dr_grpo")
+IS_LEVELS = ("token", "sequence")
 
 
 def group_advantages(rewards: torch.Tensor, mode: str = "grpo", eps: float = 1e-4) -> torch.Tensor:
-    """Rewards of one group (G,) -> advantages (G,). `grpo` follows simple_GRPO: (r - mean) / (std + 1e-4)."""
+    """Rewards of one group (G,) -> advantages (G,). `grpo` follows simple_GRPO: (r - mean) / (std + 1e-4).
+
+    `reinforce_pp` returns the group-centred rewards; the trainer then normalises them over the whole
+    batch (reinforce_pp_advantages), which needs every group of the step and so cannot happen here."""
     rewards = rewards.float()
     if mode == "raw":
         return rewards.clone()
     centred = rewards - rewards.mean()
-    if mode == "grpo_no_std":
+    if mode in ("grpo_no_std", "reinforce_pp"):
         return centred
     if mode == "grpo":
         return centred / (rewards.std() + eps)
-    raise ValueError(f"unknown advantage mode {mode!r}; use grpo, grpo_no_std or raw")
+    raise ValueError(f"unknown advantage mode {mode!r}; use grpo, grpo_no_std, reinforce_pp or raw")
+
+
+def reinforce_pp_advantages(centred: torch.Tensor, eps: float = 1e-8, all_reduce=None) -> torch.Tensor:
+    """REINFORCE++-baseline: group-centred rewards (B,) normalised with the mean and std over the whole batch.
+
+    `all_reduce(t)` sums a float64 tensor over the data-parallel ranks in place (None = this batch is the
+    whole batch), so every rank normalises with the statistics of the global step batch."""
+    x = centred.double()
+    s = torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
+    if all_reduce is not None:
+        all_reduce(s)
+    n = s[2].clamp(min=1)
+    mean = s[0] / n
+    var = (s[1] / n - mean * mean).clamp(min=0)  # population variance over every completion of the batch
+    return ((x - mean) / (var.sqrt() + eps)).to(centred.dtype)
+
+
+def overlong_penalty(completion_lens: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float
+                     ) -> torch.Tensor:
+    """DAPO soft overlong punishment (eq. 13), added to the reward: 0 up to max_new_tokens - buffer tokens, then
+    falling linearly to -penalty at max_new_tokens (completions never exceed it here: generation stops there)."""
+    if buffer <= 0 or penalty == 0:
+        return torch.zeros(completion_lens.shape, dtype=torch.float32)
+    start = max_new_tokens - buffer
+    over = (completion_lens.double() - start).clamp(min=0, max=buffer)
+    return (-penalty * over / buffer).float()
 
 
 def has_spread(rewards: torch.Tensor, tol: float = 1e-6) -> bool:
@@ -38,18 +78,23 @@ def k3_kl(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
 
 def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, eps_low: float, eps_high: float,
-              aggregation: str, max_new_tokens: int, is_weights: torch.Tensor | None = None) -> torch.Tensor:
+              aggregation: str, max_new_tokens: int, importance_sampling_level: str = "token",
+              is_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Scalar GRPO loss. logps/ref_logps/gen_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool.
 
+    importance_sampling_level="sequence" (GSPO): pass the sequence epsilons as eps_low/eps_high.
     is_weights (B, T), optional: per-token importance weights on the policy term (truncated IS, see tis_weights)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+    if importance_sampling_level not in IS_LEVELS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; use one of {IS_LEVELS}")
     A = advantages.to(logps.dtype)[:, None]
+    log_ratio = _log_ratio(logps, gen_logps, mask, importance_sampling_level)
     if gen_logps is not None:
-        ratio = torch.exp(logps - gen_logps)
+        ratio = torch.exp(log_ratio)
         per_token = torch.min(ratio * A, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
     else:
-        per_token = torch.exp(logps - logps.detach()) * A  # value 1, gradient = grad(logp) * A
+        per_token = torch.exp(log_ratio) * A  # value 1, gradient = grad(logp) * A (mean logp for sequence)
     per_token = -per_token
     if is_weights is not None:
         per_token = per_token * is_weights.detach().to(per_token.dtype)
@@ -66,15 +111,29 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: to
     return (per_token * m).sum() / (per_token.shape[0] * max_new_tokens)
 
 
+def _log_ratio(logps: torch.Tensor, gen_logps: torch.Tensor | None, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """(B, T) log importance ratios: per token, or GSPO's masked token mean broadcast over the sequence.
+    Without gen_logps the REINFORCE form: log-ratio 0 whose gradient is that of logp (or of its mean)."""
+    base = logps.detach() if gen_logps is None else gen_logps
+    d = logps - base
+    if level == "token":
+        return d
+    m = mask.to(d.dtype)
+    seq = (d * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+    return seq.expand_as(d)
+
+
 @torch.no_grad()
 def loss_stats(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: torch.Tensor | None,
-               advantages: torch.Tensor, mask: torch.Tensor, *, eps_low: float, eps_high: float) -> dict:
-    """Diagnostics over masked tokens: mean k3 KL to the reference and the fraction of clipped ratios."""
+               advantages: torch.Tensor, mask: torch.Tensor, *, eps_low: float, eps_high: float,
+               importance_sampling_level: str = "token") -> dict:
+    """Diagnostics over masked tokens: mean k3 KL to the reference and the fraction of clipped ratios
+    (with sequence-level ratios a clipped completion counts all its tokens)."""
     m = mask.bool()
     n = m.sum().clamp(min=1)
     out = {"kl": float((k3_kl(ref_logps, logps) * m).sum() / n) if ref_logps is not None else 0.0}
     if gen_logps is not None:
-        ratio = torch.exp(logps - gen_logps)
+        ratio = torch.exp(_log_ratio(logps, gen_logps, m, importance_sampling_level))
         A = advantages[:, None].expand_as(ratio)
         # A token is clipped when the clipped branch is the active (smaller) one and has no gradient.
         clipped = ((ratio > 1 + eps_high) & (A > 0)) | ((ratio < 1 - eps_low) & (A < 0))

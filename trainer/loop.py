@@ -23,7 +23,8 @@ from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
-from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, tis_weights
+from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
+from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora, trainable_summary
 from trainer.reward_scoring import RewardScorer, component_means
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
@@ -45,6 +46,8 @@ def batch_metrics(b: ScoredBatch) -> dict:
     out.update(component_means(comps))  # reward/<name>: each function's mean where it applied
     out["reward_timeouts"] = float(sum(b.extra.get("reward_timeouts", [])))
     out["completion_len"] = float(b.completion_lens.float().mean())
+    if "overlong_penalty" in b.extra:  # DAPO shaping: mean penalty added to the reward (not in reward_mean)
+        out["overlong_penalty"] = sum(b.extra["overlong_penalty"]) / max(len(b.extra["overlong_penalty"]), 1)
     return out
 
 
@@ -56,8 +59,14 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
         keep = ~torch.tensor(b.extra["truncated"], dtype=torch.bool, device=device)
         mask = mask & keep[:, None]
     adv = b.advantages.to(device)
+    if cfg.advantage_mode == "reinforce_pp":  # group-centred at generation; normalised over the step's batch here
+        adv = reinforce_pp_advantages(adv, all_reduce=torch.distributed.all_reduce
+                                      if torch.distributed.is_initialized() else None)
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
+    level = cfg.importance_sampling_level
+    eps = dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high) if level == "sequence" else \
+        dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
     stats: dict = {}
     old = weights = None  # truncated IS: the trainer's own old logps (first pass) and the per-token weights
     for _ in range(cfg.mu):
@@ -68,15 +77,15 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
             old = logps.detach()
             weights = tis_weights(old, gen, cfg.tis_cap)
         loss = grpo_loss(logps, ref, old if old is not None else gen, adv, mask, beta=cfg.beta,
-                         eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                          aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
-                         max_new_tokens=cfg.max_new_tokens, is_weights=weights)
+                         max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level,
+                         is_weights=weights, **eps)
         if cfg.aggregation == "dapo":
             loss = loss * dapo_scale(mask)
         engine.backward(loss)
         engine.step()
         if not stats:  # diagnostics of the first pass: the policy that saw this batch
-            stats = loss_stats(logps, ref, gen, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+            stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=level, **eps)
             m = mask.float()
             stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
             stats["loss"] = float(loss.detach())
@@ -116,6 +125,29 @@ def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
     return {"eval_accuracy": res["accuracy"], "eval_format": res["format_rate"], "eval_n": res["n"]}
 
 
+def model_summary(policy, rank: int) -> dict:
+    """Trainable parameters and fraction (LoRA or full) and the size of the full weights, logged once."""
+    summary = trainable_summary(policy)
+    full_mb = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in policy.parameters()) / 1e6
+    if rank == 0:
+        log.info("trainable parameters: %d of %d (%.4f%%)%s; full weights %.1f MB", summary["trainable_params"],
+                 summary["total_params"], 100 * summary["trainable_fraction"],
+                 " (LoRA adapters)" if is_lora(policy) else "", full_mb)
+    # summed over ranks by reduce_metrics: only rank 0 contributes
+    return {k: (float(v) if rank == 0 else 0.0) for k, v in {**summary, "full_weights_mb": full_mb}.items()}
+
+
+def mem_keys(world: int) -> list[str]:
+    return [f"peak_mem_mb_rank{r}" for r in range(world)]
+
+
+def memory_row(rank: int, world: int) -> dict:
+    """Peak memory of this rank (peak RSS on CPU, max allocated on GPU) under its own key, summed over ranks."""
+    from trainer.lora import peak_memory_mb
+    mb = peak_memory_mb()
+    return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb}
+
+
 # --------------------------------------------------------------------------- train
 def train(cfg: GRPOConfig) -> None:
     from tqdm import tqdm
@@ -136,6 +168,8 @@ def train(cfg: GRPOConfig) -> None:
     engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
     policy = engine.module
     hf_dtype = source_dtype(model_path)  # HF checkpoints in the model's own dtype
+    lora = is_lora(policy)
+    setup_row = model_summary(policy, rank)
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
     client = make_client(cfg)
@@ -160,6 +194,9 @@ def train(cfg: GRPOConfig) -> None:
 
     def publish_rank0(version: int) -> tuple[float, int]:
         try:
+            if lora:  # adapter tensors only; workers merge them into their base weights (trainer/lora.py)
+                return syncer.publish(policy, version, dtype=publish_dtype, named=adapter_tensors(policy),
+                                      metadata=adapter_metadata(policy))
             return syncer.publish(policy, version, dtype=publish_dtype)
         except RefServerError as e:
             if e.status != 409:
@@ -175,7 +212,8 @@ def train(cfg: GRPOConfig) -> None:
         if syncer is None:
             return {}
         if zero_stage == 3:
-            with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
+            params = [p for _, p in adapter_parameters(policy)] if lora else list(policy.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 res = publish_rank0(version) if rank == 0 else (0.0, 0)
         else:
             res = publish_rank0(version) if rank == 0 else (0.0, 0)
@@ -199,6 +237,7 @@ def train(cfg: GRPOConfig) -> None:
             "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness",
             "logp_mismatch_mean", "tis_weight_mean"]
     keys += [f"reward/{name}" for name in scorer.names]
+    keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
     sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
                 "sync_s", "sync_mb", "reward_timeouts"]
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
@@ -216,9 +255,14 @@ def train(cfg: GRPOConfig) -> None:
                "step_s": time.time() - t0}
         row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
         row["dropped_stale"] = info["dropped_stale"]
+        row.update(memory_row(rank, world))
+        if step == start_step + 1:
+            row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
         if syncer is not None and step % cfg.sync_steps == 0:
             row.update(publish(step))
-        row = reduce_metrics(row, keys, sum_keys, ["staleness_max", "logp_mismatch_max"])
+        once = list(setup_row) if step == start_step + 1 else []
+        row = reduce_metrics(row, keys, sum_keys + mem_keys(world) + once,
+                             ["staleness_max", "peak_mem_mb", "logp_mismatch_max"])
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             row.update(maybe_eval(step))
         if rank == 0 and step % cfg.log_every == 0:
@@ -228,7 +272,7 @@ def train(cfg: GRPOConfig) -> None:
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
             save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
-    save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype)
+    save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype, final=True)
     scorer.close()
     bar.close()
     if metrics:

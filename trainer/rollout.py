@@ -18,7 +18,7 @@ from common.prompts import SYSTEM_PROMPT
 from common.protocol import RolloutBatch
 from trainer.data import Example, build_prompt
 from trainer.engines import GenEngine, Sample
-from trainer.grpo import group_advantages, has_spread
+from trainer.grpo import group_advantages, has_spread, overlong_penalty
 
 
 @dataclass
@@ -98,9 +98,13 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
                                  [s.completion_ids.tolist() for s in group]) for (ex, _), group in zip(kept, groups)]
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]
-    advantages = round_advantages(all_rewards, cfg.advantage_mode)
+    penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,
+                                  cfg.overlong_buffer, cfg.overlong_penalty) for group in groups]
+    all_shaped = [r + p for r, p in zip(all_rewards, penalties)]
+    advantages = round_advantages(all_shaped, cfg.advantage_mode)
     batches = []
-    for group, sc, rewards, adv in zip(groups, scores, all_rewards, advantages):
+    for group, sc, rewards, penalty, shaped, adv in zip(groups, scores, all_rewards, penalties, all_shaped,
+                                                        advantages):
         rows = [(s.prompt_ids, s.completion_ids) for s in group]
         truncated = [s.truncated for s in group]
         stats.groups += 1
@@ -110,15 +114,17 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         stats.rewards.extend(rewards.tolist())
         for k, v in sc.components.items():
             stats.components.setdefault(k, []).extend(v)
-        if not has_spread(rewards) and not getattr(cfg, "train_zero_spread", False):
+        # DAPO overlong shaping acted where rewards became advantages; `rewards` stays the task reward (metrics)
+        if not has_spread(shaped) and not getattr(cfg, "train_zero_spread", False):
             stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
+        extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts]}
+        if cfg.overlong_buffer > 0:
+            extra["overlong_penalty"] = penalty.tolist()
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
                              rewards=rewards, policy_version=policy_version, producer_id=producer_id,
-                             batch_id=uuid.uuid4().hex,
-                             extra={"components": sc.components, "truncated": truncated,
-                                    "reward_timeouts": [sc.timeouts]})
+                             batch_id=uuid.uuid4().hex, extra=extra)
         if cfg.compute_gen_logps and group[0].logprobs is not None:
             batch.gen_logps = engine_logps(group)
             batch.extra["gen_logps_source"] = "engine"  # the trainer's mismatch metric compares against these

@@ -14,6 +14,7 @@ from common.modeling import load_tokenizer, resolve_model_path
 from common.weight_sync import WeightSync
 from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engines import EngineDied, make_engine
+from trainer.lora import ADAPTER_FORMAT, LoraMerger, checkpoint_weights
 from trainer.reward_scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
@@ -45,6 +46,13 @@ def genonly(cfg: GRPOConfig) -> None:
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
+    merger = LoraMerger()  # a LoRA run publishes adapters only: merged into W0 read from the checkpoint
+
+    def load_policy(tensors: dict, metadata: dict) -> None:
+        if metadata.get("format") == ADAPTER_FORMAT:
+            engine.load_weights(merger.merged(tensors, metadata, lambda names: checkpoint_weights(model_path, names)))
+        else:
+            engine.load_weights(tensors.items())
     rounds = uploaded = timeouts = 0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
     t_start = time.time()
@@ -55,7 +63,7 @@ def genonly(cfg: GRPOConfig) -> None:
                 time.sleep(0.2)  # the trainer has enough to chew on; generate later, with newer weights
                 continue
             if syncer is not None:  # between rounds: swap in newer policy weights, if any
-                syncer.follow(apply=lambda tensors: engine.load_weights(tensors.items()))
+                syncer.follow(apply=load_policy)
             version = syncer.version if syncer is not None and syncer.version is not None else 0
             batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}")

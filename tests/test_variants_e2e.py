@@ -1,0 +1,39 @@
+"""Each GRPO variant learns the toy reward end to end (ref server + `deepspeed --num_gpus 2`), as test_e2e's
+test_learns_toy_reward does for the default objective: GSPO, REINFORCE++-baseline, DAPO overlong shaping."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import find_free_port, start_ref_server
+from test_e2e import TOY, read_rows
+from test_lora_e2e import REPO, env
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("variant", [
+    ["--importance_sampling_level", "sequence"],  # GSPO with its own 3e-4 / 4e-4 clip
+    ["--advantage_mode", "reinforce_pp"],
+    ["--overlong_buffer", "4", "--overlong_penalty", "0.5", "--max_new_tokens", "12"],
+], ids=["gspo", "reinforce_pp", "overlong"])
+def test_variant_learns_toy_reward(variant, tiny_model_dir, tmp_path):
+    def run_deepspeed(run_dir: Path, server_url: str, *args: str) -> subprocess.CompletedProcess:
+        cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
+               "trainer/main.py", *TOY, "--ref_server", server_url, "--output_dir", str(run_dir), *args]
+        return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+
+    with start_ref_server(tiny_model_dir) as srv:
+        proc = run_deepspeed(tmp_path, srv.url, "--all_steps", "30", "--save_steps", "1000", "--lr", "3e-3",
+                             "--Q_batch_size", "2", "--train_batch_groups", "2", "--num_gen_workers", "0", *variant)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert srv.stop() == 0
+    rows = read_rows(tmp_path)
+    rewards = [r["reward_mean"] for r in rows]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"{variant}: toy reward first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert last >= first + 0.5, rewards
+    if "--overlong_buffer" in variant:
+        assert all(r["overlong_penalty"] <= 0 for r in rows) and any(r["overlong_penalty"] < 0 for r in rows)
