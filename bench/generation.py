@@ -6,7 +6,7 @@ Same prompts and settings for both engines: 16 random-id prompts (24 tokens) x 8
 for each --new-tokens. Models: the embedded tiny Qwen2 and a random-weight model with the real
 Qwen2.5-0.5B shape (24 layers, hidden 896, 14/2 heads, vocab 151,936, tied embeddings). Each engine
 is warmed up with one short call first; engine start time is reported separately. The HF engine
-generates all 128 sequences in one batch (gen_batch_size 128). ratio = vLLM tok/s / HF tok/s, per model
+generates all prompts x 8 sequences in one batch. ratio = vLLM tok/s / HF tok/s, per model
 the mean over --new-tokens. Last output line: one JSON object with tiny_ratio and qwen05b_ratio.
 """
 from __future__ import annotations

@@ -78,8 +78,9 @@ class VLLMEngine(GenEngine):
                       logprobs_mode="raw_logprobs", generation_config="vllm", seed=cfg.seed + cfg.worker_id,
                       enable_prefix_caching=False)
         except Exception as e:  # vLLM raises many types; name the model and the fix, keep the cause
-            raise RuntimeError(f"vLLM cannot serve model {model_path!r} ({type(e).__name__}: {e}). Use "
-                               f"gen_backend='hf' for it, or check vllm_dtype/vllm_max_model_len.") from e
+            cause = " ".join(str(e).split())  # vLLM's message may list every supported architecture
+            raise RuntimeError(f"vLLM cannot serve model {model_path!r}: use gen_backend='hf' for it, or check "
+                               f"vllm_dtype/vllm_max_model_len. Cause: {type(e).__name__}: {cause[:400]}") from e
         log.info("vLLM engine up in %.1f s (dtype %s, eager %s, max_model_len %d)", time.time() - t0,
                  cfg.vllm_dtype, cfg.vllm_eager, max_len)
         gen_eos = gen_cfg.eos_token_id if gen_cfg is not None else None
