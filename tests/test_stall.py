@@ -48,13 +48,12 @@ def test_zero_spread_groups_train_when_asked(tiny_model_dir):
     tok, model = load_tokenizer(str(tiny_model_dir)), load_model(str(tiny_model_dir))
     examples = load_examples("arith", limit=2)
     base = dict(num_pre_Q=4, max_new_tokens=4, temperature=1.0, top_p=1.0, system_prompt="", max_prompt_length=256,
-                gen_batch_size=8, advantage_mode="grpo", compute_gen_logps=True, logp_chunk_tokens=64,
-                prompt_format="chat")
+                gen_batch_size=8, advantage_mode="grpo", compute_gen_logps=True, logp_chunk_tokens=64)
     engine = HFEngine(model, tok, eos_ids(tok, model), temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8)
     scorer = RewardScorer(["test_stall:minus_two"], timeout=0)
-    skipped, st = generate_batches(engine, tok, examples, SimpleNamespace(**base, train_zero_spread=False), scorer)
+    skipped, st = generate_batches(engine, tok, examples, GRPOConfig(**base, train_zero_spread=False), scorer)
     assert skipped == [] and st.skipped_no_spread == 2
-    kept, st = generate_batches(engine, tok, examples, SimpleNamespace(**base, train_zero_spread=True), scorer)
+    kept, st = generate_batches(engine, tok, examples, GRPOConfig(**base, train_zero_spread=True), scorer)
     assert len(kept) == 2 and st.skipped_no_spread == 0
     for b in kept:  # zero advantages: the policy-gradient term vanishes, the KL term alone trains
         assert torch.equal(b.advantages, torch.zeros(4)) and (b.rewards == -2).all()

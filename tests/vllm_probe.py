@@ -94,7 +94,7 @@ def main() -> None:
     res["diff_trained_before_sync"] = max_diff(trained, samples)
     WeightSync(sync_dir=str(work / "sync")).publish(trained, 1)
     follower = WeightSync(sync_dir=str(work / "sync"))
-    res["synced_version"] = follower.follow(apply=lambda t: engine.load_weights(t.items()))
+    res["synced_version"] = follower.follow(apply=lambda t, _meta: engine.load_weights(t.items()))
     samples = engine.generate(prompts, 4, max_new_tokens=24)
     res["diff_trained_after_sync"] = max_diff(trained, samples)
 
