@@ -3,6 +3,7 @@
 #
 #   ./launch.sh demo [--run-dir DIR] [--seed N] [--model M --data D ...]   the CPU demo (see README)
 #   ./launch.sh train [options] [-- trainer args...]                        a training run
+#   ./launch.sh status [--ref-url URL] [--token-file F] [--json]             the run's status table (GET /status)
 #
 # train options:
 #   --run-dir DIR      where logs, metrics and checkpoints go (default runs/<timestamp>)
@@ -25,7 +26,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 MODE=$1; shift
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
-  demo|train) ;;
+  demo|train|status) ;;
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
@@ -37,6 +38,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
+if [ "$MODE" = status ]; then
+  exec "$PY" -m ref_server.status_cli "$@"
+fi
 if [ "$MODE" = demo ]; then
   exec "$PY" -m trainer.demo "$@"
 fi
