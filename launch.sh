@@ -65,6 +65,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 mkdir -p "$RUN_DIR"
+rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 # The trainer's model (from --config or --model in EXTRA) also serves as reference unless told otherwise.
 if [ -z "$REF_MODEL" ]; then
@@ -94,6 +95,10 @@ cleanup() {
   done
   for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
   echo "[launch] stopped everything; logs in $RUN_DIR" >&2
+  # a rank that stopped on purpose (stall, dead peer) left one line saying why: it is our last line
+  if [ "$code" != 0 ] && [ -s "$RUN_DIR/diagnosis.txt" ]; then
+    echo "[launch] run failed (exit $code): $(head -n 1 "$RUN_DIR/diagnosis.txt")" >&2
+  fi
   exit $code
 }
 trap cleanup EXIT

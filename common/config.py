@@ -105,6 +105,18 @@ class GRPOConfig:
                                      "(queued + scored): rollouts stay fresh instead of piling up stale.")
     worker_id: int = knob(0, "genonly: this worker's index (seeds and prompt shard; launch.sh sets it).")
     device: str = knob("auto", "genonly/eval device: auto, cpu or cuda:N (trainer ranks use their local GPU).")
+    # --- run health: status view, timeouts, weight integrity (issue 16) ----------------
+    stall_warn: float = knob(120.0, "A participant (worker, rank) silent at the ref server for longer than this "
+                                    "many seconds is listed as stalled in GET /status; rank 0 logs it.")
+    stall_timeout: float = knob(1800.0, "A rank that made no optimizer step for this many seconds stops with a "
+                                        "non-zero exit and a diagnosis (what it waited for, who is stalled). "
+                                        "0 = never.")
+    dist_timeout: float = knob(600.0, "Timeout in seconds of the distributed process group (torch's default is "
+                                      "30 min): a rank whose peer died leaves a collective after this, naming it.")
+    heartbeat_s: float = knob(10.0, "Ranks and workers send a heartbeat to the ref server this often (seconds) "
+                                    "while they have nothing else to say.")
+    weight_fetch_retries: int = knob(5, "genonly: a weight download that breaks or fails its checksum is retried "
+                                        "this many times (the worker keeps its current weights meanwhile).")
 
     def validate(self) -> GRPOConfig:
         checks = [
@@ -119,6 +131,13 @@ class GRPOConfig:
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.zero_stage in (None, 0, 1, 2, 3), "zero_stage must be 0..3"),
+        ]
+        checks += [  # run health (issue 16)
+            (self.stall_warn > 0, "stall_warn must be > 0 seconds"),
+            (self.stall_timeout >= 0, "stall_timeout must be >= 0 seconds (0 = never)"),
+            (self.dist_timeout > 0, "dist_timeout must be > 0 seconds"),
+            (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
+            (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -32,6 +32,11 @@ class BatchSource:
         self.producer_id = producer_id
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
+        self.watchdog = None  # trainer/health.py Watchdog: told what we wait for (its stall diagnosis says it)
+
+    def _doing(self, what: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.activity = what
 
     def next(self, policy_version: int) -> tuple[ScoredBatch, dict]:
         cfg = self.cfg
@@ -44,6 +49,7 @@ class BatchSource:
             # Wait briefly when something we uploaded is being scored; with workers, poll in slices.
             wait = 1.0 if self.in_flight > 0 else (2.0 if cfg.num_gen_workers else 0.0)
             t0 = time.time()
+            self._doing(f"waiting for a scored batch from the ref server {self.client.urls[0]} (GET /get)")
             b = self.client.get(timeout=wait)
             info["wait_s"] += time.time() - t0
             if b is not None:
@@ -70,10 +76,12 @@ class BatchSource:
             self.in_flight = 0  # nothing pending: what we uploaded went to another rank (or was lost)
             if cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - idle_since > cfg.get_wait):
                 t0 = time.time()
+                self._doing("generating its own rollouts")
                 batches, st = generate_batches(self.model, self.tok, self.sampler.next_batch(cfg.Q_batch_size), cfg,
                                                self.reward_fns, self.eos, policy_version, self.producer_id)
                 info["gen_s"] += time.time() - t0
                 _merge_stats(gen, st)
+                self._doing(f"uploading its rollouts to the ref server {self.client.urls[0]}")
                 for rb in batches:
                     self.client.upload(rb)
                 self.in_flight += len(batches)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from trainer.checkpoint import save_hf
 from trainer.data import PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats
+from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
 from trainer.rewards import load_reward_fns
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
@@ -95,6 +97,26 @@ def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
 
 # --------------------------------------------------------------------------- train
 def train(cfg: GRPOConfig) -> None:
+    """Run the rank; a failed collective ends it with one line naming the peer (exit 4)."""
+    started: list[Watchdog] = []  # the rank's watchdog, once it runs
+    try:
+        _train(cfg, started)
+    except Exception as e:
+        if not (started and _is_dist_error(e)):
+            raise
+        line = started[0].peer_diagnosis(e)
+        log.error("%s", line)
+        write_diagnosis(cfg.output_dir, line)
+        raise SystemExit(EXIT_PEER_GONE) from e
+
+
+def _is_dist_error(e: BaseException) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(
+        k in str(e) for k in ("Gloo", "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")))
+
+
+def _train(cfg: GRPOConfig, started: list) -> None:
     from tqdm import tqdm
 
     from trainer.metrics import MetricsLogger
@@ -114,7 +136,9 @@ def train(cfg: GRPOConfig) -> None:
     policy = engine.module
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
-    client = make_client(cfg)
+    peers: list = [None] * world  # (host, pid) of every rank: the watchdog names a peer that dies
+    torch.distributed.all_gather_object(peers, (os.uname().nodename, os.getpid()))
+    client = make_client(cfg, f"trainer-rank{rank}", "rank")
     client.wait_ready(timeout=300)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
     eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit) \
@@ -161,10 +185,17 @@ def train(cfg: GRPOConfig) -> None:
             log.info("eval at step %d: accuracy %.3f format %.3f", step, res["eval_accuracy"], res["eval_format"])
         return res
 
+    watchdog = Watchdog(cfg, client, rank, peers).start()
+    started.append(watchdog)
+    source.watchdog = watchdog  # says what the rank waits for
+    totals = {"skipped_groups": 0, "dropped_stale": 0}  # cumulative, for the server's status table
+    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: watchdog.activity, lambda: dict(totals)).start()
     if cfg.eval_before and start_step == 0 and eval_examples:
+        watchdog.activity = "evaluating (eval_before)"
         res = maybe_eval(0)
         if metrics:
             metrics.log(0, {**res, "phase": "eval_before"})
+        watchdog.stepped()
 
     keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
             "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness"]
@@ -175,7 +206,10 @@ def train(cfg: GRPOConfig) -> None:
         t0 = time.time()
         batch, info = source.next(policy_version=step - 1)
         t1 = time.time()
+        watchdog.activity = f"training step {step}"
         stats = train_step(engine, batch, cfg)
+        watchdog.stepped()
+        client.set_version(step)
         own: RolloutStats = info["own_gen"]
         row = {**batch_metrics(batch), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
                "skipped_groups": own.skipped_no_spread, "skipped_long_prompts": own.skipped_long_prompt,
@@ -185,10 +219,15 @@ def train(cfg: GRPOConfig) -> None:
                "step_s": time.time() - t0}
         row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
         row["dropped_stale"] = info["dropped_stale"]
+        totals["skipped_groups"] += own.skipped_no_spread
+        totals["dropped_stale"] += info["dropped_stale"]
         if syncer is not None and step % cfg.sync_steps == 0:
+            watchdog.activity = f"publishing the weights of step {step}"
             row.update(publish(step))
+        watchdog.activity = f"reducing the metrics of step {step} with the other ranks (a collective)"
         row = reduce_metrics(row, keys, sum_keys, ["staleness_max"])
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
+            watchdog.activity = f"evaluating at step {step}"
             row.update(maybe_eval(step))
         if rank == 0 and step % cfg.log_every == 0:
             row["lr"] = engine.get_lr()[0]
@@ -196,13 +235,17 @@ def train(cfg: GRPOConfig) -> None:
             bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}")
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
+            watchdog.activity = f"saving the checkpoint of step {step}"
             engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
             if step % cfg.save_steps == 0:
                 save_hf(engine, tok, out / f"step_{step}", rank, zero_stage)
+    watchdog.activity = "saving the final checkpoint"
     save_hf(engine, tok, out / "final", rank, zero_stage)
     bar.close()
     if metrics:
         metrics.close()
+    watchdog.stop()  # before the final barrier: a peer may exit as soon as it is passed
+    heartbeat.stop("done")
     log.info("training done: %d steps", cfg.all_steps)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

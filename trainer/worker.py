@@ -13,6 +13,7 @@ from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer
 from common.weight_sync import WeightSync
 from trainer.data import PromptSampler, load_examples
+from trainer.health import Heartbeat
 from trainer.rewards import load_reward_fns
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
@@ -34,23 +35,30 @@ def genonly(cfg: GRPOConfig) -> None:
     torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
     tok = load_tokenizer(cfg.model)
     model = load_model(cfg.model, device=cfg.device, dtype="auto")
-    client = make_client(cfg)
+    client = make_client(cfg, f"worker{cfg.worker_id}", "worker")
     client.wait_ready(timeout=300)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
     reward_fns, eos = load_reward_fns(cfg.reward_fns), eos_ids(tok, model)
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
-    rounds = uploaded = 0
+    rounds = uploaded = skipped = 0
+    doing = {"now": "starting"}
+    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
+                          lambda: {"rounds": rounds, "skipped_groups": skipped}).start()
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
         try:
             q = client.health(retry=True).get("queues", {})  # an outage: backoff, logged once by the client
             if q.get("input", 0) + q.get("output", 0) >= cfg.worker_max_queued:
+                doing["now"] = "paused: the server holds enough batches"
                 time.sleep(0.2)  # the trainer has enough to chew on; generate later, with newer weights
                 continue
             if syncer is not None:  # between rounds: swap in newer policy weights, if any
-                syncer.follow(model)
+                doing["now"] = "checking for new policy weights"
+                syncer.follow(model, retries=cfg.weight_fetch_retries)
             version = syncer.version if syncer is not None and syncer.version is not None else 0
+            client.set_version(version)
+            doing["now"] = f"generating round {rounds + 1}"
             batches, st = generate_batches(model, tok, sampler.next_batch(cfg.Q_batch_size), cfg, reward_fns, eos,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}")
             for rb in batches:
@@ -63,7 +71,9 @@ def genonly(cfg: GRPOConfig) -> None:
             time.sleep(1.0)
             continue
         rounds += 1
+        skipped += st.skipped_no_spread
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
+    heartbeat.stop("done")
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s", rounds, uploaded, time.time() - t_start)
