@@ -129,7 +129,8 @@ for i in $(seq 1 300); do
 done
 for w in $(seq 0 $((WORKERS - 1))); do
   [ "$WORKERS" -gt 0 ] || break
-  start "worker$w" "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" --worker_id "$w"
+  start "worker$w" "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" --worker_id "$w" \
+    --output_dir "$RUN_DIR"  # the worker keeps its data-order state there (exact resume)
 done
 echo "[launch] trainer: deepspeed --num_gpus $GPUS (log: $RUN_DIR/trainer.log)" >&2
 # In the background with `wait`: bash runs a trap only after the foreground command ends, so a

@@ -20,6 +20,7 @@ from common.logprobs import sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.protocol import ScoredBatch
 from common.weight_sync import WeightSync
+from trainer import resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf
 from trainer.data import PromptSampler, load_examples
@@ -143,7 +144,16 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
     eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit) \
         if (cfg.eval_steps or cfg.eval_before) else []
-    sampler = PromptSampler(examples, seed=cfg.seed + 7919 * start_step, shard=rank, num_shards=world)
+    sampler = PromptSampler(examples, seed=cfg.seed, shard=rank, num_shards=world)
+    if start_step > 0:  # --resume: continue the data order exactly where the checkpoint left it
+        state = resume.load_rank_state(out / "ds", rank, world)
+        if state is None:
+            log.warning("the checkpoint holds no data state (saved by an older version): prompts restart from a "
+                        "seed offset, so some may repeat or be skipped")
+            sampler = PromptSampler(examples, seed=cfg.seed + 7919 * start_step, shard=rank, num_shards=world)
+        else:
+            resume.restore(sampler, state)
+            log.info("data order resumed: epoch %d, position %d", sampler.epoch, state["sampler"]["pos"])
     source = BatchSource(cfg, client, policy, tok, sampler, load_reward_fns(cfg.reward_fns), eos_ids(tok, policy),
                          vocab, producer_id=f"trainer-rank{rank}")
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
@@ -219,6 +229,9 @@ def _train(cfg: GRPOConfig, started: list) -> None:
                "step_s": time.time() - t0}
         row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
         row["dropped_stale"] = info["dropped_stale"]
+        mine = [int(i) for i in batch.extra.get("example_index", [])]  # what this rank trained on
+        trained: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(trained, mine)
         totals["skipped_groups"] += own.skipped_no_spread
         totals["dropped_stale"] += info["dropped_stale"]
         if syncer is not None and step % cfg.sync_steps == 0:
@@ -231,11 +244,16 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             row.update(maybe_eval(step))
         if rank == 0 and step % cfg.log_every == 0:
             row["lr"] = engine.get_lr()[0]
+            row["example_indices"] = trained  # per rank: the examples trained this step (exact-resume check)
             metrics.log(step, row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}")
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
             watchdog.activity = f"saving the checkpoint of step {step}"
+            states: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(states, resume.capture(source.sampler))
+            if rank == 0:  # before DeepSpeed moves `latest` to this tag
+                resume.save_rank_states(out / "ds", f"step{step}", states)
             engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
             if step % cfg.save_steps == 0:
                 save_hf(engine, tok, out / f"step_{step}", rank, zero_stage)

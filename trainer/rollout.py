@@ -133,6 +133,8 @@ def generate_batches(model, tokenizer, examples: list[Example], cfg, reward_fns:
                              advantages=group_advantages(rewards, cfg.advantage_mode), rewards=rewards,
                              policy_version=policy_version, producer_id=producer_id, batch_id=uuid.uuid4().hex,
                              extra={"components": components, "truncated": truncated})
+        if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
+            batch.extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         if cfg.compute_gen_logps:
             with torch.no_grad():
                 batch.gen_logps, _ = sequence_logprobs(model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens)

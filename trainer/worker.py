@@ -2,6 +2,7 @@
 server, and follow the policy weights rank 0 publishes (between rounds)."""
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -12,6 +13,7 @@ from common.client import RefServerError
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer
 from common.weight_sync import WeightSync
+from trainer import resume
 from trainer.data import PromptSampler, load_examples
 from trainer.health import Heartbeat
 from trainer.rewards import load_reward_fns
@@ -39,6 +41,10 @@ def genonly(cfg: GRPOConfig) -> None:
     client.wait_ready(timeout=300)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit)
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
+    state_path = resume.worker_state_path(cfg.output_dir, cfg.worker_id)
+    if cfg.resume and state_path.is_file():  # continue this worker's data order where it stopped
+        resume.restore(sampler, json.loads(state_path.read_text()))
+        log.info("data order resumed from %s: epoch %d", state_path, sampler.epoch)
     reward_fns, eos = load_reward_fns(cfg.reward_fns), eos_ids(tok, model)
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
     rounds = uploaded = skipped = 0
@@ -72,6 +78,7 @@ def genonly(cfg: GRPOConfig) -> None:
             continue
         rounds += 1
         skipped += st.skipped_no_spread
+        resume.write_json(state_path, resume.capture(sampler))
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
