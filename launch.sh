@@ -89,6 +89,8 @@ cleanup() {
   local code=$?
   trap - EXIT INT TERM
   for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done
+  # a stopped (SIGSTOP) process only sees the TERM once continued
+  for pid in "${PIDS[@]}"; do kill -CONT -- "-$pid" 2>/dev/null || kill -CONT "$pid" 2>/dev/null || true; done
   for _ in $(seq 1 30); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break; sleep 0.5
