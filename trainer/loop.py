@@ -219,6 +219,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         watchdog.activity = f"training step {step}"
         stats = train_step(engine, batch, cfg)
         watchdog.stepped()
+        watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         client.set_version(step)
         own: RolloutStats = info["own_gen"]
         row = {**batch_metrics(batch), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
@@ -237,7 +238,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         if syncer is not None and step % cfg.sync_steps == 0:
             watchdog.activity = f"publishing the weights of step {step}"
             row.update(publish(step))
-        watchdog.activity = f"reducing the metrics of step {step} with the other ranks (a collective)"
+        watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         row = reduce_metrics(row, keys, sum_keys, ["staleness_max"])
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             watchdog.activity = f"evaluating at step {step}"
