@@ -135,6 +135,7 @@ def test_stopped_ref_server_ends_the_run_naming_it(tmp_path):
         server = find_proc("-m ref_server", f"--port {port}")
         server.send_signal(signal.SIGSTOP)
         t_stop = time.monotonic()
+        wall_stop = time.time()
         rc, _, err = finish(proc, stall_timeout + 120)
         exited_after = time.monotonic() - t_stop
     finally:
@@ -142,7 +143,9 @@ def test_stopped_ref_server_ends_the_run_naming_it(tmp_path):
             proc.kill()
             proc.communicate()
     last = err.strip().splitlines()[-1]
-    print(f"\nref server SIGSTOP -> run exited after {exited_after:.1f} s (stall_timeout {stall_timeout} s): {last}")
+    decided_after = (run_dir / "diagnosis.txt").stat().st_mtime - wall_stop
+    print(f"\nref server SIGSTOP -> a rank gave up after {decided_after:.1f} s, launch.sh exited after "
+          f"{exited_after:.1f} s (stall_timeout {stall_timeout} s): {last}")
     assert rc != 0
     assert exited_after <= stall_timeout + 30
     assert "run failed" in last and f"ref server http://127.0.0.1:{port}" in last and "does not answer" in last
@@ -158,7 +161,7 @@ def test_killed_rank_ends_its_peer_naming_it(tmp_path):
         rank1 = find_proc("trainer/main.py", "--local_rank=1", str(run_dir))
         pid = rank1.pid
         rank1.kill()
-        t_kill = time.monotonic()
+        t_kill, wall_kill = time.monotonic(), time.time()
         rc, _, err = finish(proc, dist_timeout + 120)
         exited_after = time.monotonic() - t_kill
     finally:
@@ -166,7 +169,9 @@ def test_killed_rank_ends_its_peer_naming_it(tmp_path):
             proc.kill()
             proc.communicate()
     last = err.strip().splitlines()[-1]
-    print(f"\nrank 1 SIGKILL -> run exited after {exited_after:.1f} s (dist_timeout {dist_timeout} s): {last}")
+    noticed_after = (run_dir / "diagnosis.txt").stat().st_mtime - wall_kill
+    print(f"\nrank 1 SIGKILL -> rank 0 named it after {noticed_after:.1f} s, launch.sh exited after "
+          f"{exited_after:.1f} s (dist_timeout {dist_timeout} s): {last}")
     assert rc != 0
     assert exited_after <= dist_timeout + 30
     assert "run failed" in last and f"rank 1 (pid {pid}" in last and "is gone" in last

@@ -65,3 +65,10 @@ def test_rank_states_next_to_the_checkpoint(tmp_path):
     assert resume.load_rank_state(ds, 1, 2) == {"sampler": {"pos": 1}}
     with pytest.raises(ValueError, match="same number of ranks"):
         resume.load_rank_state(ds, 0, 4)
+
+
+def test_batches_from_before_a_resume_are_used_only_within_max_staleness():
+    from trainer.batches import usable_version
+    # resumed at version 4 (the crash lost steps 5..7 whose batches the server still holds)
+    assert [v for v in range(0, 9) if usable_version(v, 4, max_staleness=2)] == [2, 3, 4]
+    assert usable_version(4, 4, 0) and not usable_version(3, 4, 0)
