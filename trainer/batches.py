@@ -43,7 +43,7 @@ class BatchSource:
 
     def _doing(self, what: str) -> None:
         if self.watchdog is not None:
-            self.watchdog.activity = what
+            self.watchdog.activity = what.format(url=self.client.urls[0])
 
     def next(self, policy_version: int) -> tuple[ScoredBatch, dict]:
         cfg = self.cfg
@@ -56,7 +56,7 @@ class BatchSource:
             # Wait briefly when something we uploaded is being scored; with workers, poll in slices.
             wait = 1.0 if self.in_flight > 0 else (2.0 if cfg.num_gen_workers else 0.0)
             t0 = time.time()
-            self._doing(f"waiting for a scored batch from the ref server {self.client.urls[0]} (GET /get)")
+            self._doing("waiting for a scored batch from the ref server {url} (GET /get)")
             b = self.client.get(timeout=wait)
             info["wait_s"] += time.time() - t0
             if b is not None:
@@ -88,7 +88,7 @@ class BatchSource:
                                                self.reward_fns, self.eos, policy_version, self.producer_id)
                 info["gen_s"] += time.time() - t0
                 _merge_stats(gen, st)
-                self._doing(f"uploading its rollouts to the ref server {self.client.urls[0]}")
+                self._doing("uploading its rollouts to the ref server {url}")
                 for rb in batches:
                     self.client.upload(rb)
                 self.in_flight += len(batches)
