@@ -3,6 +3,7 @@
 #
 #   ./launch.sh demo [--run-dir DIR] [--seed N] [--model M --data D ...]   the CPU demo (see README)
 #   ./launch.sh train [options] [-- trainer args...]                        a training run
+#   ./launch.sh status [--ref-url URL] [--token-file F] [--json]             the run's status table (GET /status)
 #
 # train options:
 #   --run-dir DIR      where logs, metrics and checkpoints go (default runs/<timestamp>)
@@ -30,7 +31,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 MODE=$1; shift
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
-  demo|train) ;;
+  demo|train|status) ;;
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
@@ -42,6 +43,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
+if [ "$MODE" = status ]; then
+  exec "$PY" -m ref_server.status_cli "$@"
+fi
 if [ "$MODE" = demo ]; then
   exec "$PY" -m trainer.demo "$@"
 fi
@@ -83,6 +87,7 @@ for i in "${!EXTRA[@]}"; do  # path-valued trainer flags: relative to the caller
 done
 [ -n "$WORKER_DTYPE" ] && EXTRA+=(--worker_dtype "$WORKER_DTYPE")  # workers load in it, rank 0 publishes in it
 mkdir -p "$RUN_DIR"
+rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 # The trainer's model (from --config or --model in EXTRA) also serves as reference unless told otherwise.
 if [ -z "$REF_MODEL" ]; then
@@ -106,12 +111,18 @@ cleanup() {
   local code=$?
   trap - EXIT INT TERM
   for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done
+  # a stopped (SIGSTOP) process only sees the TERM once continued
+  for pid in "${PIDS[@]}"; do kill -CONT -- "-$pid" 2>/dev/null || kill -CONT "$pid" 2>/dev/null || true; done
   for _ in $(seq 1 30); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break; sleep 0.5
   done
   for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
   echo "[launch] stopped everything; logs in $RUN_DIR" >&2
+  # a rank that stopped on purpose (stall, dead peer) left one line saying why: it is our last line
+  if [ "$code" != 0 ] && [ -s "$RUN_DIR/diagnosis.txt" ]; then
+    echo "[launch] run failed (exit $code): $(head -n 1 "$RUN_DIR/diagnosis.txt")" >&2
+  fi
   exit $code
 }
 trap cleanup EXIT
@@ -180,7 +191,8 @@ for i in $(seq 1 300); do
 done
 for w in $(seq 0 $((WORKERS - 1))); do
   [ "$WORKERS" -gt 0 ] || break
-  start "worker$w" "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" --worker_id "$w"
+  start "worker$w" "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" --worker_id "$w" \
+    --output_dir "$RUN_DIR"  # the worker keeps its data-order state there (exact resume)
 done
 rotate trainer
 echo "[launch] trainer: deepspeed --num_gpus $GPUS (log: $RUN_DIR/trainer.log)" >&2

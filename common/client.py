@@ -4,6 +4,8 @@
     client.wait_ready(timeout=300)
     client.upload(rollout_batch)           # -> batch id
     scored = client.get(timeout=5.0)       # -> ScoredBatch or None
+    client.set_identity("worker0", "worker")   # named in the server's heartbeat table (GET /status)
+    client.heartbeat("generating", rounds=3)   # alive while there is nothing to upload
 
 Retry policy: an unreachable server (connection error, timeout, 502/504) is retried with
 exponential backoff up to `max_retries` times in a row; a 503 means the server is alive and
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import Sequence
 
 import requests
+import urllib3
 
 from common.protocol import CONTENT_TYPE, RolloutBatch, ScoredBatch, decode_scored, encode_rollout
 
@@ -74,6 +78,19 @@ class RefClient:
         self._down_since: dict[str, float] = {}  # url -> when the current outage was first seen
         self._unreachable: set[str] = set()  # urls whose current outage included a connection failure
         self.outages = 0  # times a server became unreachable (not merely busy): what it held may be lost
+        self.identity: dict[str, str] = {}  # X-GRPO-* headers naming this participant (set_identity)
+
+    def set_identity(self, participant_id: str, role: str, host: str | None = None) -> None:
+        """Name this process in every request, for the server's heartbeat table (ref_server/status.py)."""
+        self.identity.update({"X-GRPO-Id": participant_id, "X-GRPO-Role": role,
+                              "X-GRPO-Host": host or socket.gethostname()})
+
+    def set_version(self, version: int | None) -> None:
+        """The policy version this participant is on (reported with each request)."""
+        if version is None:
+            self.identity.pop("X-GRPO-Version", None)
+        else:
+            self.identity["X-GRPO-Version"] = str(int(version))
 
     # -- plumbing -------------------------------------------------------------------------
     def _session(self) -> requests.Session:
@@ -116,6 +133,8 @@ class RefClient:
                  **kw) -> tuple[str, requests.Response]:
         """Send to urls[0], moving on to the next URL after each retryable failure."""
         failures = attempt = 0
+        if self.identity:
+            kw["headers"] = {**self.identity, **kw.get("headers", {})}
         while True:
             url = urls[attempt % len(urls)]
             attempt += 1
@@ -192,8 +211,11 @@ class RefClient:
         return None if v is None else int(v)
 
     def fetch_weights(self) -> tuple[int, bytearray]:
-        """(version, safetensors blob) of the newest published policy weights."""
-        _, r = self._request("GET", self.urls[:1], "/weights", read_timeout=600.0, stream=True)
+        """(version, safetensors blob) of the newest published policy weights.
+
+        The read timeout is per socket read (self.timeout): a body that stops arriving mid-way, or a
+        connection cut short, raises RefServerError (status 0) at once, never a half-read blob."""
+        _, r = self._request("GET", self.urls[:1], "/weights", stream=True)
         # Into one preallocated buffer (requests' .content joins small chunks), 16 MB a read:
         # urllib3's readinto reads the whole requested size into a temporary first.
         with r:
@@ -201,7 +223,11 @@ class RefClient:
             buf, got = bytearray(size), 0
             view = memoryview(buf)
             while got < size:
-                n = r.raw.readinto(view[got:got + (16 << 20)])
+                try:
+                    n = r.raw.readinto(view[got:got + (16 << 20)])
+                except (OSError, urllib3.exceptions.HTTPError) as e:  # stalled (read timeout) or reset mid-body
+                    raise RefServerError(0, f"weights download broke at {got} of {size} bytes "
+                                            f"({type(e).__name__}: {e})", self.urls[0]) from None
                 if not n:
                     raise RefServerError(0, f"weights download cut off at {got} of {size} bytes", self.urls[0])
                 got += n
@@ -215,6 +241,23 @@ class RefClient:
     def stats(self, url: str | None = None) -> dict:
         """GET /stats of one server (default: the first), one attempt."""
         _, r = self._request("GET", [url or self.urls[0]], "/stats", retry=False)
+        return r.json()
+
+    def heartbeat(self, state: str, **counts: int) -> None:
+        """POST /heartbeat to every server: alive, doing `state`, with cumulative counters. One attempt each."""
+        for url in self.urls:
+            self._request("POST", [url], "/heartbeat", retry=False, json={"state": state, **counts})
+
+    def status(self, url: str | None = None, stall_warn: float | None = None, timeout: float | None = None) -> dict:
+        """GET /status of one server (default: the first), one attempt; `timeout` bounds it (seconds)."""
+        params = {} if stall_warn is None else {"stall_warn": str(stall_warn)}
+        target = (url or self.urls[0]) + "/status"
+        try:
+            r = self._session().get(target, params=params, timeout=timeout or self.timeout)
+        except requests.RequestException as e:
+            raise RefServerError(0, f"{type(e).__name__}: {e}", url or self.urls[0]) from None
+        if r.status_code != 200:
+            raise RefServerError(r.status_code, _server_message(r), url or self.urls[0])
         return r.json()
 
     def wait_ready(self, timeout: float = 60.0, poll: float = 0.5) -> list[dict]:

@@ -181,6 +181,18 @@ class GRPOConfig:
                                    "before max_new_tokens, in tokens (0 = off).")
     overlong_penalty: float = knob(1.0, "DAPO overlong shaping: reward penalty at max_new_tokens, linear from 0 "
                                         "at max_new_tokens - overlong_buffer.")
+    # --- run health: status view, timeouts, weight integrity (issue 16) ----------------
+    stall_warn: float = knob(120.0, "A participant (worker, rank) silent at the ref server for longer than this "
+                                    "many seconds is listed as stalled in GET /status; rank 0 logs it.")
+    stall_timeout: float = knob(1800.0, "A rank that made no optimizer step for this many seconds stops with a "
+                                        "non-zero exit and a diagnosis (what it waited for, who is stalled). "
+                                        "0 = never.")
+    dist_timeout: float = knob(600.0, "Timeout in seconds of the distributed process group (torch's default is "
+                                      "30 min): a rank whose peer died leaves a collective after this, naming it.")
+    heartbeat_s: float = knob(10.0, "Ranks and workers send a heartbeat to the ref server this often (seconds) "
+                                    "while they have nothing else to say.")
+    weight_fetch_retries: int = knob(5, "genonly: a weight download that breaks or fails its checksum is retried "
+                                        "this many times (the worker keeps its current weights meanwhile).")
 
     def validate(self) -> GRPOConfig:
         checks = [
@@ -230,6 +242,13 @@ class GRPOConfig:
             (0 <= self.gspo_eps_low < 1 and self.gspo_eps_high >= 0, "gspo_eps_low in [0,1) and gspo_eps_high >= 0"),
             (0 <= self.overlong_buffer <= self.max_new_tokens, "overlong_buffer must be in [0, max_new_tokens]"),
             (self.overlong_penalty >= 0, "overlong_penalty must be >= 0"),
+        ]
+        checks += [  # --- run health (issue 16) ---
+            (self.stall_warn > 0, "stall_warn must be > 0 seconds"),
+            (self.stall_timeout >= 0, "stall_timeout must be >= 0 seconds (0 = never)"),
+            (self.dist_timeout > 0, "dist_timeout must be > 0 seconds"),
+            (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
+            (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -7,6 +7,11 @@ Two transports with one interface:
 Weights travel as safetensors (named parameters, tied weights once), never pickled. A worker
 copies the fetched tensors into its live parameters in place and drops the blob, so it holds
 two full copies only during the swap.
+
+Integrity: every blob carries the CRC-32 of its data section in the safetensors header
+(`__metadata__["crc32"]`); a worker verifies it before loading anything, retries a download that
+broke, stalled or fails the check (keeping its current weights meanwhile), and only ever moves to
+a newer version.
 """
 from __future__ import annotations
 
@@ -14,11 +19,10 @@ import json
 import logging
 import os
 import time
+import zlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,10 @@ class ParametersBody:
             header[name] = {"dtype": _DTYPES[out], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
             self.items.append((t, out))
             offset += nbytes
+        crc = 0
+        for piece in self._pieces():  # one pass before sending (~1 GB/s): the header carries the checksum
+            crc = zlib.crc32(piece, crc)
+        header["__metadata__"] = {"format": "pt", **header.get("__metadata__", {}), "crc32": f"{crc:08x}"}
         h = json.dumps(header, separators=(",", ":")).encode()
         h += b" " * (-len(h) % 8)
         self.head = len(h).to_bytes(8, "little") + h
@@ -58,11 +66,14 @@ class ParametersBody:
     def __len__(self) -> int:
         return self.size
 
-    def __iter__(self):  # a fresh pass each time: a retried request sends it all again
-        yield self.head
+    def _pieces(self):
         for t, out in self.items:
             t = t.contiguous().cpu().to(out)  # CPU parameters already in `out`: no copy at all
             yield memoryview(t.reshape(-1).view(torch.uint8).numpy())  # any dtype (bf16 too) as bytes; keeps t
+
+    def __iter__(self):  # a fresh pass each time: a retried request sends it all again
+        yield self.head
+        yield from self._pieces()
 
     def write_to(self, f) -> None:
         for piece in self:
@@ -74,12 +85,38 @@ def parameters_blob(model: torch.nn.Module) -> bytes:
     return b"".join(ParametersBody(model))
 
 
-def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
-    """Zero-copy tensor views into a safetensors blob (checked: dtypes, shapes and offsets in range)."""
+class IntegrityError(ValueError):
+    """A weights blob that is truncated, corrupted or carries no checksum: never loaded."""
+
+
+def verify_blob(buf: bytes | bytearray) -> dict:
+    """Check a blob's framing and its CRC-32 (from the header) against its data; returns the header."""
+    if len(buf) < 8:
+        raise IntegrityError(f"weights blob of {len(buf)} bytes is too short")
     n = int.from_bytes(bytes(buf[:8]), "little")
-    if len(buf) < 8 or n > len(buf) - 8:
-        raise ValueError("weights blob: bad header length")
-    header = json.loads(bytes(buf[8:8 + n]))
+    if n > len(buf) - 8:
+        raise IntegrityError("weights blob: header length beyond the end (truncated?)")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise IntegrityError(f"weights blob: header is not JSON ({e})") from None
+    want = (header.get("__metadata__") or {}).get("crc32") if isinstance(header, dict) else None
+    if not want:
+        raise IntegrityError("weights blob carries no crc32 checksum in its header")
+    data_len = len(buf) - 8 - n
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if end != data_len:
+        raise IntegrityError(f"weights blob: data section has {data_len} bytes, the header describes {end}")
+    got = f"{zlib.crc32(memoryview(buf)[8 + n:]):08x}"
+    if got != want:
+        raise IntegrityError(f"weights blob: crc32 {got} does not match the header's {want} (corrupted)")
+    return header
+
+
+def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """Zero-copy tensor views into a safetensors blob (checked: checksum, dtypes, shapes and offsets in range)."""
+    header = verify_blob(buf)
+    n = int.from_bytes(bytes(buf[:8]), "little")
     base, data_len, out = 8 + n, len(buf) - 8 - n, {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -175,29 +212,54 @@ class WeightSync:
         except FileNotFoundError:
             return None
 
-    def follow(self, model: torch.nn.Module | None = None, apply=None) -> int | None:
+    def _fetch(self) -> tuple[int, dict[str, torch.Tensor], dict[str, str]] | None:
+        """(version, verified tensors, metadata) of the newest weights; None if the shared file was superseded."""
+        if self.client is not None:
+            version, blob = self.client.fetch_weights()
+            # views into blob: freed together after the copy
+            return version, tensors_from_blob(blob), blob_metadata(blob)
+        meta = json.loads((self.dir / "latest.json").read_text())
+        try:
+            blob = bytearray((self.dir / meta["file"]).read_bytes())
+        except FileNotFoundError:  # superseded while we read the pointer: catch the next one
+            return None
+        return int(meta["version"]), tensors_from_blob(blob), blob_metadata(blob)
+
+    def follow(self, model: torch.nn.Module | None = None, apply=None, retries: int = 5, backoff: float = 0.5
+               ) -> int | None:
         """Fetch and apply the newest weights if they are newer than ours; returns the new version or None.
 
         `apply(tensors, metadata)` loads them somewhere else than an HF model's parameters (a generation
-        engine); metadata says whether they are full weights or a LoRA adapter (trainer/lora.py)."""
+        engine); metadata says whether they are full weights or a LoRA adapter (trainer/lora.py).
+        A download that breaks, stalls or fails its checksum is logged and retried up to `retries`
+        times; the model keeps its current weights meanwhile (and after the last failure)."""
+        from common.client import RefServerError
+
         latest = self.latest_version()
         if latest is None or (self.version is not None and latest <= self.version):
             return None
         t0 = time.time()
-        if self.client is not None:
-            version, blob = self.client.fetch_weights()
-            tensors = tensors_from_blob(blob)  # views into blob: freed together after the copy
-            metadata = blob_metadata(blob)
-        else:
-            meta = json.loads((self.dir / "latest.json").read_text())
-            version = int(meta["version"])
+        for attempt in range(retries + 1):
             try:
-                path = self.dir / meta["file"]
-                with safe_open(path, framework="pt") as f:
-                    metadata = f.metadata() or {}
-                tensors = load_file(path)
-            except FileNotFoundError:  # superseded while we read the pointer: catch the next one
-                return None
+                got = self._fetch()
+                break
+            except (RefServerError, IntegrityError) as e:
+                if isinstance(e, RefServerError) and e.status not in (0, 503):
+                    raise
+                keep = "no weights yet" if self.version is None else f"v{self.version}"
+                if attempt == retries:
+                    log.error("weights download failed %d times (%s); keeping %s, trying again later",
+                              retries + 1, e, keep)
+                    return None
+                log.warning("weights download failed (%s); keeping %s, retry %d of %d", e, keep, attempt + 1,
+                            retries)
+                time.sleep(min(backoff * 2 ** attempt, 10.0))
+        if got is None:
+            return None
+        version, tensors, metadata = got
+        if self.version is not None and version <= self.version:  # versions only move forward
+            log.warning("ignoring policy weights v%d: not newer than the v%d we hold", version, self.version)
+            return None
         moved = sum(t.numel() * t.element_size() for t in tensors.values())
         if apply is not None:
             apply(tensors, metadata)

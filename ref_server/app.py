@@ -4,6 +4,8 @@
     GET  /get      oldest scored message (FIFO, each handed out once); 204 when none; ?wait=S long-polls
     GET  /health   status, model, vocab size, max_seq_len, dtype, device, queue depths, uptime
     GET  /stats    JSON counters;   GET /metrics   Prometheus text
+    GET  /status   heartbeat table, queues, weight version (ref_server/status.py);  GET /  the same as HTML
+    POST /heartbeat  a participant says it is alive (JSON body: state and cumulative counters)
 
 Every error is JSON {"error": "..."}; client input never causes a 5xx.
 """
@@ -19,6 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from urllib.parse import parse_qs
 
 import bottle
 import torch
@@ -28,6 +31,7 @@ from common.modeling import load_model
 from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.config import ServerConfig, check_bind, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
+from ref_server.status import HeartbeatTable, identity_from_environ, render_html
 from ref_server.weights import WeightError, WeightStore
 
 log = logging.getLogger("ref_server")
@@ -45,7 +49,23 @@ class ServerState:
     max_seq_len: int
     long_polls: threading.BoundedSemaphore  # keeps waitress threads free for uploads
     weights: WeightStore = field(default_factory=WeightStore)  # the policy weights relayed to workers
+    heartbeats: HeartbeatTable = field(default_factory=HeartbeatTable)  # who called in when (GET /status)
     stopping: bool = False
+
+    def status(self, stall_warn: float) -> dict:
+        """GET /status: participants, the stalled ones, queue depths and ages, the published weights."""
+        participants, stalled = self.heartbeats.snapshot(stall_warn)
+        depths, ages = self.scorer.depths(), self.scorer.ages()
+        w = self.weights.info()
+        return {
+            "time": time.time(), "uptime_s": round(time.time() - self.metrics.started, 1), "stall_warn": stall_warn,
+            "stopping": self.stopping, "participants": participants, "stalled": stalled,
+            "queues": {"input": {"depth": depths["input"], "oldest_age_s": ages["input"]},
+                       "output": {"depth": depths["output"], "oldest_age_s": ages["output"]},
+                       "scoring": depths["scoring"]},
+            "weights": {"version": w["version"], "bytes": w["bytes"],
+                        "age_s": None if w["published_at"] is None else round(time.time() - w["published_at"], 1)},
+        }
 
     def health(self) -> dict:
         p = next(self.model.parameters())
@@ -81,6 +101,13 @@ def _authorized(token: str | None, environ: dict) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), token.encode())
 
 
+def _query_token_ok(token: str | None, environ: dict) -> bool:
+    """?token= on the status views only: a browser cannot send a bearer header."""
+    given = (parse_qs(environ.get("QUERY_STRING", "")).get("token") or [""])[0]
+    return token is not None and bool(given) and hmac.compare_digest(given.encode("latin-1", "replace"),
+                                                                     token.encode())
+
+
 def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
              token: str | None = None) -> tuple[bottle.Bottle, ServerState]:
     """Build the WSGI app and its state, loading the model unless one is given; starts the scorer thread.
@@ -108,8 +135,9 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
         metrics.on_reject(reason)
         return _error(status, message, **headers)
 
-    def require_token() -> None:
-        if not _authorized(state.token, bottle.request.environ):
+    def require_token(query_ok: bool = False) -> None:
+        env = bottle.request.environ
+        if not (_authorized(state.token, env) or (query_ok and _query_token_ok(state.token, env))):
             raise reject("unauthorized", 401, "missing or wrong bearer token", **{"WWW-Authenticate": "Bearer"})
 
     @app.post("/upload")
@@ -154,6 +182,7 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
         except Stopping:
             raise reject("stopping", 503, "server is shutting down", **retry) from None
         metrics.on_accept()
+        state.heartbeats.on_upload(identity_from_environ(env))
         return _json({"id": rb.batch_id, "queued": depth}, status=202)
 
     @app.get("/get")
@@ -174,6 +203,7 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
                 body = scorer.take(wait)
             finally:
                 state.long_polls.release()
+        state.heartbeats.on_get(identity_from_environ(bottle.request.environ), taken=body is not None)
         if body is None:
             return bottle.HTTPResponse(status=204)
         return bottle.HTTPResponse(body, status=200, headers={"Content-Type": CONTENT_TYPE})
@@ -233,6 +263,44 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
     def stats():
         require_token()
         return _json({**metrics.snapshot(), "queues": scorer.depths(), "stopping": state.stopping})
+
+    def stall_warn_param() -> float:
+        raw = bottle.request.query.get("stall_warn", "")
+        if not raw:
+            return cfg.stall_warn
+        try:
+            value = float(raw)
+        except ValueError:
+            raise _error(400, f"stall_warn must be a number of seconds, got {raw!r}") from None
+        if not math.isfinite(value) or value < 0:
+            raise _error(400, f"stall_warn must be a finite number >= 0, got {raw!r}")
+        return value
+
+    @app.get("/status")
+    def status():
+        require_token(query_ok=True)
+        return _json(state.status(stall_warn_param()))
+
+    @app.get("/")
+    def status_page():
+        require_token(query_ok=True)
+        return bottle.HTTPResponse(render_html(state.status(stall_warn_param())),
+                                   headers={"Content-Type": "text/html; charset=utf-8"})
+
+    @app.post("/heartbeat")
+    def heartbeat():
+        require_token()
+        ident = identity_from_environ(bottle.request.environ)
+        if ident is None:
+            raise _error(400, "heartbeat needs an X-GRPO-Id header")
+        try:
+            body = json.loads(bottle.request.body.read(1 << 16) or b"{}")
+        except (ValueError, RecursionError):
+            raise _error(400, "heartbeat body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise _error(400, "heartbeat body must be a JSON object")
+        state.heartbeats.on_heartbeat(ident, body)
+        return _json({"ok": True})
 
     @app.get("/metrics")
     def prom():

@@ -53,6 +53,10 @@ class ServerConfig:
                                           "launch.sh checks it so that it never trains against a stranger's "
                                           "server that holds the same port.")
 
+    # --- run status (GET /status) ----------------------------------------------------
+    stall_warn: float = knob(120.0, "GET /status lists a participant as stalled after this many silent seconds "
+                                    "(a client may pass ?stall_warn=S).")
+
     def validate(self) -> ServerConfig:
         checks = [
             (bool(self.model), "--model is required"),
@@ -63,6 +67,7 @@ class ServerConfig:
             (self.score_token_budget >= 1 and self.chunk_tokens >= 1, "score_token_budget and chunk_tokens >= 1"),
             (min(self.max_get_wait, self.retry_after, self.drain_timeout) >= 0,
              "max_get_wait, retry_after and drain_timeout must be >= 0"),
+            (self.stall_warn > 0, "stall_warn must be > 0"),
         ]
         for ok, msg in checks:
             if not ok:

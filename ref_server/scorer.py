@@ -117,6 +117,7 @@ class ServerMetrics:
 class _Scored:
     batch_id: str
     body: bytes
+    queued_at: float = 0.0  # when it entered the output queue (GET /status shows the oldest's age)
 
 
 def _padded_tokens(group: list[RolloutBatch]) -> int:
@@ -153,6 +154,15 @@ class Scorer:
         with self.work:
             return {"input": len(self.inq), "output": len(self.outq), "scoring": self.busy}
 
+    def ages(self) -> dict:
+        """Seconds the oldest item of each queue has waited (None when empty)."""
+        now = time.time()
+        with self.work:
+            first_in = self.inq[0] if self.inq else None
+            first_out = self.outq[0] if self.outq else None
+        return {"input": None if first_in is None else round(now - getattr(first_in, "queued_at", now), 1),
+                "output": None if first_out is None else round(now - first_out.queued_at, 1)}
+
     def full(self) -> bool:
         with self.work:
             return len(self.inq) >= self.max_queue
@@ -168,6 +178,7 @@ class Scorer:
                     log.warning("input queue full (%d batches): answering 503 until consumers catch up",
                                 self.max_queue)
                 raise QueueFull()
+            rb.queued_at = time.time()  # type: ignore[attr-defined]  # for the queue age in GET /status
             self.inq.append(rb)
             self.work.notify()
             return len(self.inq)
@@ -255,6 +266,6 @@ class Scorer:
         for b in group:
             ref = logps[row:row + b.num_rows, :b.max_completion_len].contiguous()
             row += b.num_rows
-            out.append(_Scored(b.batch_id, encode_scored(ScoredBatch.from_rollout(b, ref))))
+            out.append(_Scored(b.batch_id, encode_scored(ScoredBatch.from_rollout(b, ref)), time.time()))
         self.metrics.on_scored(len(group), int(cl.sum()), int((pl + cl).sum()), time.perf_counter() - t0)
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 log = logging.getLogger("ref_server")
 
@@ -64,6 +65,7 @@ class WeightStore:
         self._blob: bytearray | None = None
         self._readers: dict[int, int] = {}  # id(blob) -> open BlobReaders (each holds its blob alive)
         self._spare: bytearray | None = None
+        self._published_at: float | None = None
 
     def buffer(self, size: int) -> bytearray:
         """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
@@ -80,6 +82,7 @@ class WeightStore:
             if self._version is not None and version <= self._version:
                 raise WeightError(f"version {version} is not newer than the current {self._version}")
             old, self._version, self._blob = self._blob, version, blob
+            self._published_at = time.time()
             self._retire(old)
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
 
@@ -89,7 +92,8 @@ class WeightStore:
 
     def info(self) -> dict:
         with self._lock:
-            return {"version": self._version, "bytes": len(self._blob) if self._blob is not None else 0}
+            return {"version": self._version, "bytes": len(self._blob) if self._blob is not None else 0,
+                    "published_at": self._published_at}
 
     def open_latest(self) -> tuple[int | None, BlobReader | None]:
         """(version, reader) of the newest weights; (None, None) before the first publish."""

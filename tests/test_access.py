@@ -76,6 +76,9 @@ ENDPOINTS = [  # (method, path, body): every route the server has
     ("GET", "/weights", None),
     ("GET", "/weights/version", None),
     ("PUT", "/weights?version=1", b"not safetensors"),
+    ("GET", "/status", None),
+    ("GET", "/", None),
+    ("POST", "/heartbeat", b"{}"),
 ]
 
 

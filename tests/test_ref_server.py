@@ -222,8 +222,9 @@ def test_http_level_errors(server):
         r = requests.post(url + "/upload", data=body, headers=headers, timeout=10)
         assert r.status_code == 401 and "token" in r.json()["error"], headers
     assert requests.get(url + "/get", timeout=10).status_code == 401
-    for method, path, status in [("GET", "/nope", 404), ("POST", "/", 404), ("GET", "/upload", 405),
-                                 ("POST", "/get", 405), ("DELETE", "/health", 405), ("PUT", "/upload", 405)]:
+    for method, path, status in [("GET", "/nope", 404), ("POST", "/", 405), ("POST", "/nope", 404),
+                                 ("GET", "/upload", 405), ("POST", "/get", 405), ("DELETE", "/health", 405),
+                                 ("PUT", "/upload", 405)]:
         r = requests.request(method, url + path, headers=AUTH, timeout=10)
         assert r.status_code == status and "error" in r.json(), (method, path)
         assert "Traceback" not in r.text and "<html" not in r.text.lower()

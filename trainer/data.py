@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ class Example:
     ground_truth: str
     meta: dict = field(default_factory=dict)  # the row's other columns (GSM8K: "solution" = the worked answer)
     columns: dict = field(default_factory=dict, compare=False)  # all columns but the prompt: TRL reward keywords
+    index: int | None = None  # position in the loaded list, set by PromptSampler (batches log what they trained)
 
 
 # ----------------------------------------------------------------------------- rows -> examples
@@ -251,7 +252,26 @@ class PromptSampler:
             self.epoch += 1
             self._order, self._pos = self.epoch_indices(self.epoch), 0
         self._pos += 1
-        return self.examples[self._order[self._pos - 1]]
+        i = self._order[self._pos - 1]
+        return replace(self.examples[i], index=i)
+
+    # Exact resume: the position (epoch, offset) is the whole state; the epoch's order is recomputed
+    # from the seed. The identity fields make a resume with other data or sharding fail loudly.
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "shard": self.shard, "num_shards": self.num_shards,
+                "num_examples": len(self.examples), "epoch": self.epoch, "pos": self._pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "shard", "num_shards", "num_examples"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"PromptSampler state does not fit: {key} is {state.get(key)!r} in the saved state, "
+                                 f"{mine[key]!r} here (same data, seed and number of ranks/workers needed to resume)")
+        epoch, pos = int(state["epoch"]), int(state["pos"])
+        self.epoch, self._pos = epoch, pos
+        self._order = self.epoch_indices(epoch) if epoch >= 0 else []
+        if pos > len(self._order):
+            raise ValueError(f"PromptSampler state: position {pos} beyond epoch {epoch}'s {len(self._order)} items")
 
     def next_batch(self, n: int) -> list[Example]:
         if n < 0:

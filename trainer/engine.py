@@ -2,6 +2,7 @@
 and the engine wrapping the model (resumed from output_dir/ds when asked)."""
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -53,7 +54,9 @@ def init_deepspeed(cfg: GRPOConfig):
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 40 s gcc build of the shm op
-    deepspeed.init_distributed(dist_backend=None if on_gpu else "gloo")
+    # dist_timeout: a rank whose peer died leaves a collective after this, not torch's 30 min
+    deepspeed.init_distributed(dist_backend=None if on_gpu else "gloo",
+                               timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_gpu:

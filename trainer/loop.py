@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -19,11 +20,13 @@ from common.logprobs import sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, pick_dtype, resolve_model_path
 from common.protocol import ScoredBatch
 from common.weight_sync import WeightSync
+from trainer import resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
+from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
 from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora, trainable_summary
 from trainer.reward_scoring import RewardScorer, component_means
 from trainer.rollout import RolloutStats
@@ -150,6 +153,26 @@ def memory_row(rank: int, world: int) -> dict:
 
 # --------------------------------------------------------------------------- train
 def train(cfg: GRPOConfig) -> None:
+    """Run the rank; a failed collective ends it with one line naming the peer (exit 4)."""
+    started: list[Watchdog] = []  # the rank's watchdog, once it runs
+    try:
+        _train(cfg, started)
+    except Exception as e:
+        if not (started and _is_dist_error(e)):
+            raise
+        line = started[0].peer_diagnosis(e)
+        log.error("%s", line)
+        write_diagnosis(cfg.output_dir, line)
+        raise SystemExit(EXIT_PEER_GONE) from e
+
+
+def _is_dist_error(e: BaseException) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(
+        k in str(e) for k in ("Gloo", "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")))
+
+
+def _train(cfg: GRPOConfig, started: list) -> None:
     from tqdm import tqdm
 
     from trainer.metrics import MetricsLogger
@@ -172,15 +195,27 @@ def train(cfg: GRPOConfig) -> None:
     setup_row = model_summary(policy, rank)
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
-    client = make_client(cfg)
+    peers: list = [None] * world  # (host, pid) of every rank: the watchdog names a peer that dies
+    torch.distributed.all_gather_object(peers, (os.uname().nodename, os.getpid()))
+    client = make_client(cfg, f"trainer-rank{rank}", "rank")
     client.wait_ready(timeout=300)
     columns = ColumnSpec.from_config(cfg)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit, columns=columns)
     eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit, columns=columns) \
         if (cfg.eval_steps or cfg.eval_before) else []
     scorer = RewardScorer.from_config(cfg)
-    sampler = PromptSampler(examples, seed=cfg.seed + 7919 * start_step, shard=rank, num_shards=world)
-    source = BatchSource(cfg, client, policy, tok, sampler, scorer, eos_ids(tok, policy, cfg.prompt_format != "r1zero"),
+    sampler = PromptSampler(examples, seed=cfg.seed, shard=rank, num_shards=world)
+    if start_step > 0:  # --resume: continue the data order exactly where the checkpoint left it
+        state = resume.load_rank_state(out / "ds", rank, world)
+        if state is None:
+            log.warning("the checkpoint holds no data state (saved by an older version): prompts restart from a "
+                        "seed offset, so some may repeat or be skipped")
+            sampler = PromptSampler(examples, seed=cfg.seed + 7919 * start_step, shard=rank, num_shards=world)
+        else:
+            resume.restore(sampler, state)
+            log.info("data order resumed: epoch %d, position %d", sampler.epoch, state["sampler"]["pos"])
+    stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")
+    source = BatchSource(cfg, client, policy, tok, sampler, scorer, stop_ids,
                          vocab, producer_id=f"trainer-rank{rank}")
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
                             run_config=to_dict(cfg)) if rank == 0 else None
@@ -228,10 +263,17 @@ def train(cfg: GRPOConfig) -> None:
             log.info("eval at step %d: accuracy %.3f format %.3f", step, res["eval_accuracy"], res["eval_format"])
         return res
 
+    watchdog = Watchdog(cfg, client, rank, peers).start()
+    started.append(watchdog)
+    source.watchdog = watchdog  # says what the rank waits for
+    totals = {"skipped_groups": 0, "dropped_stale": 0}  # cumulative, for the server's status table
+    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: watchdog.activity, lambda: dict(totals)).start()
     if cfg.eval_before and start_step == 0 and eval_examples:
+        watchdog.activity = "evaluating (eval_before)"
         res = maybe_eval(0)
         if metrics:
             metrics.log(0, {**res, "phase": "eval_before"})
+        watchdog.stepped()
 
     keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
             "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness",
@@ -245,7 +287,11 @@ def train(cfg: GRPOConfig) -> None:
         t0 = time.time()
         batch, info = source.next(policy_version=step - 1)
         t1 = time.time()
+        watchdog.activity = f"training step {step}"
         stats = train_step(engine, batch, cfg)
+        watchdog.stepped()
+        watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
+        client.set_version(step)
         own: RolloutStats = info["own_gen"]
         row = {**batch_metrics(batch), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
                "skipped_groups": own.skipped_no_spread, "skipped_long_prompts": own.skipped_long_prompt,
@@ -258,25 +304,42 @@ def train(cfg: GRPOConfig) -> None:
         row.update(memory_row(rank, world))
         if step == start_step + 1:
             row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
+        mine = [int(i) for i in batch.extra.get("example_index", [])]  # what this rank trained on
+        trained: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(trained, mine)
+        totals["skipped_groups"] += own.skipped_no_spread
+        totals["dropped_stale"] += info["dropped_stale"]
         if syncer is not None and step % cfg.sync_steps == 0:
+            watchdog.activity = f"publishing the weights of step {step}"
             row.update(publish(step))
+        watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         once = list(setup_row) if step == start_step + 1 else []
         row = reduce_metrics(row, keys, sum_keys + mem_keys(world) + once,
                              ["staleness_max", "peak_mem_mb", "logp_mismatch_max"])
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
+            watchdog.activity = f"evaluating at step {step}"
             row.update(maybe_eval(step))
         if rank == 0 and step % cfg.log_every == 0:
             row["lr"] = engine.get_lr()[0]
+            row["example_indices"] = trained  # per rank: the examples trained this step (exact-resume check)
             metrics.log(step, row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}")
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
+            watchdog.activity = f"saving the checkpoint of step {step}"
+            states: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(states, resume.capture(source.sampler))
+            if rank == 0:  # before DeepSpeed moves `latest` to this tag
+                resume.save_rank_states(out / "ds", f"step{step}", states)
             save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
+    watchdog.activity = "saving the final checkpoint"
     save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype, final=True)
     scorer.close()
     bar.close()
     if metrics:
         metrics.close()
+    watchdog.stop()  # before the final barrier: a peer may exit as soon as it is passed
+    heartbeat.stop("done")
     log.info("training done: %d steps", cfg.all_steps)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

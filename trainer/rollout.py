@@ -103,8 +103,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     all_shaped = [r + p for r, p in zip(all_rewards, penalties)]
     advantages = round_advantages(all_shaped, cfg.advantage_mode)
     batches = []
-    for group, sc, rewards, penalty, shaped, adv in zip(groups, scores, all_rewards, penalties, all_shaped,
-                                                        advantages):
+    for (ex, _), group, sc, rewards, penalty, shaped, adv in zip(kept, groups, scores, all_rewards, penalties,
+                                                                  all_shaped, advantages):
         rows = [(s.prompt_ids, s.completion_ids) for s in group]
         truncated = [s.truncated for s in group]
         stats.groups += 1
@@ -122,6 +122,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts]}
         if cfg.overlong_buffer > 0:
             extra["overlong_penalty"] = penalty.tolist()
+        if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
+            extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
                              rewards=rewards, policy_version=policy_version, producer_id=producer_id,
                              batch_id=uuid.uuid4().hex, extra=extra)

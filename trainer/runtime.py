@@ -13,6 +13,10 @@ def setup_logging(tag: str) -> None:
                         datefmt="%H:%M:%S", force=True)
 
 
-def make_client(cfg: GRPOConfig) -> RefClient:
+def make_client(cfg: GRPOConfig, participant_id: str | None = None, role: str = "") -> RefClient:
+    """The ref-server client; `participant_id` names this process in the server's heartbeat table."""
     token = cfg.ref_token or os.environ.get("GRPO_REF_TOKEN")
-    return RefClient([u for u in cfg.ref_server.split(",") if u], token=token, timeout=cfg.ref_timeout)
+    client = RefClient([u for u in cfg.ref_server.split(",") if u], token=token, timeout=cfg.ref_timeout)
+    if participant_id:
+        client.set_identity(participant_id, role)
+    return client

@@ -2,6 +2,7 @@
 server, and follow the policy weights rank 0 publishes (between rounds)."""
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -12,8 +13,10 @@ from common.client import RefServerError
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer, resolve_model_path
 from common.weight_sync import WeightSync
+from trainer import resume
 from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engines import EngineDied, make_engine
+from trainer.health import Heartbeat
 from trainer.lora import ADAPTER_FORMAT, LoraMerger, checkpoint_weights
 from trainer.reward_scoring import RewardScorer
 from trainer.rollout import generate_batches
@@ -37,11 +40,15 @@ def genonly(cfg: GRPOConfig) -> None:
     torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
     model_path = resolve_model_path(cfg.model)
     tok = load_tokenizer(model_path)
-    client = make_client(cfg)
+    client = make_client(cfg, f"worker{cfg.worker_id}", "worker")
     client.wait_ready(timeout=300)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit,
                              columns=ColumnSpec.from_config(cfg))
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
+    state_path = resume.worker_state_path(cfg.output_dir, cfg.worker_id)
+    if cfg.resume and state_path.is_file():  # continue this worker's data order where it stopped
+        resume.restore(sampler, json.loads(state_path.read_text()))
+        log.info("data order resumed from %s: epoch %d", state_path, sampler.epoch)
     scorer = RewardScorer.from_config(cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
@@ -53,18 +60,26 @@ def genonly(cfg: GRPOConfig) -> None:
             engine.load_weights(merger.merged(tensors, metadata, lambda names: checkpoint_weights(model_path, names)))
         else:
             engine.load_weights(tensors.items())
-    rounds = uploaded = timeouts = 0
+
+    rounds = uploaded = skipped = timeouts = 0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
+    doing = {"now": "starting"}
+    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
+                          lambda: {"rounds": rounds, "skipped_groups": skipped}).start()
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
         try:
             q = client.health(retry=True).get("queues", {})  # an outage: backoff, logged once by the client
             if q.get("input", 0) + q.get("output", 0) >= cfg.worker_max_queued:
+                doing["now"] = "paused: the server holds enough batches"
                 time.sleep(0.2)  # the trainer has enough to chew on; generate later, with newer weights
                 continue
             if syncer is not None:  # between rounds: swap in newer policy weights, if any
-                syncer.follow(apply=load_policy)
+                doing["now"] = "checking for new policy weights"
+                syncer.follow(apply=load_policy, retries=cfg.weight_fetch_retries)
             version = syncer.version if syncer is not None and syncer.version is not None else 0
+            client.set_version(version)
+            doing["now"] = f"generating round {rounds + 1}"
             batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}")
             for rb in batches:
@@ -80,12 +95,15 @@ def genonly(cfg: GRPOConfig) -> None:
             time.sleep(1.0)
             continue
         rounds += 1
+        skipped += st.skipped_no_spread
         stall.add(st, len(batches))
         stall.maybe_log()
         timeouts += st.reward_timeouts
+        resume.write_json(state_path, resume.capture(sampler))
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
     scorer.close()
+    heartbeat.stop("done")
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts", rounds, uploaded,
              time.time() - t_start, timeouts)

@@ -1,0 +1,164 @@
+"""The ref server's heartbeat table and the status view built on it (GET /status JSON, GET / HTML).
+
+Every producer (genonly worker, trainer rank generating its own rollouts) and consumer (trainer rank)
+names itself in request headers (common/client.py sends them):
+
+    X-GRPO-Id: worker0        X-GRPO-Role: worker | rank        X-GRPO-Host: node-a
+    X-GRPO-Version: 12        (the policy version it is on)
+
+/upload, /get and POST /heartbeat update its row; a participant silent for longer than `stall_warn`
+seconds is listed in `stalled`. Participants that said they are done (heartbeat state "done") are
+never stalled.
+"""
+from __future__ import annotations
+
+import html
+import threading
+import time
+
+MAX_PARTICIPANTS = 1000  # the table is bounded: identities come from clients
+_COUNTS = ("skipped_groups", "dropped_stale", "rounds")  # cumulative totals a client reports in its heartbeat
+
+
+def _clean(value: object, limit: int = 80) -> str:
+    """A client-supplied header value made safe to store and show: printable ASCII, bounded."""
+    return "".join(c for c in str(value) if 32 <= ord(c) < 127)[:limit]
+
+
+def identity_from_environ(environ: dict) -> dict | None:
+    """The participant's identity from the WSGI environ, or None when the request carries none."""
+    pid = _clean(environ.get("HTTP_X_GRPO_ID", ""))
+    if not pid:
+        return None
+    version = _clean(environ.get("HTTP_X_GRPO_VERSION", ""), 20)
+    return {"id": pid, "role": _clean(environ.get("HTTP_X_GRPO_ROLE", "")) or "unknown",
+            "host": _clean(environ.get("HTTP_X_GRPO_HOST", "")),
+            "version": int(version) if version.isdigit() else None}
+
+
+class HeartbeatTable:
+    """Thread-safe table: participant id -> its last activity and counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, dict] = {}
+
+    def _row(self, ident: dict, now: float) -> dict | None:  # under the lock
+        row = self._rows.get(ident["id"])
+        if row is None:
+            if len(self._rows) >= MAX_PARTICIPANTS:
+                return None
+            row = self._rows[ident["id"]] = {
+                "id": ident["id"], "first_seen": now, "last_upload": None, "last_get": None,
+                "last_heartbeat": None, "uploaded": 0, "taken": 0, "state": "", "version": None,
+                **{k: 0 for k in _COUNTS}}
+        row["role"], row["host"], row["last_seen"] = ident["role"], ident["host"], now
+        if ident.get("version") is not None:
+            row["version"] = ident["version"]
+        return row
+
+    def on_upload(self, ident: dict | None) -> None:
+        if ident is None:
+            return
+        with self._lock:
+            now = time.time()
+            row = self._row(ident, now)
+            if row is not None:
+                row["last_upload"] = now
+                row["uploaded"] += 1
+
+    def on_get(self, ident: dict | None, taken: bool) -> None:
+        if ident is None:
+            return
+        with self._lock:
+            now = time.time()
+            row = self._row(ident, now)
+            if row is not None:
+                row["last_get"] = now
+                row["taken"] += int(taken)
+
+    def on_heartbeat(self, ident: dict, body: dict) -> None:
+        """A heartbeat: the participant is alive; `body` may carry state and cumulative counters."""
+        with self._lock:
+            now = time.time()
+            row = self._row(ident, now)
+            if row is None:
+                return
+            row["last_heartbeat"] = now
+            if "state" in body:
+                row["state"] = _clean(body["state"], 120)
+            for k in _COUNTS:
+                v = body.get(k)
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                    row[k] = v
+
+    def snapshot(self, stall_warn: float) -> tuple[list[dict], list[dict]]:
+        """(participants sorted by id with `silent_s`, the stalled ones: silent > stall_warn and not done)."""
+        now = time.time()
+        with self._lock:
+            rows = [dict(r) for r in self._rows.values()]
+        for r in rows:
+            r["silent_s"] = round(now - r["last_seen"], 1)
+            for k in ("first_seen", "last_seen", "last_upload", "last_get", "last_heartbeat"):
+                r[k + "_ago_s"] = None if r[k] is None else round(now - r[k], 1)
+                del r[k]
+        rows.sort(key=lambda r: (r["role"], r["id"]))
+        stalled = [{"id": r["id"], "role": r["role"], "host": r["host"], "silent_s": r["silent_s"]}
+                   for r in rows if r["silent_s"] > stall_warn and r["state"] != "done"]
+        return rows, stalled
+
+
+# ----------------------------------------------------------------------------------- views
+def _ago(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} s"
+
+
+def format_table(status: dict) -> str:
+    """The status as plain text (the terminal view of `./launch.sh status`, and the HTML page's table)."""
+    lines = []
+    w = status.get("weights", {})
+    lines.append(f"ref server up {status.get('uptime_s', 0):.0f} s, policy version {w.get('version')} "
+                 f"(published {_ago(w.get('age_s'))} ago), stall_warn {status.get('stall_warn')} s")
+    q = status.get("queues", {})
+    lines.append("queues: " + ", ".join(f"{name} {v['depth']} (oldest {_ago(v['oldest_age_s'])})"
+                                        for name, v in q.items() if isinstance(v, dict))
+                 + (", scoring now" if q.get("scoring") else ""))
+    cols = ("id", "role", "host", "version", "silent_s", "last_upload_ago_s", "last_get_ago_s", "uploaded", "taken",
+            "skipped_groups", "dropped_stale", "state")
+    heads = ("id", "role", "host", "ver", "silent", "last upload", "last get", "uploaded", "taken", "no spread",
+             "stale dropped", "state")
+    cells = [list(heads)]
+    stalled = {s["id"] for s in status.get("stalled", [])}
+    for r in status.get("participants", []):
+        row = []
+        for c in cols:
+            v = r.get(c)
+            row.append(_ago(v) if c.endswith("_s") else ("-" if v is None or v == "" else str(v)))
+        row[0] = ("! " if r["id"] in stalled else "  ") + row[0]
+        cells.append(row)
+    cells[0][0] = "  " + cells[0][0]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines += ["  ".join(v.ljust(widths[i]) for i, v in enumerate(row)).rstrip() for row in cells]
+    if len(cells) == 1:
+        lines.append("  (no participant has called in yet)")
+    lines.append("stalled: " + (", ".join(f"{s['id']} ({s['silent_s']:.0f} s silent)"
+                                          for s in status.get("stalled", [])) or "none"))
+    return "\n".join(lines)
+
+
+def render_html(status: dict, refresh_s: int = 5) -> str:
+    """A small self-refreshing page (meta refresh, no JavaScript): the same table as the terminal view."""
+    stalled = status.get("stalled", [])
+    banner = (f'<p class="bad">STALLED: {html.escape(", ".join(s["id"] for s in stalled))}</p>' if stalled
+              else '<p class="ok">no participant stalled</p>')
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{int(refresh_s)}">
+<title>GRPO run status</title>
+<style>body{{font-family:sans-serif;margin:1.5em}} pre{{background:#f4f4f4;padding:1em;font-size:14px}}
+.bad{{color:#b00;font-weight:bold}} .ok{{color:#070}}</style></head>
+<body><h2>GRPO run status</h2>
+{banner}
+<pre>{html.escape(format_table(status))}</pre>
+<p><small>refreshes every {int(refresh_s)} s &middot; JSON: /status</small></p>
+</body></html>
+"""

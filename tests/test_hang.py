@@ -1,0 +1,209 @@
+"""Nothing waits forever, with real processes (launch.sh: ref server, genonly worker, 2 DeepSpeed CPU ranks).
+
+- SIGSTOP the only worker: /status flags it within stall_warn (+ one heartbeat), the ranks finish on their
+  own rollouts, SIGCONT and it rejoins;
+- SIGSTOP the ref server: the run exits non-zero within stall_timeout + a margin, naming the server;
+- SIGKILL one of two ranks: the other exits within dist_timeout + a margin, naming it;
+- SIGKILL the trainer at step k and --resume: the same example indices per step as an uninterrupted run.
+Detection times are printed (pytest -s shows them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from conftest import REPO, find_free_port
+from test_e2e import TOY, leftover_processes, read_rows
+from test_e2e import env as e2e_env
+
+pytestmark = pytest.mark.slow
+
+
+def env() -> dict:
+    """test_e2e's environment, with this checkout first on the path (not the venv's editable install)."""
+    e = e2e_env()
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e["PYTHONPATH"]])
+    return e
+
+
+def start_launch(run_dir: Path, port: int, workers: int, *trainer_args: str) -> subprocess.Popen:
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", str(workers),
+           "--gpus", "2", "--port", str(port), "--", *TOY, "--Q_batch_size", "1", "--heartbeat_s", "1",
+           *trainer_args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rows_now(run_dir: Path) -> list[dict]:
+    try:
+        return read_rows(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"launch.sh exited ({proc.returncode}) while waiting for {what}:\n"
+                                 + proc.stderr.read()[-3000:])
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def find_proc(*markers: str) -> psutil.Process:
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if all(m in cmd for m in markers) and p.pid != os.getpid():
+            return p
+    raise AssertionError(f"no process with {markers}")
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError("launch.sh did not exit:\n" + err[-3000:]) from None
+    return proc.returncode, out, err
+
+
+def status(port: int, stall_warn: float) -> dict:
+    return requests.get(f"http://127.0.0.1:{port}/status", params={"stall_warn": stall_warn}, timeout=5).json()
+
+
+def test_stopped_worker_is_flagged_ranks_carry_on_and_it_rejoins(tmp_path):
+    run_dir, port, stall_warn = tmp_path / "run", find_free_port(), 4.0
+    proc = start_launch(run_dir, port, 1, "--all_steps", "40", "--save_steps", "1000", "--get_wait", "1",
+                        "--stall_warn", str(stall_warn), "--stall_timeout", "120", "--sync_steps", "1")
+    try:
+        def worker_row():
+            try:
+                rows = {r["id"]: r for r in status(port, stall_warn)["participants"]}
+            except requests.RequestException:
+                return None
+            return rows.get("worker0")
+        wait_for(lambda: (worker_row() or {}).get("uploaded", 0) >= 1 and len(rows_now(run_dir)) >= 2, 300,
+                 "the worker's first upload", proc)
+        worker = find_proc("genonly", f"127.0.0.1:{port}")
+        worker.send_signal(signal.SIGSTOP)
+        t_stop = time.monotonic()
+        steps_at_stop = len(rows_now(run_dir))
+        wait_for(lambda: "worker0" in {s["id"] for s in status(port, stall_warn)["stalled"]}, 60,
+                 "worker0 flagged as stalled", proc)
+        flagged_after = time.monotonic() - t_stop
+        # the ranks keep training on their own rollouts meanwhile
+        wait_for(lambda: len(rows_now(run_dir)) >= steps_at_stop + 3, 120, "steps without the worker", proc)
+        uploaded = worker_row()["uploaded"]
+        worker.send_signal(signal.SIGCONT)
+        t_cont = time.monotonic()
+        wait_for(lambda: "worker0" not in {s["id"] for s in status(port, stall_warn)["stalled"]}
+                 and worker_row()["uploaded"] > uploaded, 120, "worker0 back (uploading again)", proc)
+        rejoined_after = time.monotonic() - t_cont
+        rc, _, err = finish(proc, 400)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
+    print(f"\nworker SIGSTOP -> flagged in /status after {flagged_after:.1f} s (stall_warn {stall_warn} s, "
+          f"heartbeat 1 s); SIGCONT -> uploading again after {rejoined_after:.1f} s")
+    assert rc == 0, err[-3000:]
+    assert flagged_after <= stall_warn + 2.0 + 1.0  # silence threshold + one heartbeat + polling slack
+    assert [r["step"] for r in read_rows(run_dir)] == list(range(1, 41))
+    log = (run_dir / "trainer.log").read_text()
+    assert "participant worker0 is stalled" in log and "participant worker0 is back" in log
+    assert leftover_processes(f"127.0.0.1:{port}") == []
+
+
+def test_stopped_ref_server_ends_the_run_naming_it(tmp_path):
+    run_dir, port, stall_timeout = tmp_path / "run", find_free_port(), 10.0
+    proc = start_launch(run_dir, port, 0, "--all_steps", "100000", "--save_steps", "100000",
+                        "--stall_timeout", str(stall_timeout), "--ref_timeout", "3")
+    try:
+        wait_for(lambda: len(rows_now(run_dir)) >= 2, 300, "two training steps", proc)
+        server = find_proc("-m ref_server", f"--port {port}")
+        server.send_signal(signal.SIGSTOP)
+        t_stop = time.monotonic()
+        wall_stop = time.time()
+        rc, _, err = finish(proc, stall_timeout + 120)
+        exited_after = time.monotonic() - t_stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    last = err.strip().splitlines()[-1]
+    decided_after = (run_dir / "diagnosis.txt").stat().st_mtime - wall_stop
+    print(f"\nref server SIGSTOP -> a rank gave up after {decided_after:.1f} s, launch.sh exited after "
+          f"{exited_after:.1f} s (stall_timeout {stall_timeout} s): {last}")
+    assert rc != 0
+    assert exited_after <= stall_timeout + 30
+    assert "run failed" in last and f"ref server http://127.0.0.1:{port}" in last and "does not answer" in last
+    assert leftover_processes(f"127.0.0.1:{port}") == []
+
+
+def test_killed_rank_ends_its_peer_naming_it(tmp_path):
+    run_dir, port, dist_timeout = tmp_path / "run", find_free_port(), 20.0
+    proc = start_launch(run_dir, port, 0, "--all_steps", "100000", "--save_steps", "100000",
+                        "--dist_timeout", str(dist_timeout))
+    try:
+        wait_for(lambda: len(rows_now(run_dir)) >= 2, 300, "two training steps", proc)
+        rank1 = find_proc("trainer/main.py", "--local_rank=1", str(run_dir))
+        pid = rank1.pid
+        rank1.kill()
+        t_kill, wall_kill = time.monotonic(), time.time()
+        rc, _, err = finish(proc, dist_timeout + 120)
+        exited_after = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    last = err.strip().splitlines()[-1]
+    noticed_after = (run_dir / "diagnosis.txt").stat().st_mtime - wall_kill
+    print(f"\nrank 1 SIGKILL -> rank 0 named it after {noticed_after:.1f} s, launch.sh exited after "
+          f"{exited_after:.1f} s (dist_timeout {dist_timeout} s): {last}")
+    assert rc != 0
+    assert exited_after <= dist_timeout + 30
+    assert "run failed" in last and f"rank 1 (pid {pid}" in last and "is gone" in last
+    assert leftover_processes(f"127.0.0.1:{port}") == []
+
+
+def trained(run_dir: Path) -> list[list[int]]:
+    """Per step: the example indices trained by all ranks together (which rank took which batch races)."""
+    return [sorted(i for per_rank in r["example_indices"] for i in per_rank) for r in read_rows(run_dir)]
+
+
+def test_sigkill_and_resume_trains_the_same_examples(tmp_path):
+    args = ("--all_steps", "6", "--save_steps", "2", "--seed", "5", "--lr", "1e-3")
+    ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    rc, _, err = finish(start_launch(ref_dir, find_free_port(), 0, *args), 400)
+    assert rc == 0, err[-3000:]
+    expected = trained(ref_dir)
+    assert len(expected) == 6 and all(expected)
+    proc = start_launch(run_dir, find_free_port(), 0, *args)
+    wait_for(lambda: len(rows_now(run_dir)) >= 3, 300, "three steps", proc, poll=0.05)
+    for p in psutil.process_iter(["pid", "cmdline"]):  # the deepspeed launcher and both ranks, at once
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "trainer/main.py" in cmd and str(run_dir) in cmd and p.pid != os.getpid():
+            p.kill()
+    rc, _, err = finish(proc, 120)
+    assert rc != 0
+    killed_at = len(rows_now(run_dir))
+    rc, _, err = finish(start_launch(run_dir, find_free_port(), 0, *args, "--resume", "true"), 400)
+    assert rc == 0, err[-3000:]
+    log = (run_dir / "trainer.log").read_text()
+    assert "data order resumed" in log
+    print(f"\nkilled after step {killed_at}; per-step example indices: {trained(run_dir)}")
+    assert trained(run_dir) == expected
+    flat = [i for step in expected for i in step]
+    assert len(flat) == len(set(flat))  # none twice

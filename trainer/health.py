@@ -1,0 +1,195 @@
+"""Nothing waits forever: heartbeats to the ref server, and a watchdog on each trainer rank.
+
+Heartbeat (ranks and genonly workers): a daemon thread that tells the ref server every `heartbeat_s`
+seconds what this process is doing, so GET /status shows it alive while it generates a long round or
+trains a long step. A process that is stopped (SIGSTOP) or gone falls silent and is listed as stalled.
+
+Watchdog (ranks): a daemon thread that
+- ends the rank (exit 3) when no optimizer step came for `stall_timeout` seconds, with a diagnosis:
+  what the rank was waiting for, the server's `stalled` list (or that the server does not answer),
+  and the last lines of a stalled participant's log where it is local (RUN_DIR/<id>.log);
+- ends the rank (exit 4) as soon as a peer rank on this host is gone, naming it (torch's gloo would
+  otherwise wait up to `dist_timeout` in the next collective);
+- on rank 0, logs participants that become stalled or come back (from GET /status).
+The one-line diagnosis also goes to OUTPUT_DIR/diagnosis.txt (first writer wins), which launch.sh
+repeats as its last line.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from common.client import RefServerError
+
+log = logging.getLogger("trainer")
+EXIT_STALLED, EXIT_PEER_GONE = 3, 4
+
+
+def write_diagnosis(out_dir: str | Path, line: str) -> None:
+    """Record the run's first failure diagnosis (one line) for launch.sh; later ones only go to the logs."""
+    try:
+        with open(Path(out_dir) / "diagnosis.txt", "x") as f:
+            f.write(line.replace("\n", " ") + "\n")
+    except FileExistsError:
+        pass
+
+
+def tail(path: Path, lines: int = 5) -> list[str]:
+    """Last lines of a (possibly large) log file."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 8192))
+        return [x.decode(errors="replace") for x in deque(f.read().splitlines(), maxlen=lines)]
+
+
+class Heartbeat:
+    """Background heartbeats: `state()` -> str and `counts()` -> dict of cumulative ints, every `every` s."""
+
+    def __init__(self, client, every: float, state, counts=lambda: {}) -> None:
+        self.client, self.every, self.state, self.counts = client, every, state, counts
+        self._stop = threading.Event()
+        self._failing = False
+        self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def beat(self, state: str | None = None) -> None:
+        try:
+            self.client.heartbeat(state or self.state(), **self.counts())
+            if self._failing:
+                log.info("heartbeats reach the ref server again")
+            self._failing = False
+        except RefServerError as e:  # the server is down or busy: the watchdog / client retries handle that
+            if not self._failing:
+                log.warning("heartbeat not delivered (%s); will keep trying", e)
+            self._failing = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.beat()
+
+    def stop(self, final_state: str = "done") -> None:
+        """Stop beating and tell the server we are done (so GET /status does not list us as stalled)."""
+        self._stop.set()
+        self.beat(final_state)
+
+
+class Watchdog:
+    """Per-rank stall and peer-death detector (see the module doc). `activity` says what the rank is doing."""
+
+    def __init__(self, cfg, client, rank: int, peers: list[tuple[str, int]], poll: float = 0.25) -> None:
+        self.cfg, self.client, self.rank, self.peers = cfg, client, rank, peers  # peers[r] = (host, pid)
+        self.activity = "starting"
+        self.last_step = time.monotonic()
+        self.poll = poll
+        self._stop = threading.Event()
+        self._flagged: set[str] = set()
+        self._next_status = 0.0
+        self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self.thread.start()
+        return self
+
+    def stepped(self) -> None:
+        self.last_step = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    # -- checks ------------------------------------------------------------------------------
+    def dead_peers(self) -> list[str]:
+        """Peer ranks on this host whose process is gone."""
+        me = os.uname().nodename
+        dead = []
+        for r, (host, pid) in enumerate(self.peers):
+            if r != self.rank and host == me and not _alive(pid):
+                dead.append(f"rank {r} (pid {pid} on {host})")
+        return dead
+
+    def peer_diagnosis(self, error: BaseException | None = None) -> str:
+        dead = self.dead_peers()
+        who = (", ".join(dead) + " is gone") if dead else "a peer rank (not on this host, or stuck) stopped answering"
+        tail_ = f": {type(error).__name__}: {str(error)[:300]}" if error is not None else ""
+        return f"rank {self.rank}: {who} while this rank was {self.activity}{tail_}"
+
+    def stall_diagnosis(self, silent: float) -> tuple[str, list[str]]:
+        """(one-line diagnosis, detail lines) for a rank with no optimizer step for `silent` seconds."""
+        head = (f"rank {self.rank}: no optimizer step for {silent:.0f} s (stall_timeout {self.cfg.stall_timeout:g} s)"
+                f" while {self.activity}")
+        url = self.client.urls[0]
+        try:
+            status = self.client.status(stall_warn=self.cfg.stall_warn, timeout=min(5.0, self.cfg.ref_timeout))
+        except RefServerError as e:
+            return f"{head}; the ref server {url} does not answer ({e.message[:200]})", []
+        stalled = status.get("stalled", [])
+        if not stalled:
+            return f"{head}; the ref server {url} answers and lists nobody as stalled", []
+        names = ", ".join(f"{s['id']} ({s['silent_s']:.0f} s silent)" for s in stalled)
+        details = []
+        for s in stalled:
+            path = Path(self.cfg.output_dir) / f"{s['id']}.log"
+            if path.is_file():
+                details.append(f"last lines of {path}:")
+                details += ["    " + x for x in tail(path)]
+        return f"{head}; stalled at the ref server {url}: {names}", details
+
+    def _die(self, code: int, line: str, details: list[str] = ()) -> None:
+        log.error("%s", line)
+        for d in details:
+            log.error("%s", d)
+        write_diagnosis(self.cfg.output_dir, line)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        sys.stderr.flush()
+        os._exit(code)  # from this thread: the main thread may be blocked in a socket or a collective
+
+    def _watch_status(self) -> None:
+        """Rank 0: log participants that become stalled, and those that come back."""
+        try:
+            stalled = {s["id"]: s for s in self.client.status(stall_warn=self.cfg.stall_warn,
+                                                               timeout=5.0)["stalled"]}
+        except RefServerError:
+            return  # the client's own retries and the stall timeout deal with an absent server
+        for pid in sorted(set(stalled) - self._flagged):
+            log.warning("participant %s is stalled: silent for %.0f s at the ref server (stall_warn %g s)",
+                        pid, stalled[pid]["silent_s"], self.cfg.stall_warn)
+        for pid in sorted(self._flagged - set(stalled)):
+            log.info("participant %s is back", pid)
+        self._flagged = set(stalled)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            dead = self.dead_peers()
+            if dead:
+                self._die(EXIT_PEER_GONE, self.peer_diagnosis())
+            silent = time.monotonic() - self.last_step
+            if self.cfg.stall_timeout and silent > self.cfg.stall_timeout:
+                self._die(EXIT_STALLED, *self.stall_diagnosis(silent))
+            if self.rank == 0 and time.monotonic() >= self._next_status:
+                self._next_status = time.monotonic() + self.cfg.heartbeat_s
+                self._watch_status()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    # a zombie (exited, not yet reaped by the launcher) is gone too
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
