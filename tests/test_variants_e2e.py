@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("variant", [
     ["--importance_sampling_level", "sequence"],  # GSPO with its own 3e-4 / 4e-4 clip
     ["--advantage_mode", "reinforce_pp"],
-    ["--overlong_buffer", "4", "--overlong_penalty", "0.5", "--max_new_tokens", "12"],
+    ["--overlong_buffer", "4", "--overlong_penalty", "0.5"],  # max_new_tokens 8: the last 4 are penalised
 ], ids=["gspo", "reinforce_pp", "overlong"])
 def test_variant_learns_toy_reward(variant, tiny_model_dir, tmp_path):
     def run_deepspeed(run_dir: Path, server_url: str, *args: str) -> subprocess.CompletedProcess:
@@ -32,8 +32,13 @@ def test_variant_learns_toy_reward(variant, tiny_model_dir, tmp_path):
     rows = read_rows(tmp_path)
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == 30
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"{variant}: toy reward first 10 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert last >= first + 0.5, rewards
     if "--overlong_buffer" in variant:
+        # the objective is the shaped reward: digits pay, lengths past max_new_tokens - 4 cost up to 0.5
         assert all(r["overlong_penalty"] <= 0 for r in rows) and any(r["overlong_penalty"] < 0 for r in rows)
+        print("completion_len:", [round(r["completion_len"], 1) for r in rows])
+        print("overlong_penalty:", [round(r["overlong_penalty"], 2) for r in rows])
+        rewards = [r["reward_mean"] + r["overlong_penalty"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"{variant}: toy reward{' + overlong penalty' if '--overlong_buffer' in variant else ''} "
+          f"first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert last >= first + (0.3 if "--overlong_buffer" in variant else 0.5), rewards
