@@ -108,6 +108,20 @@ def _query_token_ok(token: str | None, environ: dict) -> bool:
                                                                      token.encode())
 
 
+def _query_seconds(name: str, default: float) -> float:
+    """A query parameter in seconds (finite, >= 0); absent = default; anything else is a 400."""
+    raw = bottle.request.query.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _error(400, f"{name} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise _error(400, f"{name} must be a finite number >= 0, got {raw!r}")
+    return value
+
+
 def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
              token: str | None = None) -> tuple[bottle.Bottle, ServerState]:
     """Build the WSGI app and its state, loading the model unless one is given; starts the scorer thread.
@@ -188,14 +202,7 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
     @app.get("/get")
     def get():
         require_token()
-        raw = bottle.request.query.get("wait", "0")
-        try:
-            wait = float(raw)
-        except ValueError:
-            raise _error(400, f"wait must be a number of seconds, got {raw!r}") from None
-        if not math.isfinite(wait) or wait < 0:
-            raise _error(400, f"wait must be a finite number >= 0, got {raw!r}")
-        wait = min(wait, cfg.max_get_wait)
+        wait = min(_query_seconds("wait", 0.0), cfg.max_get_wait)
         body = scorer.take(0.0)
         # Long-poll only while a waitress thread stays free for uploads; otherwise answer now.
         if body is None and wait > 0 and state.long_polls.acquire(blocking=False):
@@ -265,16 +272,7 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
         return _json({**metrics.snapshot(), "queues": scorer.depths(), "stopping": state.stopping})
 
     def stall_warn_param() -> float:
-        raw = bottle.request.query.get("stall_warn", "")
-        if not raw:
-            return cfg.stall_warn
-        try:
-            value = float(raw)
-        except ValueError:
-            raise _error(400, f"stall_warn must be a number of seconds, got {raw!r}") from None
-        if not math.isfinite(value) or value < 0:
-            raise _error(400, f"stall_warn must be a finite number >= 0, got {raw!r}")
-        return value
+        return _query_seconds("stall_warn", cfg.stall_warn)
 
     @app.get("/status")
     def status():
