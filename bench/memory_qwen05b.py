@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-pre-q", type=int, default=4)
-    ap.add_argument("--data", default="/work/shared/data/gsm8k", help="GSM8K directory ({train,test}.jsonl)")
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "gsm8k"),
+                    help="GSM8K directory ({train,test}.jsonl; default: ../shared/data/gsm8k beside the checkout)")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "qwen_vocab"), help="where the model is built")
     ap.add_argument("--run-dir", default=None, help="default: a temporary directory")
     ap.add_argument("--every", type=float, default=0.5, help="RSS sampling period (s)")
