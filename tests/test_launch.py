@@ -101,7 +101,8 @@ def _read_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-REAL = ["--data", "/work/shared/data/gsm8k", "--reward_fns", "toy_rewards:digit_fraction", "--max_new_tokens", "6",
+GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"  # the read-only copy beside the repo
+REAL = ["--data", str(GSM8K_DIR), "--reward_fns", "toy_rewards:digit_fraction", "--max_new_tokens", "6",
         "--num_pre_Q", "2", "--max_prompt_length", "400", "--get_wait", "3", "--train_zero_spread", "true",
         "--save_steps", "1", "--all_steps", "2", "--data_limit", "16"]
 
@@ -111,7 +112,7 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
     """launch.sh train on a Qwen2.5-vocabulary checkpoint: checkpoints keep eos, pad, template and dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if not Path("/work/shared/data/gsm8k/train.jsonl").is_file():
+    if not (GSM8K_DIR / "train.jsonl").is_file():
         pytest.skip("GSM8K not available at /work/shared/data/gsm8k")
     model = request.getfixturevalue("qwen_base_bf16_dir" if variant == "base_bf16" else "qwen_instruct_dir")
     # base: no system turn at all; instruct: bf16 ref server and workers (launch.sh flags)

@@ -21,7 +21,7 @@ from trainer.engines import cut_at_eos
 from trainer.rollout import encode_prompts, pack_rows
 
 ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
-GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"  # beside the repo
 
 
 def _questions(n: int) -> list[str]:
