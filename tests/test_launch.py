@@ -113,7 +113,7 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not (GSM8K_DIR / "train.jsonl").is_file():
-        pytest.skip("GSM8K not available at /work/shared/data/gsm8k")
+        pytest.skip(f"GSM8K not available at {GSM8K_DIR}")
     model = request.getfixturevalue("qwen_base_bf16_dir" if variant == "base_bf16" else "qwen_instruct_dir")
     # base: no system turn at all; instruct: bf16 ref server and workers (launch.sh flags)
     launcher = [] if variant == "base_bf16" else ["--ref-dtype", "bfloat16", "--worker-dtype", "bfloat16"]
