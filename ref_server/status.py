@@ -58,24 +58,21 @@ class HeartbeatTable:
         return row
 
     def on_upload(self, ident: dict | None) -> None:
-        if ident is None:
-            return
-        with self._lock:
-            now = time.time()
-            row = self._row(ident, now)
-            if row is not None:
-                row["last_upload"] = now
-                row["uploaded"] += 1
+        self._count(ident, "last_upload", "uploaded", 1)
 
     def on_get(self, ident: dict | None, taken: bool) -> None:
+        self._count(ident, "last_get", "taken", int(taken))
+
+    def _count(self, ident: dict | None, when: str, counter: str, n: int) -> None:
+        """Stamp `when` and add n to `counter` in the caller's row (anonymous calls are not tracked)."""
         if ident is None:
             return
         with self._lock:
             now = time.time()
             row = self._row(ident, now)
             if row is not None:
-                row["last_get"] = now
-                row["taken"] += int(taken)
+                row[when] = now
+                row[counter] += n
 
     def on_heartbeat(self, ident: dict, body: dict) -> None:
         """A heartbeat: the participant is alive; `body` may carry state and cumulative counters."""
