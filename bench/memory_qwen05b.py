@@ -7,6 +7,7 @@ server, samples each process's RSS (psutil, every --every s) and reports the pea
 seconds per step and the run directory's disk use. Last line: one JSON object.
 
     .venv/bin/python bench/memory_qwen05b.py                       # the real shape (~20 GiB: a 24 GiB box)
+    .venv/bin/python bench/memory_qwen05b.py --ds-config ds_config.json --gradient-checkpointing false  # fp32
     .venv/bin/python bench/memory_qwen05b.py --layers 2 --hidden 128 --intermediate 256 --heads 4  # a smoke run
 """
 from __future__ import annotations
@@ -64,6 +65,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the checkpoint on disk (Qwen ships bfloat16)")
     ap.add_argument("--ref-dtype", default="bfloat16", help="launch.sh --ref-dtype")
     ap.add_argument("--worker-dtype", default="bfloat16", help="launch.sh --worker-dtype")
+    ap.add_argument("--ds-config", default=str(REPO / "configs" / "ds_zero2_bf16.json"),
+                    help="DeepSpeed config of the ranks (default: ZeRO-2 with bf16 weights, which CPU ranks need "
+                         "to fit; ds_config.json = float32 weights)")
+    ap.add_argument("--gradient-checkpointing", default="true", choices=["true", "false"],
+                    help="trainer --gradient_checkpointing (default true)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-pre-q", type=int, default=4)
@@ -87,7 +93,8 @@ def main() -> None:
            "--model", str(model), "--data", a.data, "--reward_fns", "toy_rewards:digit_fraction",
            "--train_zero_spread", "true", "--max_new_tokens", str(a.max_new_tokens), "--num_pre_Q",
            str(a.num_pre_q), "--all_steps", str(a.steps), "--save_steps", str(a.steps), "--get_wait", "30",
-           "--data_limit", "64", *a.trainer_args]
+           "--data_limit", "64", "--ds_config", a.ds_config, "--gradient_checkpointing", a.gradient_checkpointing,
+           *a.trainer_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     print("running:", " ".join(cmd), file=sys.stderr)
     peaks: dict[str, int] = {}
@@ -122,9 +129,12 @@ def main() -> None:
     out = {
         "shape": {"layers": a.layers, "hidden": a.hidden, "intermediate": a.intermediate, "heads": a.heads,
                   "kv_heads": a.kv_heads, "vocab": 151936, "dtype_on_disk": a.dtype},
-        "ref_dtype": a.ref_dtype, "worker_dtype": a.worker_dtype, "rc": proc.returncode, "steps_done": len(rows),
+        "ref_dtype": a.ref_dtype, "worker_dtype": a.worker_dtype, "ds_config": Path(a.ds_config).name,
+        "gradient_checkpointing": a.gradient_checkpointing == "true", "extra_args": a.trainer_args,
+        "rc": proc.returncode, "steps_done": len(rows),
         "peak_rss_gib": {k: round(v / gib, 3) for k, v in sorted(peaks.items())},
-        "peak_total_gib": round(peak_total / gib, 3),
+        "peak_total_gib": round(peak_total / gib, 3),  # the box's peak: all processes at the same moment
+        "sum_of_peaks_gib": round(sum(peaks.values()) / gib, 3),  # an upper bound of it
         "s_per_step": round(sum(step_s) / len(step_s), 2) if step_s else None,
         "s_per_step_after_first": round(sum(step_s[1:]) / len(step_s[1:]), 2) if len(step_s) > 1 else None,
         "wall_s": round(wall, 1), "build_s": round(build_s, 1),

@@ -115,9 +115,11 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
     if not (GSM8K_DIR / "train.jsonl").is_file():
         pytest.skip(f"GSM8K not available at {GSM8K_DIR}")
     model = request.getfixturevalue("qwen_base_bf16_dir" if variant == "base_bf16" else "qwen_instruct_dir")
-    # base: no system turn at all; instruct: bf16 ref server and workers (launch.sh flags)
+    # base: no system turn at all; instruct: the README's memory settings: bf16 ref server and workers
+    # (launch.sh flags), bf16 ranks under DeepSpeed on CPU and gradient checkpointing
     launcher = [] if variant == "base_bf16" else ["--ref-dtype", "bfloat16", "--worker-dtype", "bfloat16"]
-    trainer = ["--system_prompt", "none"] if variant == "base_bf16" else []
+    trainer = ["--system_prompt", "none"] if variant == "base_bf16" else \
+        ["--ds_config", str(REPO / "configs" / "ds_zero2_bf16.json"), "--gradient_checkpointing", "true"]
     run = tmp_path / "run"
     proc = launch("--run-dir", str(run), "--workers", "1", "--port", str(free_port), *launcher, "--",
                   "--model", str(model), *REAL, *trainer, timeout=600)
@@ -140,3 +142,5 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
         sync_mb = max(r.get("sync_mb", 0) for r in _read_rows(run))
         assert numel * 2 <= sync_mb * 1e6 < numel * 2 + 1e6
         assert "bfloat16" in (run / "ref_server.log").read_text()
+        # the ranks train bf16 weights (fp32 master copy of each partition inside DeepSpeed)
+        assert _read_rows(run)[0]["full_weights_mb"] == pytest.approx(numel * 2 / 1e6, rel=1e-3)

@@ -64,16 +64,31 @@ def init_deepspeed(cfg: GRPOConfig):
     return deepspeed, rank, world, on_gpu
 
 
-def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
-    """The policy under DeepSpeed. Returns (engine, zero_stage, start_step); start_step > 0 after a resume."""
-    model = load_model(model_path, device="cpu", dtype="float32", trainable=True)
+def prepare_policy(model, cfg: GRPOConfig):
+    """The loaded model made ready to train: gradient checkpointing, LoRA adapters, train mode.
+
+    Train mode matters beyond dropout: transformers recomputes activations only in a module that is
+    training, and from_pretrained returns the model in eval mode, so without .train() gradient
+    checkpointing silently keeps every activation (a 0.5B model then runs out of memory on 24 GiB).
+    Generation switches to eval mode for its own calls (trainer/engines/hf.py)."""
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.lora_r > 0:  # only the adapters get gradients and optimizer state (trainer/lora.py)
         from trainer.lora import wrap_lora
         model = wrap_lora(model, cfg)
+    model.train()
+    return model
+
+
+def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
+    """The policy under DeepSpeed. Returns (engine, zero_stage, start_step); start_step > 0 after a resume."""
     ds_cfg = ds_config_for(cfg, on_gpu)
+    # bf16 under DeepSpeed (auto on GPUs, or "enabled": true in ds_config on CPU): bf16 weights, fp32 master
+    # copy of each rank's partition. Loaded in bf16 straight away: no transient fp32 copy of the whole model.
+    bf16 = bool(ds_cfg.get("bf16", {}).get("enabled"))
+    model = prepare_policy(load_model(model_path, device="cpu", dtype="bfloat16" if bf16 else "float32",
+                                      trainable=True), cfg)
     zero_stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
