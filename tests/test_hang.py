@@ -105,6 +105,9 @@ def test_stopped_worker_is_flagged_ranks_carry_on_and_it_rejoins(tmp_path):
         flagged_after = time.monotonic() - t_stop
         # the ranks keep training on their own rollouts meanwhile
         wait_for(lambda: len(rows_now(run_dir)) >= steps_at_stop + 3, 120, "steps without the worker", proc)
+        # rank 0 polls /status every heartbeat: wait for its log line rather than race it
+        wait_for(lambda: "participant worker0 is stalled" in (run_dir / "trainer.log").read_text(errors="replace"),
+                 60, "rank 0 logging worker0 as stalled", proc)
         uploaded = worker_row()["uploaded"]
         worker.send_signal(signal.SIGCONT)
         t_cont = time.monotonic()
@@ -152,15 +155,27 @@ def test_stopped_ref_server_ends_the_run_naming_it(tmp_path):
     assert leftover_processes(f"127.0.0.1:{port}") == []
 
 
-def test_killed_rank_ends_its_peer_naming_it(tmp_path):
+@pytest.mark.parametrize("term_first", [False, True], ids=["watchdog_first", "launcher_term_first"])
+def test_killed_rank_ends_its_peer_naming_it(tmp_path, term_first):
+    """term_first: rank 0 gets the deepspeed launcher's SIGTERM before its own peer check could run (the
+    launcher's 1 s poll can win under load); it must still name the dead rank, not just vanish."""
     run_dir, port, dist_timeout = tmp_path / "run", find_free_port(), 20.0
     proc = start_launch(run_dir, port, 0, "--all_steps", "100000", "--save_steps", "100000",
                         "--dist_timeout", str(dist_timeout))
     try:
         wait_for(lambda: len(rows_now(run_dir)) >= 2, 300, "two training steps", proc)
         rank1 = find_proc("trainer/main.py", "--local_rank=1", str(run_dir))
+        rank0 = find_proc("trainer/main.py", "--local_rank=0", str(run_dir))
         pid = rank1.pid
         rank1.kill()
+        if term_first:
+            def gone() -> bool:  # a zombie until the launcher reaps it (within its 1 s poll)
+                try:
+                    return rank1.status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    return True
+            wait_for(gone, 10, "rank 1 gone", proc)
+            rank0.send_signal(signal.SIGTERM)
         t_kill, wall_kill = time.monotonic(), time.time()
         rc, _, err = finish(proc, dist_timeout + 120)
         exited_after = time.monotonic() - t_kill

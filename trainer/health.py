@@ -10,7 +10,10 @@ Watchdog (ranks): a daemon thread that
   and the last lines of a stalled participant's log where it is local (RUN_DIR/<id>.log);
 - ends the rank (exit 4) as soon as a peer rank on this host is gone, naming it (torch's gloo would
   otherwise wait up to `dist_timeout` in the next collective);
-- on rank 0, logs participants that become stalled or come back (from GET /status).
+- on rank 0, logs participants that become stalled or come back (from GET /status);
+- takes over SIGTERM: when one rank dies, the deepspeed launcher TERMs the others at its next poll,
+  which under load can beat the 0.25 s peer check. A TERM is therefore first checked for a dead peer
+  (named, exit 4), else the rank exits 143 as before.
 The one-line diagnosis also goes to OUTPUT_DIR/diagnosis.txt (first writer wins), which launch.sh
 repeats as its last line.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -93,10 +98,38 @@ class Watchdog:
         self._flagged: set[str] = set()
         self._next_status = 0.0
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._term_fd: int | None = None
 
     def start(self) -> Watchdog:
+        self._catch_sigterm()
         self.thread.start()
         return self
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM becomes a byte on a pipe that this thread reads (set_wakeup_fd writes it from the C
+        handler, even while the main thread is blocked in a collective, where a Python handler never runs)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (e.g. not in some tests)
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        signal.signal(signal.SIGTERM, lambda *_: None)  # the real handling is _sigterm_seen in the thread
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._term_fd = r
+
+    def _wait(self) -> bool:
+        """Sleep one poll period, waking at once on a SIGTERM; True once stop() was called."""
+        if self._term_fd is None:
+            return self._stop.wait(self.poll)
+        select.select([self._term_fd], [], [], self.poll)
+        return self._stop.is_set()
+
+    def _sigterm_seen(self) -> bool:
+        try:
+            data = os.read(self._term_fd, 64)
+        except BlockingIOError:
+            return False
+        return signal.SIGTERM in data  # other signals with a Python handler (SIGINT) write their byte too
 
     def stepped(self) -> None:
         self.last_step = time.monotonic()
@@ -105,6 +138,13 @@ class Watchdog:
         self._stop.set()
         if self.thread.is_alive():
             self.thread.join()
+        if self._term_fd is not None:  # SIGTERM kills the rank again, as without a watchdog
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            term, self._term_fd = self._sigterm_seen(), None
+            if term:  # arrived after the thread's last look
+                self._flush()
+                os._exit(128 + signal.SIGTERM)
 
     # -- checks ------------------------------------------------------------------------------
     def dead_peers(self) -> list[str]:
@@ -148,10 +188,14 @@ class Watchdog:
         for d in details:
             log.error("%s", d)
         write_diagnosis(self.cfg.output_dir, line)
+        self._flush()
+        os._exit(code)  # from this thread: the main thread may be blocked in a socket or a collective
+
+    @staticmethod
+    def _flush() -> None:
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()
-        os._exit(code)  # from this thread: the main thread may be blocked in a socket or a collective
 
     def _watch_status(self) -> None:
         """Rank 0: log participants that become stalled, and those that come back."""
@@ -168,10 +212,18 @@ class Watchdog:
         self._flagged = set(stalled)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll):
+        while not self._wait():
+            term = self._term_fd is not None and self._sigterm_seen()
             dead = self.dead_peers()
             if dead:
                 self._die(EXIT_PEER_GONE, self.peer_diagnosis())
+            if term:
+                # A peer dead before our TERM was named above. Peers TERMed with us (Ctrl-C) check at once
+                # too: stay alive a moment so that none of them mistakes our exit for a death.
+                log.info("SIGTERM: rank %d stops", self.rank)
+                self._flush()
+                time.sleep(0.5)
+                os._exit(128 + signal.SIGTERM)
             silent = time.monotonic() - self.last_step
             if self.cfg.stall_timeout and silent > self.cfg.stall_timeout:
                 self._die(EXIT_STALLED, *self.stall_diagnosis(silent))
