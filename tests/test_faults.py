@@ -318,9 +318,13 @@ def test_launch_sh_ctrl_c_stops_everything(tmp_path):
            "--port", str(port), "--master-port", str(master), "--", *TOY, "--Q_batch_size", "2",
            "--all_steps", "1000", "--save_steps", "1000", "--get_wait", "3"]
     log = tmp_path / "launch.log"
-    with open(log, "wb") as fh:  # its own session: the SIGINT below goes to launch.sh's process only
+    # A terminal's Ctrl-C: SIGINT at its default disposition in launch.sh. A test run started in the
+    # background of a non-interactive shell inherits SIGINT *ignored*, and bash cannot trap a signal
+    # ignored on entry, so restore it. Its own session: the SIGINT below goes to launch.sh's process only.
+    with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     markers = (f"--port {port}", f"127.0.0.1:{port}", f"--master_port {master}", f"--master_port={master}")
     try:
         def all_started() -> bool:  # server, worker, deepspeed launcher and both ranks
