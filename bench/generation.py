@@ -6,8 +6,9 @@ Same prompts and settings for both engines: 16 random-id prompts (24 tokens) x 8
 for each --new-tokens. Models: the embedded tiny Qwen2 and a random-weight model with the real
 Qwen2.5-0.5B shape (24 layers, hidden 896, 14/2 heads, vocab 151,936, tied embeddings). Each engine
 is warmed up with one short call first; engine start time is reported separately. The HF engine
-generates all prompts x 8 sequences in one batch. ratio = vLLM tok/s / HF tok/s, per model
-the mean over --new-tokens. Last output line: one JSON object with tiny_ratio and qwen05b_ratio.
+generates all prompts x 8 sequences in one batch. The two engines take turns, --repeats timed calls each
+per length; tok/s is the median. ratio = vLLM tok/s / HF tok/s, per model the mean over --new-tokens.
+Last output line: one JSON object with tiny_ratio and qwen05b_ratio.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -53,7 +55,8 @@ def run(engine, prompts, n, new_tokens) -> tuple[float, int]:
     return time.time() - t0, sum(len(s.completion_ids) for s in samples)
 
 
-def bench_engine(backend: str, path: str, prompts, args) -> dict:
+def build_engine(backend: str, path: str, prompts, args):
+    """Build and warm one engine; returns (engine, start seconds)."""
     from trainer.engines import make_engine
 
     cfg = GRPOConfig(model=path, gen_backend=backend, temperature=1.0, top_p=1.0, gen_batch_size=len(prompts) * 8,
@@ -71,16 +74,31 @@ def bench_engine(backend: str, path: str, prompts, args) -> dict:
         engine = make_engine(cfg, path)
     start = time.time() - t0
     run(engine, prompts[:2], 2, 8)  # warm-up
-    res = {"start_s": round(start, 1)}
+    return engine, start
+
+
+def bench_model(path: str, prompts, args) -> dict:
+    """Both engines live side by side and take turns on each timed call, so a change in the machine's load
+    hits both alike; each engine's figure is the median tok/s of --repeats calls."""
+    engines, res = {}, {}
+    for backend in ("hf", "vllm"):
+        engines[backend], start = build_engine(backend, path, prompts, args)
+        res[backend] = {"start_s": round(start, 1)}
     for nt in args.new_tokens:
-        torch.manual_seed(1)
-        sec, toks = run(engine, prompts, 8, nt)
-        res[f"tok_s_{nt}"] = round(toks / sec, 1)
-        res[f"tokens_{nt}"] = toks
-        res[f"seconds_{nt}"] = round(sec, 2)
-        print(f"  {backend:4s} new_tokens={nt}: {toks} tokens in {sec:.1f} s = {toks / sec:.1f} tok/s", flush=True)
-    engine.close()
-    del engine
+        rates: dict[str, list[float]] = {b: [] for b in engines}
+        for rep in range(args.repeats):
+            for backend, engine in engines.items():
+                torch.manual_seed(1 + rep)
+                sec, toks = run(engine, prompts, 8, nt)
+                rates[backend].append(toks / sec)
+                print(f"  {backend:4s} new_tokens={nt} call {rep + 1}/{args.repeats}: {toks} tokens in {sec:.1f} s "
+                      f"= {toks / sec:.1f} tok/s", flush=True)
+        for backend, r in rates.items():
+            res[backend][f"tok_s_{nt}"] = round(statistics.median(r), 1)
+            res[backend][f"tok_s_{nt}_calls"] = [round(x, 1) for x in r]
+    for engine in engines.values():
+        engine.close()
+    engines.clear()
     gc.collect()
     return res
 
@@ -91,19 +109,20 @@ def main() -> None:
     p.add_argument("--new-tokens", default="64,256", help="comma list of completion lengths")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both engines)")
     p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per engine and length (median reported)")
     args = p.parse_args()
     args.new_tokens = [int(x) for x in args.new_tokens.split(",")]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 500, (24,), generator=g).tolist() for _ in range(args.prompts)]
     out: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "prompts": args.prompts, "n": 8,
-                 "new_tokens": args.new_tokens}
+                 "new_tokens": args.new_tokens, "repeats": args.repeats}
     tmp = Path(tempfile.mkdtemp(prefix="bench_gen_"))
     try:
         for name in args.models.split(","):
             path = resolve_model_path("tiny") if name == "tiny" else str(build_qwen05b(tmp / "qwen05b"))
             print(f"{name}:", flush=True)
-            hf = bench_engine("hf", path, prompts, args)
-            vl = bench_engine("vllm", path, prompts, args)
+            r = bench_model(path, prompts, args)
+            hf, vl = r["hf"], r["vllm"]
             ratios = [vl[f"tok_s_{nt}"] / hf[f"tok_s_{nt}"] for nt in args.new_tokens]
             out[name] = {"hf": hf, "vllm": vl, "ratios": [round(r, 2) for r in ratios]}
             out[f"{name}_ratio"] = round(sum(ratios) / len(ratios), 2)

@@ -76,8 +76,7 @@ def test_engine_failure_mid_run_is_engine_died(tiny_model_dir):
         def collective_rpc(self, *a, **k):
             raise RuntimeError("EngineCore encountered an issue")
 
-    eng = VLLMEngine(DeadLLM(), load_tokenizer(str(tiny_model_dir)), [0], temperature=1.0, top_p=1.0, top_k=0,
-                     seed=0)
+    eng = VLLMEngine(DeadLLM(), load_tokenizer(str(tiny_model_dir)), [0], temperature=1.0, top_p=1.0, top_k=0)
     with pytest.raises(EngineDied, match="failed during generate"):
         eng.generate([[1, 2]], 2, max_new_tokens=4)
     with pytest.raises(EngineDied, match="failed to load new weights"):

@@ -46,12 +46,10 @@ def import_vllm():
 
 class VLLMEngine(GenEngine):
     def __init__(self, llm, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
-                 seed: int, tied: bool = False):
+                 tied: bool = False):
         self.llm, self.tok, self.eos_ids = llm, tokenizer, list(eos_ids)
         self.tied = tied
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self._seed = seed
-        self._calls = 0
         _, self._SamplingParams, self._TokensPrompt = import_vllm()
 
     @classmethod
@@ -88,13 +86,15 @@ class VLLMEngine(GenEngine):
         eos = sorted(set(model_eos_ids(tok, chat=cfg.prompt_format != "r1zero")) | set(gen_eos))
         tied = bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         return cls(llm, tok, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   seed=cfg.seed + 7 * cfg.worker_id, tied=tied)
+                   tied=tied)
 
     def _params(self, n: int, max_new_tokens: int, greedy: bool):
-        self._calls += 1
+        # No per-request seed: vLLM's sampler draws a seeded request's noise in a Python loop, one request
+        # per decode step each (20-30 % of a tiny model's step on CPU); the engine's own seed (cfg.seed +
+        # worker_id) already makes a worker's sequence of calls reproducible, as the HF path's global seed does.
         common = dict(n=n, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids, ignore_eos=False,
                       detokenize=False, skip_special_tokens=False, repetition_penalty=1.0, presence_penalty=0.0,
-                      frequency_penalty=0.0, min_p=0.0, min_tokens=0, seed=self._seed * 100003 + self._calls)
+                      frequency_penalty=0.0, min_p=0.0, min_tokens=0)
         if greedy:
             return self._SamplingParams(temperature=0.0, **common)
         return self._SamplingParams(temperature=self.temperature, top_p=self.top_p,
