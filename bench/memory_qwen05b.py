@@ -7,7 +7,7 @@ server, samples each process's RSS (psutil, every --every s) and reports the pea
 seconds per step and the run directory's disk use. Last line: one JSON object.
 
     .venv/bin/python bench/memory_qwen05b.py                       # the real shape (~20 GiB: a 24 GiB box)
-    .venv/bin/python bench/memory_qwen05b.py --ds-config ds_config.json --gradient-checkpointing false  # fp32
+    .venv/bin/python bench/memory_qwen05b.py --bf16 false --gradient-checkpointing false  # fp32 ranks
     .venv/bin/python bench/memory_qwen05b.py --layers 2 --hidden 128 --intermediate 256 --heads 4  # a smoke run
 """
 from __future__ import annotations
@@ -65,9 +65,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the checkpoint on disk (Qwen ships bfloat16)")
     ap.add_argument("--ref-dtype", default="bfloat16", help="launch.sh --ref-dtype")
     ap.add_argument("--worker-dtype", default="bfloat16", help="launch.sh --worker-dtype")
-    ap.add_argument("--ds-config", default=str(REPO / "configs" / "ds_zero2_bf16.json"),
-                    help="DeepSpeed config of the ranks (default: ZeRO-2 with bf16 weights, which CPU ranks need "
-                         "to fit; ds_config.json = float32 weights)")
+    ap.add_argument("--bf16", default="true", choices=["true", "false"],
+                    help="trainer --bf16: the ranks' weights in bf16 under DeepSpeed (default true, which CPU "
+                         "ranks need to fit; false = float32 weights)")
     ap.add_argument("--gradient-checkpointing", default="true", choices=["true", "false"],
                     help="trainer --gradient_checkpointing (default true)")
     ap.add_argument("--steps", type=int, default=3)
@@ -93,7 +93,7 @@ def main() -> None:
            "--model", str(model), "--data", a.data, "--reward_fns", "toy_rewards:digit_fraction",
            "--train_zero_spread", "true", "--max_new_tokens", str(a.max_new_tokens), "--num_pre_Q",
            str(a.num_pre_q), "--all_steps", str(a.steps), "--save_steps", str(a.steps), "--get_wait", "30",
-           "--data_limit", "64", "--ds_config", a.ds_config, "--gradient_checkpointing", a.gradient_checkpointing,
+           "--data_limit", "64", "--bf16", a.bf16, "--gradient_checkpointing", a.gradient_checkpointing,
            *a.trainer_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     print("running:", " ".join(cmd), file=sys.stderr)
@@ -129,7 +129,7 @@ def main() -> None:
     out = {
         "shape": {"layers": a.layers, "hidden": a.hidden, "intermediate": a.intermediate, "heads": a.heads,
                   "kv_heads": a.kv_heads, "vocab": 151936, "dtype_on_disk": a.dtype},
-        "ref_dtype": a.ref_dtype, "worker_dtype": a.worker_dtype, "ds_config": Path(a.ds_config).name,
+        "ref_dtype": a.ref_dtype, "worker_dtype": a.worker_dtype, "bf16": a.bf16 == "true",
         "gradient_checkpointing": a.gradient_checkpointing == "true", "extra_args": a.trainer_args,
         "rc": proc.returncode, "steps_done": len(rows),
         "peak_rss_gib": {k: round(v / gib, 3) for k, v in sorted(peaks.items())},

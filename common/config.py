@@ -92,6 +92,9 @@ class GRPOConfig:
     grad_clip: float = knob(1.0, "Gradient norm clip.")
     grad_accum: int = knob(1, "Gradient accumulation steps (DeepSpeed).")
     zero_stage: int | None = knob(None, "Override the ZeRO stage of ds_config (2 by default; 3 works).")
+    bf16: bool | None = knob(None, "Ranks in bf16 under DeepSpeed (bf16 weights, fp32 master copy and Adam state): "
+                                   "true/false override ds_config's bf16.enabled; null keeps it (ds_config.json: "
+                                   "auto = on GPUs with bf16). true on CPU needs it to fit a 0.5B model in 24 GiB.")
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save memory.")
     ds_config: str = knob("ds_config.json", "DeepSpeed config file (batch, precision and optimizer fields "
                                             "are filled from this config).")

@@ -73,7 +73,7 @@ REFUSED: dict[str, str] = {
     "log_completions": "sample completions are not logged", "num_completions_to_print": "not logged",
     "wandb_log_unique_prompts": "not logged", "shuffle_dataset": "the prompt sampler always shuffles (seeded)",
     "ds3_gather_for_generation": "ZeRO-3 generation gathers always", "model_init_kwargs": "not supported",
-    "lr_scheduler_kwargs": "use lr_schedule and warmup_steps", "bf16": "precision comes from ds_config",
+    "lr_scheduler_kwargs": "use lr_schedule and warmup_steps",
     "fp16": "precision comes from ds_config", "optim": "the optimizer is AdamW from ds_config",
     "adam_beta1": "set betas in ds_config", "adam_beta2": "set betas in ds_config",
     "adam_epsilon": "set eps in ds_config", "report_to": "TensorBoard always; wandb with --wandb",

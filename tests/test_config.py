@@ -80,6 +80,8 @@ def test_cli_overrides_win_over_the_file(tmp_path):
     ("--data_limit", "none", "data_limit", None),
     ("--data_limit", "null", "data_limit", None),
     ("--zero_stage", "3", "zero_stage", 3),
+    ("--bf16", "true", "bf16", True),
+    ("--bf16", "null", "bf16", None),
     ("--ref_token", "s3cret", "ref_token", "s3cret"),
     ("--ref_token", "None", "ref_token", None),
     ("--system_prompt", "", "system_prompt", ""),

@@ -119,7 +119,7 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
     # (launch.sh flags), bf16 ranks under DeepSpeed on CPU and gradient checkpointing
     launcher = [] if variant == "base_bf16" else ["--ref-dtype", "bfloat16", "--worker-dtype", "bfloat16"]
     trainer = ["--system_prompt", "none"] if variant == "base_bf16" else \
-        ["--ds_config", str(REPO / "configs" / "ds_zero2_bf16.json"), "--gradient_checkpointing", "true"]
+        ["--bf16", "true", "--gradient_checkpointing", "true"]
     run = tmp_path / "run"
     proc = launch("--run-dir", str(run), "--workers", "1", "--port", str(free_port), *launcher, "--",
                   "--model", str(model), *REAL, *trainer, timeout=600)

@@ -1,12 +1,17 @@
-"""trainer/engine.py prepare_policy: gradient checkpointing really recomputes (the model is in train mode)."""
+"""trainer/engine.py: prepare_policy's gradient checkpointing really recomputes (the model is in train mode);
+ds_config_for's precision comes from --bf16 over ds_config."""
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
+from conftest import REPO
 
 from common.config import GRPOConfig
 from common.logprobs import sequence_logprobs
 from common.modeling import load_model
-from trainer.engine import prepare_policy
+from trainer.engine import ds_config_for, prepare_policy
 
 
 def _layer_calls_and_grads(model_dir, checkpointing: bool):
@@ -36,3 +41,17 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradient(tiny_mode
 def test_prepared_policy_is_in_train_mode(tiny_model_dir):
     model = prepare_policy(load_model(str(tiny_model_dir), dtype="float32", trainable=True), GRPOConfig())
     assert model.training and all(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("in_file, knob, expected", [
+    ("auto", None, False),  # ds_config.json's auto: bf16 only on GPUs
+    ("auto", True, True), (True, None, True), (True, False, False), (False, True, True),
+])
+def test_bf16_knob_overrides_ds_config_on_cpu(tmp_path, in_file, knob, expected):
+    ds = json.loads((REPO / "ds_config.json").read_text())
+    ds["bf16"] = {"enabled": in_file}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    out = ds_config_for(GRPOConfig(ds_config=str(path), bf16=knob), on_gpu=False)
+    assert out["bf16"]["enabled"] is expected
+    assert out["zero_optimization"] == ds["zero_optimization"]  # the rest of the file is kept

@@ -31,6 +31,8 @@ def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
     if cfg.zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = cfg.zero_stage
     bf16 = ds.setdefault("bf16", {})
+    if cfg.bf16 is not None:
+        bf16["enabled"] = cfg.bf16
     if bf16.get("enabled") == "auto":
         bf16["enabled"] = bool(on_gpu and torch.cuda.is_bf16_supported())
     return ds
@@ -84,7 +86,7 @@ def prepare_policy(model, cfg: GRPOConfig):
 def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
     """The policy under DeepSpeed. Returns (engine, zero_stage, start_step); start_step > 0 after a resume."""
     ds_cfg = ds_config_for(cfg, on_gpu)
-    # bf16 under DeepSpeed (auto on GPUs, or "enabled": true in ds_config on CPU): bf16 weights, fp32 master
+    # bf16 under DeepSpeed (auto on GPUs, or --bf16 true on CPU): bf16 weights, fp32 master
     # copy of each rank's partition. Loaded in bf16 straight away: no transient fp32 copy of the whole model.
     bf16 = bool(ds_cfg.get("bf16", {}).get("enabled"))
     model = prepare_policy(load_model(model_path, device="cpu", dtype="bfloat16" if bf16 else "float32",
