@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad settings: one clear line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from ref_server.app import serve  # imported late: --help and bad flags answer without loading torch
+    from ref_server.serve import serve  # imported late: --help and bad flags answer without loading torch
 
     return serve(cfg)
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import build_parser, knob, load_config
+from common.knobs import build_parser, knob, load_config
 
 TOKEN_ENV = "GRPO_REF_TOKEN"
 

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from common.config import GRPOConfig, build_parser, from_dict, knob, load_config, to_dict
+from common.config import GRPOConfig
+from common.knobs import build_parser, from_dict, knob, load_config, to_dict
 
 
 def write(tmp_path, obj, name="cfg.json"):

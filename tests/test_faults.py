@@ -225,7 +225,8 @@ def test_trainer_sigkill_then_resume(fault_run):
 def test_batch_source_counts_batches_lost_with_the_server(monkeypatch):
     """Unit level: uploads in flight when the server went away are counted as lost and generated anew."""
     import trainer.batches as tm
-    from common.config import GRPOConfig, load_config
+    from common.config import GRPOConfig
+    from common.knobs import load_config
     from common.protocol import ScoredBatch
     from trainer.rollout import RolloutStats
 

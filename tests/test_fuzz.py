@@ -23,7 +23,8 @@ import torch
 from conftest import start_ref_server
 from test_ref_server import MAX_SEQ, VOCAB, make_batch
 
-from common.config import GRPOConfig, load_config
+from common.config import GRPOConfig
+from common.knobs import load_config
 from common.protocol import MAX_ROWS, ProtocolError, ScoredBatch, decode_scored, encode_rollout, encode_scored
 
 SEED = 20240607

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from trainer.countdown import evaluate_countdown
 from trainer.rewards import (
     REWARD_FNS,
-    evaluate_countdown,
     extract_answer,
     load_reward_fns,
     parse_final_number,
@@ -234,7 +234,7 @@ def test_countdown_exact_fractions_and_division() -> None:
 
 
 def test_countdown_never_evaluates_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.rewards as rw
+    import trainer.countdown as rw
 
     parsed: list[str] = []
     real_parse = rw.ast.parse

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from common import trl_aliases
-from common.config import GRPOConfig, build_parser, from_dict, load_config
+from common.config import GRPOConfig
+from common.knobs import build_parser, from_dict, load_config
 
 # alias, value given, our field, value it must reach
 CASES = [

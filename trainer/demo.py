@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from common.config import GRPOConfig, load_config
+    from common.config import GRPOConfig
+    from common.knobs import load_config
     from trainer.metrics import read_metrics
 
     on_gpu = torch.cuda.is_available()

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from common.client import RefServerError
-from common.config import GRPOConfig, to_dict
+from common.config import GRPOConfig
+from common.knobs import to_dict
 from common.logprobs import sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, pick_dtype, resolve_model_path
 from common.protocol import ScoredBatch

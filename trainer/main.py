@@ -18,7 +18,8 @@ import sys
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
-from common.config import GRPOConfig, load_config  # noqa: E402
+from common.config import GRPOConfig  # noqa: E402
+from common.knobs import load_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

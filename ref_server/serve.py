@@ -1,0 +1,149 @@
+"""The ref server process: waitress serving the Bottle app (ref_server/app.py) on a socket bound before the
+model loads, per-path body limits applied from the headers, and a clean SIGTERM/SIGINT shutdown that
+delivers what is already scored."""
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import socket
+import threading
+import time
+
+from ref_server.app import make_app
+from ref_server.config import ServerConfig, check_bind, resolve_token
+from ref_server.weights import WeightStore
+
+log = logging.getLogger("ref_server")
+
+
+class _Throttle(logging.Filter):
+    """Let one record through per `every` seconds (waitress logs queue depth per request under load)."""
+
+    def __init__(self, every: float) -> None:
+        super().__init__()
+        self.every, self.last = every, -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return False
+        self.last = now
+        return True
+
+
+def _limited_channel(cfg: ServerConfig, weights: WeightStore):
+    """waitress channel whose parser applies our per-path body limits as soon as the headers are in
+    (and answers an unsupported Transfer-Encoding with 400, not waitress' 501: bad input is never a 5xx).
+
+    waitress dispatches a request only once its whole body has arrived, and its one cap
+    (max_request_body_size) must fit the weights. So a lying Content-Length above --max-body-mb would
+    make the server wait for (and spool) the body before /upload could answer 413. Here such a
+    request completes at once without a body: the app answers 413 from the header, and the
+    connection closes after the answer (any body bytes that follow are never read as a request).
+    """
+    from waitress.channel import HTTPChannel
+    from waitress.parser import HTTPRequestParser, ParsingError, TransferEncodingNotImplemented
+    from waitress.receiver import FixedStreamReceiver
+
+    from ref_server.weights import PreallocatedBody
+
+    class Parser(HTTPRequestParser):
+        def parse_header(self, header_plus: bytes) -> None:
+            try:
+                super().parse_header(header_plus)
+            except TransferEncodingNotImplemented as e:  # a client error: 400, never a 5xx (waitress: 501)
+                raise ParsingError(str(e)) from None
+            to_weights = self.path == "/weights"
+            limit = cfg.max_weights_bytes if to_weights else cfg.max_body_bytes
+            if not self.chunked and self.content_length > limit:
+                self.body_rcv = None               # -> completed now; the app sees CONTENT_LENGTH, answers 413
+                self.headers["CONNECTION"] = "close"  # and waitress closes: the unread body is never parsed
+            elif to_weights and self.command == "PUT" and not self.chunked and self.content_length > 0:
+                body = PreallocatedBody(self.content_length, alloc=weights.buffer)
+                self.body_rcv = FixedStreamReceiver(self.content_length, body)
+
+    class Channel(HTTPChannel):
+        parser_class = Parser
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            # waitress sends at most SO_SNDBUF (16 KB at accept) per call: 30,000 Python-level sends
+            # for a 500 MB weights blob. Offer 4 MB; the kernel takes what fits (slices, no copies).
+            self.sendbuf_len = max(self.sendbuf_len, 4 << 20)
+
+    return Channel
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound and listening on host:port (raises OSError when the port is taken)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers only, never a listener
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(cfg: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT: stop taking uploads, finish the forward in progress, return 0."""
+    from waitress import create_server
+
+    token = resolve_token(cfg)
+    check_bind(cfg, token)
+    stop, signals = threading.Event(), []
+
+    def on_signal(signum: int, _frame) -> None:
+        signals.append(signum)  # a second signal skips the drain wait below
+        stop.set()
+
+    try:  # the port first: a port held by another run fails here at once, before the (slow) model load
+        sock = listen_socket(cfg.host, cfg.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s (another server holds the port? pick a free --port)",
+                  cfg.host, cfg.port, e)
+        return 1
+    # Installed before the (slow) model load, so an early SIGTERM also ends in a clean exit 0.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    app, state = make_app(cfg, token=token)
+    logging.getLogger("waitress.queue").addFilter(_Throttle(60.0))
+    try:
+        server = create_server(app, sockets=[sock], threads=cfg.threads, ident="grpo-ref-server",
+                               # waitress buffers a body before the app sees it: cap that too. Slack so
+                               # that a modest overshoot still gets our JSON 413 (decided from the header).
+                               max_request_body_size=max(cfg.max_body_bytes, cfg.max_weights_bytes) + (1 << 20),
+                               channel_timeout=max(120, int(cfg.max_get_wait) + 30),
+                               # big socket reads/writes: weight blobs are hundreds of MB (defaults: 8 KB / 18 KB)
+                               recv_bytes=1 << 18, send_bytes=1 << 18,
+                               # responses stay in memory (bounded by outbuf_high_watermark) instead of
+                               # being spooled to a temp file at 1 MB
+                               outbuf_overflow=64 << 20, outbuf_high_watermark=32 << 20)
+    except OSError as e:  # port taken, address not local...
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
+        state.scorer.stop()
+        return 1
+    server.channel_class = _limited_channel(cfg, state.weights)
+    threading.Thread(target=server.run, name="http", daemon=True).start()
+    log.info("serving %s on http://%s:%s (vocab %d, max_seq_len %d, token %s, %d threads)", cfg.model, cfg.host,
+             server.effective_port, state.vocab_size, state.max_seq_len, "required" if token else "off", cfg.threads)
+    while not stop.wait(0.5):
+        pass
+    log.info("shutdown requested: refusing uploads, finishing the batch being scored")
+    state.stopping = True
+    state.scorer.stop()
+    # Scored work is still worth delivering: keep answering /get for a while (until a second signal).
+    deadline = time.monotonic() + cfg.drain_timeout
+    while state.scorer.depths()["output"] and time.monotonic() < deadline and len(signals) < 2:
+        time.sleep(0.1)
+    left = state.scorer.depths()["output"]
+    if left:
+        log.warning("exiting with %d scored batch(es) not fetched", left)
+    server.close()
+    server.task_dispatcher.shutdown(timeout=2)
+    log.info("ref server stopped")
+    return 0
