@@ -2,7 +2,8 @@
 
 A step: BatchSource (trainer/batches.py) hands over scored groups -> train_step computes per-token
 logprobs (common/logprobs.py) and the GRPO loss (trainer/grpo.py) -> DeepSpeed backward + step ->
-metrics reduced over ranks -> rank 0 publishes the weights for the genonly workers (common/weight_sync.py).
+metrics reduced over ranks (trainer/step_metrics.py) -> rank 0 publishes the weights for the genonly
+workers (common/weight_sync.py).
 """
 from __future__ import annotations
 
@@ -28,31 +29,22 @@ from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
-from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora, trainable_summary
-from trainer.reward_scoring import RewardScorer, component_means
+from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora
+from trainer.reward_scoring import RewardScorer
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
+from trainer.step_metrics import (
+    MAX_KEYS,
+    MEAN_KEYS,
+    SUM_KEYS,
+    batch_metrics,
+    mem_keys,
+    memory_row,
+    model_summary,
+    reduce_metrics,
+)
 
 log = logging.getLogger("trainer")
-
-
-def batch_metrics(b: ScoredBatch) -> dict:
-    """Reward metrics of the batch trained on (its rollouts came from whichever producer)."""
-    out = {}
-    if b.rewards is not None:
-        out["reward_mean"] = float(b.rewards.mean())
-        out["reward_std"] = float(b.rewards.std()) if b.rewards.numel() > 1 else 0.0
-    comps = b.extra.get("components", {})
-    for name, key in (("correct", "correct_rate"), ("format", "format_rate")):
-        vals = [v for v in comps.get(name, []) if v is not None]  # None: not applicable / timed out
-        if vals:
-            out[key] = sum(v > 0 for v in vals) / len(vals)
-    out.update(component_means(comps))  # reward/<name>: each function's mean where it applied
-    out["reward_timeouts"] = float(sum(b.extra.get("reward_timeouts", [])))
-    out["completion_len"] = float(b.completion_lens.float().mean())
-    if "overlong_penalty" in b.extra:  # DAPO shaping: mean penalty added to the reward (not in reward_mean)
-        out["overlong_penalty"] = sum(b.extra["overlong_penalty"]) / max(len(b.extra["overlong_penalty"]), 1)
-    return out
 
 
 def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
@@ -109,47 +101,12 @@ def dapo_scale(mask: torch.Tensor) -> float:
     return float(local * torch.distributed.get_world_size() / total.clamp(min=1))
 
 
-def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) -> dict:
-    """Combine per-rank metrics: means, sums (counts, rank-0-only figures) and maxima."""
-    dist = torch.distributed
-    vals = lambda keys: torch.tensor([float(d.get(k, 0.0)) for k in keys], dtype=torch.float64)  # noqa: E731
-    m, t, x = vals(mean), vals(total), vals(most)
-    dist.all_reduce(m)
-    dist.all_reduce(t)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    m /= dist.get_world_size()
-    return {**dict(zip(mean, m.tolist())), **dict(zip(total, t.tolist())), **dict(zip(most, x.tolist()))}
-
-
 def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
     from trainer.evaluate import evaluate
     res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt, prompt_format=cfg.prompt_format,
                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False)
     return {"eval_accuracy": res["accuracy"], "eval_format": res["format_rate"], "eval_n": res["n"]}
-
-
-def model_summary(policy, rank: int) -> dict:
-    """Trainable parameters and fraction (LoRA or full) and the size of the full weights, logged once."""
-    summary = trainable_summary(policy)
-    full_mb = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in policy.parameters()) / 1e6
-    if rank == 0:
-        log.info("trainable parameters: %d of %d (%.4f%%)%s; full weights %.1f MB", summary["trainable_params"],
-                 summary["total_params"], 100 * summary["trainable_fraction"],
-                 " (LoRA adapters)" if is_lora(policy) else "", full_mb)
-    # summed over ranks by reduce_metrics: only rank 0 contributes
-    return {k: (float(v) if rank == 0 else 0.0) for k, v in {**summary, "full_weights_mb": full_mb}.items()}
-
-
-def mem_keys(world: int) -> list[str]:
-    return [f"peak_mem_mb_rank{r}" for r in range(world)]
-
-
-def memory_row(rank: int, world: int) -> dict:
-    """Peak memory of this rank (peak RSS on CPU, max allocated on GPU) under its own key, summed over ranks."""
-    from trainer.lora import peak_memory_mb
-    mb = peak_memory_mb()
-    return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb}
 
 
 # --------------------------------------------------------------------------- train
@@ -276,13 +233,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             metrics.log(0, {**res, "phase": "eval_before"})
         watchdog.stepped()
 
-    keys = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
-            "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness",
-            "logp_mismatch_mean", "tis_weight_mean"]
-    keys += [f"reward/{name}" for name in scorer.names]
+    keys = MEAN_KEYS + [f"reward/{name}" for name in scorer.names]
     keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
-    sum_keys = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
-                "sync_s", "sync_mb", "reward_timeouts"]
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
     for step in range(start_step + 1, cfg.all_steps + 1):
         t0 = time.time()
@@ -315,8 +267,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             row.update(publish(step))
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         once = list(setup_row) if step == start_step + 1 else []
-        row = reduce_metrics(row, keys, sum_keys + mem_keys(world) + once,
-                             ["staleness_max", "peak_mem_mb", "logp_mismatch_max"])
+        row = reduce_metrics(row, keys, SUM_KEYS + mem_keys(world) + once, MAX_KEYS)
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             watchdog.activity = f"evaluating at step {step}"
             row.update(maybe_eval(step))

@@ -1,0 +1,75 @@
+"""What a training step logs: the trained batch's reward metrics, this rank's memory and model summary, and
+their reduction over ranks (means, sums, maxima) into the one row rank 0 writes (trainer/metrics.py)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.protocol import ScoredBatch
+from trainer.lora import is_lora, trainable_summary
+from trainer.reward_scoring import component_means
+
+log = logging.getLogger("trainer")
+
+# averaged over ranks / summed (counts; figures only rank 0 has) / maximum
+MEAN_KEYS = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
+             "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness",
+             "logp_mismatch_mean", "tis_weight_mean"]
+SUM_KEYS = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
+            "sync_s", "sync_mb", "reward_timeouts"]
+MAX_KEYS = ["staleness_max", "peak_mem_mb", "logp_mismatch_max"]
+
+
+def batch_metrics(b: ScoredBatch) -> dict:
+    """Reward metrics of the batch trained on (its rollouts came from whichever producer)."""
+    out = {}
+    if b.rewards is not None:
+        out["reward_mean"] = float(b.rewards.mean())
+        out["reward_std"] = float(b.rewards.std()) if b.rewards.numel() > 1 else 0.0
+    comps = b.extra.get("components", {})
+    for name, key in (("correct", "correct_rate"), ("format", "format_rate")):
+        vals = [v for v in comps.get(name, []) if v is not None]  # None: not applicable / timed out
+        if vals:
+            out[key] = sum(v > 0 for v in vals) / len(vals)
+    out.update(component_means(comps))  # reward/<name>: each function's mean where it applied
+    out["reward_timeouts"] = float(sum(b.extra.get("reward_timeouts", [])))
+    out["completion_len"] = float(b.completion_lens.float().mean())
+    if "overlong_penalty" in b.extra:  # DAPO shaping: mean penalty added to the reward (not in reward_mean)
+        out["overlong_penalty"] = sum(b.extra["overlong_penalty"]) / max(len(b.extra["overlong_penalty"]), 1)
+    return out
+
+
+def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) -> dict:
+    """Combine per-rank metrics: means, sums (counts, rank-0-only figures) and maxima."""
+    dist = torch.distributed
+    vals = lambda keys: torch.tensor([float(d.get(k, 0.0)) for k in keys], dtype=torch.float64)  # noqa: E731
+    m, t, x = vals(mean), vals(total), vals(most)
+    dist.all_reduce(m)
+    dist.all_reduce(t)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    m /= dist.get_world_size()
+    return {**dict(zip(mean, m.tolist())), **dict(zip(total, t.tolist())), **dict(zip(most, x.tolist()))}
+
+
+def model_summary(policy, rank: int) -> dict:
+    """Trainable parameters and fraction (LoRA or full) and the size of the full weights, logged once."""
+    summary = trainable_summary(policy)
+    full_mb = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in policy.parameters()) / 1e6
+    if rank == 0:
+        log.info("trainable parameters: %d of %d (%.4f%%)%s; full weights %.1f MB", summary["trainable_params"],
+                 summary["total_params"], 100 * summary["trainable_fraction"],
+                 " (LoRA adapters)" if is_lora(policy) else "", full_mb)
+    # summed over ranks by reduce_metrics: only rank 0 contributes
+    return {k: (float(v) if rank == 0 else 0.0) for k, v in {**summary, "full_weights_mb": full_mb}.items()}
+
+
+def mem_keys(world: int) -> list[str]:
+    return [f"peak_mem_mb_rank{r}" for r in range(world)]
+
+
+def memory_row(rank: int, world: int) -> dict:
+    """Peak memory of this rank (peak RSS on CPU, max allocated on GPU) under its own key, summed over ranks."""
+    from trainer.lora import peak_memory_mb
+    mb = peak_memory_mb()
+    return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb}
