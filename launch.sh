@@ -93,7 +93,8 @@ CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 if [ -z "$REF_MODEL" ]; then
   REF_MODEL=$("$PY" - "${CFG_ARGS[@]}" "${EXTRA[@]}" <<'PYEOF'
 import sys
-from common.config import GRPOConfig, load_config
+from common.config import GRPOConfig
+from common.knobs import load_config
 cfg = load_config(GRPOConfig, sys.argv[1:])
 print(cfg.ref_model or cfg.model)
 PYEOF

@@ -110,17 +110,17 @@ def run_deepspeed(run_dir: Path, server_url: str, *args: str, timeout: float = 4
 
 
 def test_learns_toy_reward(tiny_model_dir, tmp_path):
-    """Mean reward of the last 10 steps >= first 10 steps + 0.5 (reward in [0, 1])."""
+    """Mean reward of the last 5 of 20 steps >= first 5 steps + 0.5 (reward in [0, 1]; measured: 0.02 -> 0.92)."""
     with start_ref_server(tiny_model_dir) as srv:
-        proc = run_deepspeed(tmp_path, srv.url, "--all_steps", "30", "--save_steps", "1000", "--lr", "3e-3",
+        proc = run_deepspeed(tmp_path, srv.url, "--all_steps", "20", "--save_steps", "1000", "--lr", "6e-3",
                              "--Q_batch_size", "2", "--train_batch_groups", "2", "--num_gen_workers", "0")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert srv.stop() == 0
     rows = read_rows(tmp_path)
     rewards = [r["reward_mean"] for r in rows]
-    assert len(rewards) == 30
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"toy reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}; "
+    assert len(rewards) == 20
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"toy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}; "
           f"{sum(r['step_s'] for r in rows) / len(rows):.2f} s per step (2 CPU ranks, generating themselves)")
     assert last >= first + 0.5, rewards
 

@@ -138,12 +138,13 @@ def test_lora_zero3_with_worker(toy_model, tmp_path):
 
 
 def test_lora_learns_toy_reward(toy_model, tmp_path):
-    """As test_e2e's full fine-tuning run: 30 steps, ranks generating themselves; the reward rises."""
+    """As test_e2e's full fine-tuning run: 16 steps, ranks generating themselves; the reward rises. Step 1 is the
+    base policy's batch (LoRA at this lr learns within a few steps, so a window of first steps would not be)."""
     run_dir = tmp_path / "run"
-    launch(run_dir, toy_model, 0, "--all_steps", "30", "--save_steps", "1000", "--lr", "1e-2", "--Q_batch_size", "2",
+    launch(run_dir, toy_model, 0, "--all_steps", "16", "--save_steps", "1000", "--lr", "1e-2", "--Q_batch_size", "2",
            "--train_batch_groups", "2", "--num_gen_workers", "0")
     rewards = [r["reward_mean"] for r in read_rows(run_dir)]
-    assert len(rewards) == 30
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"LoRA toy reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}: {json.dumps(rewards)}")
-    assert last >= first + 0.3 and last >= 0.7, rewards
+    assert len(rewards) == 16
+    first, last = rewards[0], sum(rewards[-5:]) / 5
+    print(f"LoRA toy reward: step 1 {first:.3f}, last 5 steps {last:.3f}: {json.dumps(rewards)}")
+    assert last >= first + 0.5 and last >= 0.7, rewards

@@ -25,20 +25,22 @@ def test_variant_learns_toy_reward(variant, tiny_model_dir, tmp_path):
         return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
 
     with start_ref_server(tiny_model_dir) as srv:
-        proc = run_deepspeed(tmp_path, srv.url, "--all_steps", "30", "--save_steps", "1000", "--lr", "3e-3",
+        proc = run_deepspeed(tmp_path, srv.url, "--all_steps", "20", "--save_steps", "1000", "--lr", "6e-3",
                              "--Q_batch_size", "2", "--train_batch_groups", "2", "--num_gen_workers", "0", *variant)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert srv.stop() == 0
     rows = read_rows(tmp_path)
     rewards = [r["reward_mean"] for r in rows]
-    assert len(rewards) == 30
+    assert len(rewards) == 20
     if "--overlong_buffer" in variant:
         # the objective is the shaped reward: digits pay, lengths past max_new_tokens - 4 cost up to 0.5
         assert all(r["overlong_penalty"] <= 0 for r in rows) and any(r["overlong_penalty"] < 0 for r in rows)
         print("completion_len:", [round(r["completion_len"], 1) for r in rows])
         print("overlong_penalty:", [round(r["overlong_penalty"], 2) for r in rows])
         rewards = [r["reward_mean"] + r["overlong_penalty"] for r in rows]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    # measured at 20 steps: first 5 -> last 5 = 0.02 -> 0.91 (gspo), 0.02 -> 0.92 (reinforce_pp),
+    # -0.44 -> 0.38 (overlong, shaped)
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"{variant}: toy reward{' + overlong penalty' if '--overlong_buffer' in variant else ''} "
-          f"first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+          f"first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     assert last >= first + (0.3 if "--overlong_buffer" in variant else 0.5), rewards
