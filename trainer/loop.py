@@ -3,7 +3,7 @@
 A step: BatchSource (trainer/batches.py) hands over scored groups -> train_step computes per-token
 logprobs (common/logprobs.py) and the GRPO loss (trainer/grpo.py) -> DeepSpeed backward + step ->
 metrics reduced over ranks (trainer/step_metrics.py) -> rank 0 publishes the weights for the genonly
-workers (common/weight_sync.py).
+workers (trainer/publish.py over common/weight_sync.py).
 """
 from __future__ import annotations
 
@@ -15,21 +15,19 @@ from pathlib import Path
 
 import torch
 
-from common.client import RefServerError
 from common.config import GRPOConfig
 from common.knobs import to_dict
 from common.logprobs import sequence_logprobs
-from common.modeling import eos_ids, load_tokenizer, pick_dtype, resolve_model_path
+from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.protocol import ScoredBatch
-from common.weight_sync import WeightSync
 from trainer import resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
-from trainer.data import ColumnSpec, PromptSampler, load_examples
+from trainer.data import ColumnSpec, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
-from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora
+from trainer.publish import Publisher
 from trainer.reward_scoring import RewardScorer
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
@@ -149,7 +147,6 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
     policy = engine.module
     hf_dtype = source_dtype(model_path)  # HF checkpoints in the model's own dtype
-    lora = is_lora(policy)
     setup_row = model_summary(policy, rank)
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
@@ -162,57 +159,15 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit, columns=columns) \
         if (cfg.eval_steps or cfg.eval_before) else []
     scorer = RewardScorer.from_config(cfg)
-    sampler = PromptSampler(examples, seed=cfg.seed, shard=rank, num_shards=world)
-    if start_step > 0:  # --resume: continue the data order exactly where the checkpoint left it
-        state = resume.load_rank_state(out / "ds", rank, world)
-        if state is None:
-            log.warning("the checkpoint holds no data state (saved by an older version): prompts restart from a "
-                        "seed offset, so some may repeat or be skipped")
-            sampler = PromptSampler(examples, seed=cfg.seed + 7919 * start_step, shard=rank, num_shards=world)
-        else:
-            resume.restore(sampler, state)
-            log.info("data order resumed: epoch %d, position %d", sampler.epoch, state["sampler"]["pos"])
+    sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)
     stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")
     source = BatchSource(cfg, client, policy, tok, sampler, scorer, stop_ids,
                          vocab, producer_id=f"trainer-rank{rank}")
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
                             run_config=to_dict(cfg)) if rank == 0 else None
 
-    syncer = None
-    if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
-        syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir)
-
-    # workers with an explicit dtype get the weights in it (bf16: half the bytes through the relay)
-    publish_dtype = None if cfg.worker_dtype == "auto" else pick_dtype(cfg.worker_dtype, torch.device("cpu"))
-
-    def publish_rank0(version: int) -> tuple[float, int]:
-        try:
-            if lora:  # adapter tensors only; workers merge them into their base weights (trainer/lora.py)
-                return syncer.publish(policy, version, dtype=publish_dtype, named=adapter_tensors(policy),
-                                      metadata=adapter_metadata(policy))
-            return syncer.publish(policy, version, dtype=publish_dtype)
-        except RefServerError as e:
-            if e.status != 409:
-                raise
-            # Resumed while the server kept weights of a later step from before the crash: it accepts
-            # only newer versions, so publishing picks up again once the step count passes them.
-            log.warning("policy v%d not published (%s); workers keep the server's weights until a newer step",
-                        version, e.message)
-            return 0.0, 0
-
-    def publish(version: int) -> dict:
-        """Rank 0 publishes the live weights (gathered under ZeRO-3, which needs every rank)."""
-        if syncer is None:
-            return {}
-        if zero_stage == 3:
-            params = [p for _, p in adapter_parameters(policy)] if lora else list(policy.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                res = publish_rank0(version) if rank == 0 else (0.0, 0)
-        else:
-            res = publish_rank0(version) if rank == 0 else (0.0, 0)
-        return {"sync_s": res[0], "sync_mb": res[1] / 1e6}
-
-    publish(start_step)
+    publisher = Publisher(cfg, client, policy, deepspeed, rank, zero_stage)
+    publisher.publish(start_step)
 
     def maybe_eval(step: int) -> dict:
         res = run_eval(policy, tok, cfg, eval_examples) if rank == 0 else {}
@@ -262,9 +217,9 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         torch.distributed.all_gather_object(trained, mine)
         totals["skipped_groups"] += own.skipped_no_spread
         totals["dropped_stale"] += info["dropped_stale"]
-        if syncer is not None and step % cfg.sync_steps == 0:
+        if publisher.active and step % cfg.sync_steps == 0:
             watchdog.activity = f"publishing the weights of step {step}"
-            row.update(publish(step))
+            row.update(publisher.publish(step))
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         once = list(setup_row) if step == start_step + 1 else []
         row = reduce_metrics(row, keys, SUM_KEYS + mem_keys(world) + once, MAX_KEYS)

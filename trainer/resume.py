@@ -70,5 +70,22 @@ def load_rank_state(ds_dir: Path, rank: int, world: int) -> dict | None:
     return saved["ranks"][rank]
 
 
+def rank_sampler(examples, seed: int, ds_dir: Path, start_step: int, rank: int, world: int):
+    """This rank's prompt sampler: fresh, or on --resume (start_step > 0) where the checkpoint left it."""
+    from trainer.data import PromptSampler
+
+    sampler = PromptSampler(examples, seed=seed, shard=rank, num_shards=world)
+    if start_step == 0:
+        return sampler
+    state = load_rank_state(ds_dir, rank, world)
+    if state is None:
+        log.warning("the checkpoint holds no data state (saved by an older version): prompts restart from a "
+                    "seed offset, so some may repeat or be skipped")
+        return PromptSampler(examples, seed=seed + 7919 * start_step, shard=rank, num_shards=world)
+    restore(sampler, state)
+    log.info("data order resumed: epoch %d, position %d", sampler.epoch, state["sampler"]["pos"])
+    return sampler
+
+
 def worker_state_path(output_dir: str, worker_id: int) -> Path:
     return Path(output_dir) / f"worker{worker_id}_data_state.json"

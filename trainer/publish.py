@@ -1,0 +1,57 @@
+"""Rank 0 publishes the live policy for the genonly workers (common/weight_sync.py: HTTP relay or sync_dir):
+every sync_steps steps, full weights or only the LoRA adapters, in worker_dtype, gathered first under
+ZeRO-3 (which needs every rank in the gather)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.client import RefServerError
+from common.modeling import pick_dtype
+from common.weight_sync import WeightSync
+from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora
+
+log = logging.getLogger("trainer")
+
+
+class Publisher:
+    def __init__(self, cfg, client, policy, deepspeed, rank: int, zero_stage: int):
+        self.policy, self.deepspeed, self.rank, self.zero_stage = policy, deepspeed, rank, zero_stage
+        self.lora = is_lora(policy)
+        self.syncer = None  # nobody to publish to: no workers, or workers that keep their weights
+        if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
+            self.syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir)
+        # workers with an explicit dtype get the weights in it (bf16: half the bytes through the relay)
+        self.dtype = None if cfg.worker_dtype == "auto" else pick_dtype(cfg.worker_dtype, torch.device("cpu"))
+
+    @property
+    def active(self) -> bool:
+        return self.syncer is not None
+
+    def publish(self, version: int) -> dict:
+        """Called on every rank; returns the sync_s / sync_mb metrics (rank 0's figures, zeros elsewhere)."""
+        if self.syncer is None:
+            return {}
+        if self.zero_stage == 3:
+            params = [p for _, p in adapter_parameters(self.policy)] if self.lora else list(self.policy.parameters())
+            with self.deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                res = self._rank0(version) if self.rank == 0 else (0.0, 0)
+        else:
+            res = self._rank0(version) if self.rank == 0 else (0.0, 0)
+        return {"sync_s": res[0], "sync_mb": res[1] / 1e6}
+
+    def _rank0(self, version: int) -> tuple[float, int]:
+        try:
+            if self.lora:  # adapter tensors only; workers merge them into their base weights (trainer/lora.py)
+                return self.syncer.publish(self.policy, version, dtype=self.dtype, named=adapter_tensors(self.policy),
+                                           metadata=adapter_metadata(self.policy))
+            return self.syncer.publish(self.policy, version, dtype=self.dtype)
+        except RefServerError as e:
+            if e.status != 409:
+                raise
+            # Resumed while the server kept weights of a later step from before the crash: it accepts
+            # only newer versions, so publishing picks up again once the step count passes them.
+            log.warning("policy v%d not published (%s); workers keep the server's weights until a newer step",
+                        version, e.message)
+            return 0.0, 0
