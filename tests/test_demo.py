@@ -80,3 +80,20 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     while (left := _processes_mentioning(str(run_dir))) and time.time() < deadline:
         time.sleep(0.5)
     assert not left, left
+
+
+def test_demo_uses_float32_on_a_cpu_without_native_bf16(monkeypatch) -> None:
+    import torch
+
+    from common.config import GRPOConfig
+    from common.knobs import load_config
+    from trainer.demo import DEMO_CONFIG, cpu_precision_args
+
+    said: list[str] = []
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    args = cpu_precision_args(said.append)
+    cfg = load_config(GRPOConfig, ["--config", str(DEMO_CONFIG), *args])
+    assert (cfg.bf16, cfg.vllm_dtype) == (False, "float32") and "float32" in said[0]
+    assert load_config(GRPOConfig, ["--config", str(DEMO_CONFIG)]).bf16 is True  # the demo's own choice
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert cpu_precision_args(said.append) == [] and len(said) == 1
