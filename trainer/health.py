@@ -143,8 +143,7 @@ class Watchdog:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             term, self._term_fd = self._sigterm_seen(), None
             if term:  # arrived after the thread's last look
-                self._flush()
-                os._exit(128 + signal.SIGTERM)
+                self._exit_on_sigterm(linger=0.0)
 
     # -- checks ------------------------------------------------------------------------------
     def dead_peers(self) -> list[str]:
@@ -191,6 +190,11 @@ class Watchdog:
         self._flush()
         os._exit(code)  # from this thread: the main thread may be blocked in a socket or a collective
 
+    def _exit_on_sigterm(self, linger: float) -> None:
+        self._flush()
+        time.sleep(linger)
+        os._exit(128 + signal.SIGTERM)
+
     @staticmethod
     def _flush() -> None:
         for h in logging.getLogger().handlers:
@@ -221,9 +225,7 @@ class Watchdog:
                 # A peer dead before our TERM was named above. Peers TERMed with us (Ctrl-C) check at once
                 # too: stay alive a moment so that none of them mistakes our exit for a death.
                 log.info("SIGTERM: rank %d stops", self.rank)
-                self._flush()
-                time.sleep(0.5)
-                os._exit(128 + signal.SIGTERM)
+                self._exit_on_sigterm(linger=0.5)
             silent = time.monotonic() - self.last_step
             if self.cfg.stall_timeout and silent > self.cfg.stall_timeout:
                 self._die(EXIT_STALLED, *self.stall_diagnosis(silent))

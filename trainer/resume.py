@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.data import PromptSampler
+
 log = logging.getLogger("trainer")
 
 
@@ -72,8 +74,6 @@ def load_rank_state(ds_dir: Path, rank: int, world: int) -> dict | None:
 
 def rank_sampler(examples, seed: int, ds_dir: Path, start_step: int, rank: int, world: int):
     """This rank's prompt sampler: fresh, or on --resume (start_step > 0) where the checkpoint left it."""
-    from trainer.data import PromptSampler
-
     sampler = PromptSampler(examples, seed=seed, shard=rank, num_shards=world)
     if start_step == 0:
         return sampler
