@@ -241,6 +241,8 @@ def test_batch_source_counts_batches_lost_with_the_server(monkeypatch):
     monkeypatch.setattr(tm, "generate_batches", fake_generate)
 
     class FlakyClient:
+        urls = ["http://127.0.0.1:1"]
+
         def __init__(self):
             self.outages, self.uploaded, self.calls = 0, [], 0
 

@@ -69,8 +69,13 @@ class BatchSource:
         last_note = time.time()
         idle_since = time.time()
         while len(groups) < cfg.train_batch_groups:
-            # Wait briefly when something we uploaded is being scored; with workers, poll in slices.
-            wait = 1.0 if self.in_flight > 0 else (2.0 if cfg.num_gen_workers else 0.0)
+            # Wait briefly while the server still holds work that may be our uploads; another rank may
+            # have taken them already, and a blind wait then cost a second per step. With workers, poll
+            # in slices.
+            if self.in_flight > 0:
+                wait = 1.0 if self._server_busy() else 0.0
+            else:
+                wait = 2.0 if cfg.num_gen_workers else 0.0
             t0 = time.time()
             self._doing("waiting for a scored batch from the ref server {url} (GET /get)")
             b = self.client.get(timeout=wait)
@@ -121,11 +126,15 @@ class BatchSource:
         return collate(groups), info
 
     def _server_busy(self) -> bool:
-        try:
-            q = self.client.health().get("queues", {})
-        except RefServerError:
-            return False
-        return bool(q.get("input", 0) or q.get("scoring", False))
+        """A ref server holds work not handed out yet (queued, being scored, or scored and waiting)."""
+        for url in self.client.urls:
+            try:
+                q = self.client.health(url).get("queues", {})
+            except RefServerError:
+                continue  # unreachable: nothing of ours will come from it (counted as lost above)
+            if q.get("input", 0) or q.get("scoring", False) or q.get("output", 0):
+                return True
+        return False
 
 
 def _merge_stats(acc: RolloutStats, st: RolloutStats) -> None:

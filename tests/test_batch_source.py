@@ -1,0 +1,69 @@
+"""How a rank waits for its own uploads (trainer/batches.py BatchSource), against a real ref server over HTTP.
+
+Ranks share the server's output queue: a batch one rank uploaded is often taken by another. A rank whose
+uploads are gone must not wait for them, only one whose uploads the server still holds."""
+from __future__ import annotations
+
+import pytest
+from conftest import start_ref_server
+from test_ref_server import make_batch
+
+from common.client import RefClient
+from common.config import GRPOConfig
+from common.knobs import load_config
+from trainer.rollout import RolloutStats
+
+
+class RecordingClient(RefClient):
+    """The real client, noting each /get long-poll's timeout."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.waits: list[float] = []
+
+    def get(self, timeout: float = 0.0):
+        self.waits.append(timeout)
+        return super().get(timeout)
+
+
+@pytest.fixture
+def own_uploads(monkeypatch):
+    """generate_batches replaced by two fixed rollouts per call (the model is not what is tested here)."""
+    import trainer.batches as tb
+
+    made: list = []
+
+    def fake_generate(*a, **k):
+        bs = [make_batch([3], [3], seed=len(made) + i, producer_id="trainer-rank0") for i in range(2)]
+        made.extend(bs)
+        return bs, RolloutStats()
+
+    monkeypatch.setattr(tb, "generate_batches", fake_generate)
+    return made
+
+
+class Sampler:
+    def next_batch(self, n):
+        return []
+
+
+def test_uploads_taken_by_another_rank_cost_no_wait(tiny_model_dir, own_uploads):
+    from trainer.batches import BatchSource
+
+    cfg = load_config(GRPOConfig, ["--num_gen_workers", "0", "--max_new_tokens", "8", "--train_batch_groups", "1"])
+    with start_ref_server(tiny_model_dir) as srv:
+        client = RecordingClient(srv.url)
+        src = BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
+        # step 1: nothing on the server, so generate and upload 2; wait for one while the server holds them
+        batch, _ = src.next(policy_version=0)
+        assert batch.batch_id == own_uploads[0].batch_id and src.in_flight == 1
+        assert client.waits[0] == 0.0 and client.waits[1:] and set(client.waits[1:]) == {1.0}, client.waits
+        # another rank takes our second upload
+        other = RefClient(srv.url).get(timeout=30)
+        assert other is not None and other.batch_id == own_uploads[1].batch_id
+        # step 2: our upload is gone from the server: generate anew at once, no long-poll for it
+        client.waits.clear()
+        batch, info = src.next(policy_version=0)
+        assert client.waits[0] == 0.0, client.waits
+        assert len(own_uploads) == 4 and batch.batch_id == own_uploads[2].batch_id
+        assert info["lost_batches"] == 0
