@@ -134,3 +134,9 @@ def qwen_instruct_dir(request) -> Path:
 def qwen_base_dir(request) -> Path:
     """Qwen2.5 base-like: the same tokenizer with eos = pad = <|endoftext|>, random body."""
     return _qwen_vocab_dir(request, "base")
+
+
+def pytest_collection_modifyitems(config, items):
+    """End-to-end (slow) files first: with two files at a time (run_tests.sh), the short files then fill
+    in at the end instead of one long file running on alone. The sort is stable: order within a file holds."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 BUILDER_VERSION = "1"  # bump when the output changes: cached copies are keyed by it
@@ -103,13 +104,20 @@ def build_checkpoint(out: str | Path, variant: str = "instruct", layers: int = 2
         gen = GenerationConfig(bos_token_id=FIRST_SPECIAL_ID, eos_token_id=eos_id, max_new_tokens=2048,
                                do_sample=False)
     model.generation_config = gen
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Written aside, then renamed into place: test processes running side by side may build the same one.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     (tmp / "qwen_vocab.json").write_text(json.dumps({"builder": BUILDER_VERSION, "variant": variant}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if (out / "qwen_vocab.json").is_file():  # another process finished the same build first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # a build cut short before it was complete
+    try:
+        tmp.rename(out)
+    except OSError:  # another process renamed its copy in meanwhile (same seed: identical)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
