@@ -155,8 +155,15 @@ class Watchdog:
                 dead.append(f"rank {r} (pid {pid} on {host})")
         return dead
 
-    def peer_diagnosis(self, error: BaseException | None = None) -> str:
+    def peer_diagnosis(self, error: BaseException | None = None, grace: float = 0.0) -> str:
+        """One line naming the dead peer rank(s); `grace`: seconds to keep looking for one. A SIGKILLed peer's
+        sockets close while its process is still exiting (not yet a zombie), so the collective's error can
+        come a moment before the peer looks gone."""
         dead = self.dead_peers()
+        deadline = time.monotonic() + grace
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self.dead_peers()
         who = (", ".join(dead) + " is gone") if dead else "a peer rank (not on this host, or stuck) stopped answering"
         tail_ = f": {type(error).__name__}: {str(error)[:300]}" if error is not None else ""
         return f"rank {self.rank}: {who} while this rank was {self.activity}{tail_}"

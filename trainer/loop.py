@@ -116,7 +116,7 @@ def train(cfg: GRPOConfig) -> None:
     except Exception as e:
         if not (started and _is_dist_error(e)):
             raise
-        line = started[0].peer_diagnosis(e)
+        line = started[0].peer_diagnosis(e, grace=2.0)
         log.error("%s", line)
         write_diagnosis(cfg.output_dir, line)
         raise SystemExit(EXIT_PEER_GONE) from e
