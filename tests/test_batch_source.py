@@ -1,16 +1,19 @@
-"""How a rank waits for its own uploads (trainer/batches.py BatchSource), against a real ref server over HTTP.
+"""How a rank waits for its own uploads (trainer/batches.py BatchSource).
 
 Ranks share the server's output queue: a batch one rank uploaded is often taken by another. A rank whose
-uploads are gone must not wait for them, only one whose uploads the server still holds."""
+uploads are gone must not wait for them, only one whose uploads the server still holds (real ref server
+over HTTP); uploads that died with a server are counted as lost and generated anew."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import start_ref_server
 from test_ref_server import make_batch
 
 from common.client import RefClient
 from common.config import GRPOConfig
 from common.knobs import load_config
+from common.protocol import ScoredBatch
 from trainer.rollout import RolloutStats
 
 
@@ -67,3 +70,37 @@ def test_uploads_taken_by_another_rank_cost_no_wait(tiny_model_dir, own_uploads)
         assert client.waits[0] == 0.0, client.waits
         assert len(own_uploads) == 4 and batch.batch_id == own_uploads[2].batch_id
         assert info["lost_batches"] == 0
+
+
+def test_uploads_lost_with_the_server_are_counted_and_made_anew(own_uploads):
+    """Unit level: uploads in flight when the server went away are counted as lost and generated anew."""
+    from trainer.batches import BatchSource
+
+    cfg = load_config(GRPOConfig, ["--num_gen_workers", "0", "--max_new_tokens", "8"])
+
+    class FlakyClient:
+        urls = ["http://127.0.0.1:1"]
+
+        def __init__(self):
+            self.outages, self.uploaded, self.calls = 0, [], 0
+
+        def get(self, timeout=0.0):
+            self.calls += 1
+            if self.calls == 2:  # the server died with our 2 uploads, and came back empty
+                self.outages += 1
+                return None
+            if self.calls >= 3 and len(self.uploaded) >= 4:
+                return ScoredBatch.from_rollout(self.uploaded[2], -torch.rand(1, 3))
+            return None
+
+        def upload(self, b):
+            self.uploaded.append(b)
+
+        def health(self, *a, **k):
+            return {"queues": {"input": 0, "output": 0, "scoring": False}}
+
+    client = FlakyClient()
+    src = BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
+    batch, info = src.next(policy_version=0)
+    assert info["lost_batches"] == 2 and len(client.uploaded) == 4 and batch.batch_id == own_uploads[2].batch_id
+    assert src.in_flight == 1

@@ -22,7 +22,6 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-import torch
 from conftest import REPO, find_free_port, start_ref_server
 from test_e2e import TOY, env, read_rows
 from test_ref_server import make_batch
@@ -220,56 +219,6 @@ def test_trainer_sigkill_then_resume(fault_run):
     assert "training done" in fig["resume_out"]
     # the server kept the killed run's newer weights: the resumed trainer says so and goes on (no crash on 409)
     assert "Traceback" not in fig["resume_out"]
-
-
-def test_batch_source_counts_batches_lost_with_the_server(monkeypatch):
-    """Unit level: uploads in flight when the server went away are counted as lost and generated anew."""
-    import trainer.batches as tm
-    from common.config import GRPOConfig
-    from common.knobs import load_config
-    from common.protocol import ScoredBatch
-    from trainer.rollout import RolloutStats
-
-    cfg = load_config(GRPOConfig, ["--num_gen_workers", "0", "--max_new_tokens", "8"])
-    made: list = []
-
-    def fake_generate(*a, **k):
-        bs = [make_batch([3], [3], seed=len(made) + i, producer_id="trainer-rank0") for i in range(2)]
-        made.extend(bs)
-        return bs, RolloutStats()
-
-    monkeypatch.setattr(tm, "generate_batches", fake_generate)
-
-    class FlakyClient:
-        urls = ["http://127.0.0.1:1"]
-
-        def __init__(self):
-            self.outages, self.uploaded, self.calls = 0, [], 0
-
-        def get(self, timeout=0.0):
-            self.calls += 1
-            if self.calls == 2:  # the server died with our 2 uploads, and came back empty
-                self.outages += 1
-                return None
-            if self.calls >= 3 and len(self.uploaded) >= 4:
-                return ScoredBatch.from_rollout(self.uploaded[2], -torch.rand(1, 3))
-            return None
-
-        def upload(self, b):
-            self.uploaded.append(b)
-
-        def health(self, *a, **k):
-            return {"queues": {"input": 0, "output": 0, "scoring": False}}
-
-    class Sampler:
-        def next_batch(self, n):
-            return []
-
-    client = FlakyClient()
-    src = tm.BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
-    batch, info = src.next(policy_version=0)
-    assert info["lost_batches"] == 2 and len(client.uploaded) == 4 and batch.batch_id == made[2].batch_id
-    assert src.in_flight == 1
 
 
 # --------------------------------------------------------------------------- SIGTERM while scoring

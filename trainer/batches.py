@@ -69,13 +69,10 @@ class BatchSource:
         last_note = time.time()
         idle_since = time.time()
         while len(groups) < cfg.train_batch_groups:
-            # Wait briefly while the server still holds work that may be our uploads; another rank may
-            # have taken them already, and a blind wait then cost a second per step. With workers, poll
-            # in slices.
-            if self.in_flight > 0:
-                wait = 1.0 if self._server_busy() else 0.0
-            else:
-                wait = 2.0 if cfg.num_gen_workers else 0.0
+            # Long-poll while the server still holds work that may be our uploads; another rank may have
+            # taken them already, and a blind wait then cost a second per step. With workers, poll in slices.
+            pending = self.in_flight > 0 and self._server_busy()
+            wait = 1.0 if pending else (2.0 if cfg.num_gen_workers and not self.in_flight else 0.0)
             t0 = time.time()
             self._doing("waiting for a scored batch from the ref server {url} (GET /get)")
             b = self.client.get(timeout=wait)
@@ -97,7 +94,7 @@ class BatchSource:
                 self.stall.progress()
                 idle_since = time.time()
                 continue
-            if self.in_flight > 0 and self._server_busy():
+            if pending and self._server_busy():
                 continue  # our uploads are still queued or being scored: keep waiting for them
             if self.in_flight and self.client.outages != self.outages_at_upload:
                 # the server was unreachable since our uploads: they died with it; count them and generate anew
