@@ -17,7 +17,7 @@ from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_p
 from trainer.data import ColumnSpec, Example, load_examples
 from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
-from trainer.rewards import reward_correct, reward_format
+from trainer.rewards.builtin import reward_correct, reward_format
 from trainer.rollout import encode_prompts
 
 

@@ -28,7 +28,7 @@ from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
 from trainer.publish import Publisher
-from trainer.reward_scoring import RewardScorer
+from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
 from trainer.step_metrics import (

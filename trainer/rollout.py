@@ -1,4 +1,4 @@
-"""Rollouts: sample a group of completions per prompt, reward them (trainer/reward_scoring.py), build upload
+"""Rollouts: sample a group of completions per prompt, reward them (trainer/rewards/scoring.py), build upload
 batches.
 
 The exact sampled token ids travel to the server (never decoded and re-tokenised); the
@@ -84,7 +84,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
                      policy_version: int = 0, producer_id: str = "") -> tuple[list[RolloutBatch], RolloutStats]:
     """One generation round: a RolloutBatch per prompt group with reward spread.
 
-    scorer: a trainer.reward_scoring.RewardScorer (rewards, per-function components, timeouts per group).
+    scorer: a trainer.rewards.scoring.RewardScorer (rewards, per-function components, timeouts per group).
     gen_logps are the engine's own logprobs when it returns them (vLLM, no second forward), otherwise
     one forward of the HF engine's model, the same computation the trainer does."""
     t0 = time.time()

@@ -8,7 +8,7 @@ import torch
 
 from common.protocol import ScoredBatch
 from trainer.lora import is_lora, trainable_summary
-from trainer.reward_scoring import component_means
+from trainer.rewards.scoring import component_means
 
 log = logging.getLogger("trainer")
 
