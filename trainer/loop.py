@@ -20,7 +20,7 @@ from common.knobs import to_dict
 from common.logprobs import sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.protocol import ScoredBatch
-from trainer import resume
+from trainer import comm, resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
@@ -54,8 +54,7 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
         mask = mask & keep[:, None]
     adv = b.advantages.to(device)
     if cfg.advantage_mode == "reinforce_pp":  # group-centred at generation; normalised over the step's batch here
-        adv = reinforce_pp_advantages(adv, all_reduce=torch.distributed.all_reduce
-                                      if torch.distributed.is_initialized() else None)
+        adv = reinforce_pp_advantages(adv, all_reduce=comm.all_reduce if torch.distributed.is_initialized() else None)
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
     level = cfg.importance_sampling_level
@@ -95,7 +94,7 @@ def dapo_scale(mask: torch.Tensor) -> float:
     ranks, so a rank's token_mean (sum / local tokens) is scaled by local tokens * world / global tokens."""
     local = mask.sum().to(torch.float64).cpu()
     total = local.clone()
-    torch.distributed.all_reduce(total)
+    comm.all_reduce(total)  # on the group's device (NCCL: CUDA), see trainer/comm.py
     return float(local * torch.distributed.get_world_size() / total.clamp(min=1))
 
 
@@ -122,10 +121,7 @@ def train(cfg: GRPOConfig) -> None:
         raise SystemExit(EXIT_PEER_GONE) from e
 
 
-def _is_dist_error(e: BaseException) -> bool:
-    dist_error = getattr(torch.distributed, "DistError", ())
-    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(
-        k in str(e) for k in ("Gloo", "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")))
+_is_dist_error = comm.is_dist_error  # gloo's and NCCL's words for a failed collective
 
 
 def _train(cfg: GRPOConfig, started: list) -> None:
