@@ -59,7 +59,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 def test_every_tensor_collective_goes_through_comm():
     """A tensor collective called anywhere but trainer/comm.py could hand NCCL a CPU tensor again."""
     offenders = []
-    for path in [*(REPO / "trainer").rglob("*.py"), *(REPO / "common").rglob("*.py"), *(REPO / "ref_server").rglob("*.py")]:
+    for path in [p for d in ("trainer", "common", "ref_server") for p in (REPO / d).rglob("*.py")]:
         if path == REPO / "trainer" / "comm.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

@@ -16,7 +16,7 @@ def comm_device() -> torch.device:
     """The device whose tensors the default process group reduces: CPU if it serves CPU (gloo), else the
     current CUDA device (NCCL; init_deepspeed has set it to the rank's local GPU)."""
     group = dist.distributed_c10d._get_default_group()
-    served = {d.type for d in group._device_types}  # e.g. {'cpu'} for gloo, {'cuda'} for nccl, both for cpu:gloo,cuda:nccl
+    served = {d.type for d in group._device_types}  # gloo: cpu; nccl: cuda; cpu:gloo,cuda:nccl: both
     if "cpu" in served:
         return torch.device("cpu")
     if "cuda" in served and torch.cuda.is_available():

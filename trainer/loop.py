@@ -17,16 +17,17 @@ import torch
 
 from common.config import GRPOConfig
 from common.knobs import to_dict
-from common.logprobs import sequence_logprobs
+from common.logprobs import chunk_count, sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.protocol import ScoredBatch
-from trainer import comm, resume
+from trainer import comm, microbatch, resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
+from trainer.microbatch import micro_rows, rows_per_step
 from trainer.publish import Publisher
 from trainer.reward_scoring import RewardScorer
 from trainer.rollout import RolloutStats
@@ -46,7 +47,9 @@ log = logging.getLogger("trainer")
 
 
 def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
-    """mu optimisation passes over one training batch; returns loss and diagnostics."""
+    """mu optimisation passes over one training batch, each in micro-batches of micro_batch_size rows whose
+    gradients DeepSpeed accumulates into one optimizer update (trainer/microbatch.py); returns loss and
+    diagnostics."""
     device = next(engine.module.parameters()).device
     mask = b.completion_mask().to(device)
     if cfg.mask_truncated and "truncated" in b.extra:
@@ -57,35 +60,70 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
         adv = reinforce_pp_advantages(adv, all_reduce=comm.all_reduce if torch.distributed.is_initialized() else None)
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
-    level = cfg.importance_sampling_level
-    eps = dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high) if level == "sequence" else \
-        dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    if b.input_ids.shape[0] != rows_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches
+        raise ValueError(f"training batch has {b.input_ids.shape[0]} rows, expected train_batch_groups x num_pre_Q "
+                         f"= {rows_per_step(cfg)}")
+    micros = microbatch.split(b, mask, adv, gen, ref, micro_rows(cfg), cfg.aggregation)
+    scale = dapo_scale(mask) if cfg.aggregation == "dapo" else 1.0  # the whole rank batch's share, once
     stats: dict = {}
-    old = weights = None  # truncated IS: the trainer's own old logps (first pass) and the per-token weights
+    olds: list = [None] * len(micros)  # truncated IS: the trainer's own old logps (first pass) per micro-batch
     for _ in range(cfg.mu):
-        logps, ent = sequence_logprobs(engine.module, b.input_ids, b.prompt_lens, b.completion_lens,
-                                       chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
-        logps = logps.float()
-        if cfg.tis_cap is not None and gen is not None and old is None:
-            old = logps.detach()
-            weights = tis_weights(old, gen, cfg.tis_cap)
-        loss = grpo_loss(logps, ref, old if old is not None else gen, adv, mask, beta=cfg.beta,
-                         aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
-                         max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level,
-                         is_weights=weights, **eps)
-        if cfg.aggregation == "dapo":
-            loss = loss * dapo_scale(mask)
-        engine.backward(loss)
-        engine.step()
+        seen = []
+        for i, mb in enumerate(micros):
+            logps, ent = sequence_logprobs(engine.module, mb.input_ids, mb.prompt_lens, mb.completion_lens,
+                                           chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True,
+                                           min_chunks=agreed_chunks(engine.module, mb, cfg))
+            logps = logps.float()
+            if cfg.tis_cap is not None and mb.gen is not None and olds[i] is None:
+                olds[i] = logps.detach()
+            loss = micro_loss(logps, mb, olds[i], cfg) * (scale * mb.weight)
+            engine.backward(loss * microbatch.backward_scale(len(micros)))
+            engine.step()  # an optimizer update only after the step's last micro-batch (engine.py)
+            seen.append((logps.detach(), ent, float(loss.detach())))
         if not stats:  # diagnostics of the first pass: the policy that saw this batch
-            stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=level, **eps)
-            m = mask.float()
-            stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
-            stats["loss"] = float(loss.detach())
-            if gen is not None:  # train/inference mismatch (includes policy drift when the batch is stale)
-                stats.update(mismatch_stats(logps, gen, mask))
-            if weights is not None:
-                stats["tis_weight_mean"] = float((weights * m).sum() / m.sum().clamp(min=1))
+            stats = step_stats(seen, micros, olds, b, mask, adv, gen, ref, cfg)
+    return stats
+
+
+def agreed_chunks(model, mb: microbatch.Micro, cfg: GRPOConfig) -> int:
+    """Under ZeRO-3 each LM-head call gathers the head from every rank: all ranks make as many calls as the
+    rank with the longest completions (common/logprobs.py pads with empty chunks). 0 otherwise."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return 0
+    return comm.all_reduce_int(chunk_count(*mb.mask.shape, cfg.logp_chunk_tokens), "max")
+
+
+def micro_loss(logps: torch.Tensor, mb: microbatch.Micro, old: torch.Tensor | None, cfg: GRPOConfig) -> torch.Tensor:
+    """The GRPO loss of one micro-batch, normalised within it (the caller weights it into the batch's loss)."""
+    level = cfg.importance_sampling_level
+    weights = tis_weights(old, mb.gen, cfg.tis_cap) if old is not None else None
+    return grpo_loss(logps, mb.ref, old if old is not None else mb.gen, mb.adv, mb.mask, beta=cfg.beta,
+                     aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
+                     max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level, is_weights=weights,
+                     **_eps(cfg))
+
+
+def _eps(cfg: GRPOConfig) -> dict:
+    if cfg.importance_sampling_level == "sequence":
+        return dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high)
+    return dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+
+
+def step_stats(seen: list, micros: list, olds: list, b: ScoredBatch, mask, adv, gen, ref, cfg: GRPOConfig) -> dict:
+    """Whole-batch diagnostics from the first pass's micro-batches: KL, clipping, entropy, loss, mismatch."""
+    B, T = mask.shape
+    logps = microbatch.join([s[0] for s in seen], micros, B, T)
+    ent = microbatch.join([s[1] for s in seen], micros, B, T)
+    stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=cfg.importance_sampling_level,
+                       **_eps(cfg))
+    m = mask.float()
+    stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
+    stats["loss"] = sum(s[2] for s in seen)  # the weighted micro losses add up to the batch's loss
+    if gen is not None:  # train/inference mismatch (includes policy drift when the batch is stale)
+        stats.update(mismatch_stats(logps, gen, mask))
+    if all(o is not None for o in olds):
+        weights = tis_weights(microbatch.join(olds, micros, B, T), gen, cfg.tis_cap)
+        stats["tis_weight_mean"] = float((weights * m).sum() / m.sum().clamp(min=1))
     return stats
 
 
