@@ -136,12 +136,25 @@ def dapo_scale(mask: torch.Tensor) -> float:
     return float(local * torch.distributed.get_world_size() / total.clamp(min=1))
 
 
-def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
+def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> dict:
+    """Greedy accuracy on the eval set. lockstep (ZeRO-3): every rank evaluates its shard with synced
+    generation (each forward gathers the weights from all ranks) and the counts are summed."""
+    from trainer.engines.hf import HFEngine
     from trainer.evaluate import evaluate
+    if lockstep:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        examples = examples[rank::world]
+        model = HFEngine(model, tok, eos_ids(tok, model, chat=cfg.prompt_format != "r1zero"), temperature=1.0,
+                         top_p=1.0, top_k=0, gen_batch_size=cfg.gen_batch_size, synced_gpus=True)
     res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt, prompt_format=cfg.prompt_format,
                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False)
-    return {"eval_accuracy": res["accuracy"], "eval_format": res["format_rate"], "eval_n": res["n"]}
+    counts = [(res["accuracy"] * res["n"], res["format_rate"] * res["n"], res["n"])]
+    if lockstep:
+        mine, counts = counts[0], [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(counts, mine)
+    correct, formatted, n = (sum(c[i] for c in counts) for i in range(3))
+    return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n}
 
 
 # --------------------------------------------------------------------------- train
@@ -196,7 +209,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)
     stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")
     source = BatchSource(cfg, client, policy, tok, sampler, scorer, stop_ids,
-                         vocab, producer_id=f"trainer-rank{rank}")
+                         vocab, producer_id=f"trainer-rank{rank}", lockstep=zero_stage == 3)
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
                             run_config=to_dict(cfg)) if rank == 0 else None
 
@@ -204,7 +217,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     publisher.publish(start_step)
 
     def maybe_eval(step: int) -> dict:
-        res = run_eval(policy, tok, cfg, eval_examples) if rank == 0 else {}
+        lockstep = zero_stage == 3  # rank 0 alone would wait forever for the others' weight shards
+        res = run_eval(policy, tok, cfg, eval_examples, lockstep) if (rank == 0 or lockstep) else {}
         torch.distributed.barrier()
         if rank == 0:
             log.info("eval at step %d: accuracy %.3f format %.3f", step, res["eval_accuracy"], res["eval_format"])
