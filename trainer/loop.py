@@ -27,7 +27,7 @@ from trainer.data import ColumnSpec, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
-from trainer.microbatch import micro_rows, rows_per_step
+from trainer.microbatch import micro_batches_per_step, rows_per_step
 from trainer.publish import Publisher
 from trainer.reward_scoring import RewardScorer
 from trainer.rollout import RolloutStats
@@ -60,10 +60,11 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
         adv = reinforce_pp_advantages(adv, all_reduce=comm.all_reduce if torch.distributed.is_initialized() else None)
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
-    if b.input_ids.shape[0] != rows_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches
-        raise ValueError(f"training batch has {b.input_ids.shape[0]} rows, expected train_batch_groups x num_pre_Q "
-                         f"= {rows_per_step(cfg)}")
-    micros = microbatch.split(b, mask, adv, gen, ref, micro_rows(cfg), cfg.aggregation)
+    micros = microbatch.split(b, mask, adv, gen, ref, cfg.micro_batch_size or b.num_rows, cfg.aggregation)
+    if len(micros) != micro_batches_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches
+        raise ValueError(f"training batch of {b.num_rows} rows makes {len(micros)} micro-batches of "
+                         f"micro_batch_size={cfg.micro_batch_size}; train_batch_groups x num_pre_Q = "
+                         f"{rows_per_step(cfg)} rows make {micro_batches_per_step(cfg)}")
     scale = dapo_scale(mask) if cfg.aggregation == "dapo" else 1.0  # the whole rank batch's share, once
     stats: dict = {}
     olds: list = [None] * len(micros)  # truncated IS: the trainer's own old logps (first pass) per micro-batch
