@@ -31,7 +31,8 @@ def test_ranks_with_different_completion_lengths_train_in_micro_batches(tiny_mod
 def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp_path):
     """ref server + `deepspeed --num_gpus 2` at stage 3: ranks generate their own rollouts (64 new tokens,
     lengths differ between ranks), logprobs in 8-position chunks, micro-batches of 2, eval of an odd number
-    of examples (shards of 2 and 1) at step 2."""
+    of examples at step 2 one prompt per generate call (shards of 2 and 1: rank 1 makes a dummy call).
+    Before the fix the run hung in that eval (rank 0 alone, rank 1 in the barrier) until dist_timeout."""
     with start_ref_server(tiny_model_dir) as srv:
         cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
                "trainer/main.py", "--model", "tiny", "--data", "arith", "--system_prompt", "",
@@ -39,8 +40,8 @@ def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp
                "--seed", "1", "--ref_server", srv.url, "--output_dir", str(tmp_path), "--zero_stage", "3",
                "--max_new_tokens", "64", "--logp_chunk_tokens", "8", "--micro_batch_size", "2",
                "--Q_batch_size", "1", "--num_gen_workers", "0", "--all_steps", "2", "--save_steps", "1000",
-               "--eval_steps", "2", "--eval_limit", "3", "--eval_max_new_tokens", "16", "--dist_timeout", "120",
-               "--lr", "1e-3"]
+               "--eval_steps", "2", "--eval_limit", "3", "--eval_max_new_tokens", "16", "--gen_batch_size", "1",
+               "--dist_timeout", "120", "--lr", "1e-3"]
         proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=500)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
