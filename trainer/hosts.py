@@ -119,7 +119,9 @@ def trainer_host(args: argparse.Namespace, extra: list[str], env: dict) -> list[
         if ifname and not env.get(var):
             env[var] = ifname
     cfg = ["--config", caller_path(args.config)] if args.config else []
-    return ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(args.node_rank),
+    launcher = Path(sys.executable).parent / "deepspeed"  # the venv's, as launch.sh puts it first on PATH
+    return [str(launcher) if launcher.is_file() else "deepspeed", "--hostfile", str(hostfile), "--no_ssh",
+            "--node_rank", str(args.node_rank),
             "--master_addr", args.master_addr, "--master_port", str(args.master_port),
             str(ROOT / "trainer" / "main.py"), *cfg, *extra, "--ref_server", args.ref_url,
             "--num_gen_workers", str(args.workers), "--output_dir", str(run_dir)]
