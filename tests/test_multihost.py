@@ -100,10 +100,11 @@ def multihost_run(tiny_model_dir, tmp_path_factory, request):
         c = Cluster(hosts, base)
         t0_rows = lambda: rows_of(c.dirs["t0"])  # noqa: E731
         try:
-            c.ref_server()
+            ref = c.ref_server()
             c.workers()
             t0, t1 = c.trainer_host(0), c.trainer_host(1)
-            watch = ((t0, c.dirs["t0"] / "launch.log"), (t1, c.dirs["t1"] / "launch.log"))
+            watch = ((t0, c.dirs["t0"] / "launch.log"), (t1, c.dirs["t1"] / "launch.log"),
+                     (ref, c.dirs["ref"] / "ref_server.log"))
             wait_for(lambda: len(t0_rows()) >= 2, 400, "first 2 steps", watch)
             fig["status_running"] = c.get("/status")
             hosts.kill_all("w")  # the worker host dies
@@ -148,6 +149,7 @@ def test_worker_host_dies_run_goes_on(multihost_run):
     assert hosts[c.h.addr["t0"]]["ranks"] == ["trainer-rank0"], hosts
     assert hosts[c.h.addr["t1"]]["ranks"] == ["trainer-rank1"], hosts
     assert "worker0" in hosts[c.h.addr["w"]]["producers"], hosts
+    print("GET /status hosts:", json.dumps(fig["status_running"]["hosts"]))
     stalled = {s["id"]: s for s in fig["status_after_worker"]["stalled"]}
     assert "worker0" in stalled and stalled["worker0"]["addr"] == c.h.addr["w"], fig["status_after_worker"]
     assert (c.dirs["w"] / "worker0_data_state.json").is_file()  # the worker host's own run directory
@@ -157,6 +159,7 @@ def test_worker_host_dies_run_goes_on(multihost_run):
 
 def test_trainer_host_dies_run_ends_naming_it(multihost_run):
     c, fig = multihost_run
+    print(f"host 1 killed after {fig['t1_killed_at']} steps; host 0 exit {fig['t0_rc']}: {fig['diagnosis'].strip()}")
     assert fig["t0_rc"] not in (None, 0), fig["t0_rc"]
     assert c.h.addr["t1"] in fig["diagnosis"], fig["diagnosis"]
 
@@ -164,7 +167,10 @@ def test_trainer_host_dies_run_ends_naming_it(multihost_run):
 def test_resume_reaches_the_last_step_on_every_host(multihost_run):
     c, fig = multihost_run
     assert fig["resume_rc"] == (0, 0), {h: log[-3000:] for h, log in fig["logs"].items()}
-    steps = [r["step"] for r in rows_of(c.dirs["t0"])]
+    rows = rows_of(c.dirs["t0"])
+    steps = [r["step"] for r in rows]
+    print(f"steps before the resume {fig['rows_before_resume']}; after: {steps}; "
+          f"median step_s {sorted(r['step_s'] for r in rows)[len(rows) // 2]:.3f}")
     assert sorted(set(steps)) == list(range(1, ALL_STEPS + 1)), steps
     assert len(steps) == len(set(steps)), "a step logged twice after the resume"
     assert "resumed from" in fig["logs"]["t1"] and "data order resumed" in fig["logs"]["t1"]
