@@ -54,11 +54,11 @@ def interface_of(address: str | None) -> str | None:
     return None
 
 
-def host_label() -> str:
-    """hostname (address): the address towards the rendezvous, so that hosts sharing a name (containers,
-    network namespaces) are still told apart in errors and in GET /status."""
+def host_label(towards: str | None = None) -> str:
+    """hostname (address): the address towards the rendezvous (or `towards`), so that hosts sharing a name
+    (containers, network namespaces) are still told apart in errors and in GET /status."""
     name = socket.gethostname()
-    addr = address_towards(os.environ.get("MASTER_ADDR"))
+    addr = address_towards(towards or os.environ.get("MASTER_ADDR"))
     return f"{name} ({addr})" if addr and not addr.startswith("127.") else name
 
 
