@@ -5,6 +5,15 @@
 #   ./launch.sh train [options] [-- trainer args...]                        a training run
 #   ./launch.sh status [--ref-url URL] [--token-file F] [--json]             the run's status table (GET /status)
 #
+# Several hosts (one command per host; each keeps its own --run-dir, no shared filesystem; README "Multi-node"):
+#   ./launch.sh ref-server --host ADDR --ref-model M [--port P] [--token-file F]     the reference model server
+#   ./launch.sh trainer-host --nodes N --node-rank R --master-addr ADDR [--master-port P] [--gpus G]
+#               --ref-url URL --run-dir DIR [--workers W] [--token-file F] [-- trainer args]
+#                                                  this host's ranks (deepspeed --no_ssh --node_rank R)
+#   ./launch.sh workers --ref-url URL --run-dir DIR [--workers N] [--first-id K] [--token-file F] [-- args]
+#                                                  genonly workers on this host
+#   ./launch.sh ROLE --help                        that role's options
+#
 # train options:
 #   --run-dir DIR      where logs, metrics and checkpoints go (default runs/<timestamp>)
 #   --config FILE      trainer config JSON (passed to trainer/main.py and the workers)
@@ -31,7 +40,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 MODE=$1; shift
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
-  demo|train|status) ;;
+  demo|train|status|ref-server|trainer-host|workers) ;;
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
@@ -49,6 +58,9 @@ fi
 if [ "$MODE" = demo ]; then
   exec "$PY" -m trainer.demo "$@"
 fi
+case "$MODE" in  # one host's role in a multi-host run (trainer/hosts.py)
+  ref-server|trainer-host|workers) GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.hosts "$MODE" "$@" ;;
+esac
 
 RUN_DIR="runs/$(date +%Y%m%d-%H%M%S)"; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
 PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=(); REF_DTYPE=auto; WORKER_DTYPE=""

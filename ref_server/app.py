@@ -29,7 +29,7 @@ from common.modeling import load_model
 from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.config import ServerConfig, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
-from ref_server.status import HeartbeatTable, identity_from_environ, render_html
+from ref_server.status import HeartbeatTable, by_host, identity_from_environ, render_html
 from ref_server.weights import WeightError, WeightStore
 
 log = logging.getLogger("ref_server")
@@ -58,6 +58,7 @@ class ServerState:
         return {
             "time": time.time(), "uptime_s": round(time.time() - self.metrics.started, 1), "stall_warn": stall_warn,
             "stopping": self.stopping, "participants": participants, "stalled": stalled,
+            "hosts": by_host(participants),
             "queues": {"input": {"depth": depths["input"], "oldest_age_s": ages["input"]},
                        "output": {"depth": depths["output"], "oldest_age_s": ages["output"]},
                        "scoring": depths["scoring"]},

@@ -34,9 +34,9 @@ class ServerConfig:
     max_output_queue: int = knob(256, "Scored batches waiting for /get; when full the scorer pauses, so the "
                                       "input queue fills and uploads get 503 (backpressure, never a drop).")
     max_body_mb: float = knob(64.0, "Largest accepted upload body in MiB (413 above).")
-    max_weights_mb: float = knob(16384.0, "Largest policy-weights publish (PUT /weights) in MiB. waitress "
-                                          "spools request bodies to temp files up to max(max_body_mb, this) "
-                                          "before the app runs.")
+    max_weights_mb: float = knob(16384.0, "Largest policy-weights publish (PUT /weights) in MiB (413 above, "
+                                          "decided from the header; only a request with the token gets "
+                                          "its body received).")
     token_file: str | None = knob(None, "File holding the bearer token that /upload and /get require "
                                            f"(default: ${TOKEN_ENV} if set, else no token).")
     insecure: bool = knob(False, "Allow binding a non-loopback address without a token.")

@@ -1,6 +1,6 @@
 """The ref server process: waitress serving the Bottle app (ref_server/app.py) on a socket bound before the
-model loads, per-path body limits applied from the headers, and a clean SIGTERM/SIGINT shutdown that
-delivers what is already scored."""
+model loads, the token and per-path body limits applied from the headers (ref_server/gate.py), and a clean
+SIGTERM/SIGINT shutdown that delivers what is already scored."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,7 @@ import time
 
 from ref_server.app import make_app
 from ref_server.config import ServerConfig, check_bind, resolve_token
-from ref_server.weights import WeightStore
+from ref_server.gate import make_channel
 
 log = logging.getLogger("ref_server")
 
@@ -30,49 +30,6 @@ class _Throttle(logging.Filter):
             return False
         self.last = now
         return True
-
-
-def _limited_channel(cfg: ServerConfig, weights: WeightStore):
-    """waitress channel whose parser applies our per-path body limits as soon as the headers are in
-    (and answers an unsupported Transfer-Encoding with 400, not waitress' 501: bad input is never a 5xx).
-
-    waitress dispatches a request only once its whole body has arrived, and its one cap
-    (max_request_body_size) must fit the weights. So a lying Content-Length above --max-body-mb would
-    make the server wait for (and spool) the body before /upload could answer 413. Here such a
-    request completes at once without a body: the app answers 413 from the header, and the
-    connection closes after the answer (any body bytes that follow are never read as a request).
-    """
-    from waitress.channel import HTTPChannel
-    from waitress.parser import HTTPRequestParser, ParsingError, TransferEncodingNotImplemented
-    from waitress.receiver import FixedStreamReceiver
-
-    from ref_server.weights import PreallocatedBody
-
-    class Parser(HTTPRequestParser):
-        def parse_header(self, header_plus: bytes) -> None:
-            try:
-                super().parse_header(header_plus)
-            except TransferEncodingNotImplemented as e:  # a client error: 400, never a 5xx (waitress: 501)
-                raise ParsingError(str(e)) from None
-            to_weights = self.path == "/weights"
-            limit = cfg.max_weights_bytes if to_weights else cfg.max_body_bytes
-            if not self.chunked and self.content_length > limit:
-                self.body_rcv = None               # -> completed now; the app sees CONTENT_LENGTH, answers 413
-                self.headers["CONNECTION"] = "close"  # and waitress closes: the unread body is never parsed
-            elif to_weights and self.command == "PUT" and not self.chunked and self.content_length > 0:
-                body = PreallocatedBody(self.content_length, alloc=weights.buffer)
-                self.body_rcv = FixedStreamReceiver(self.content_length, body)
-
-    class Channel(HTTPChannel):
-        parser_class = Parser
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            # waitress sends at most SO_SNDBUF (16 KB at accept) per call: 30,000 Python-level sends
-            # for a 500 MB weights blob. Offer 4 MB; the kernel takes what fits (slices, no copies).
-            self.sendbuf_len = max(self.sendbuf_len, 4 << 20)
-
-    return Channel
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -127,7 +84,8 @@ def serve(cfg: ServerConfig) -> int:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
         state.scorer.stop()
         return 1
-    server.channel_class = _limited_channel(cfg, state.weights)
+    # the token and the body limits, applied at the header: nothing allocated or spooled for a stranger
+    server.channel_class = make_channel(cfg, token, state.weights)
     threading.Thread(target=server.run, name="http", daemon=True).start()
     log.info("serving %s on http://%s:%s (vocab %d, max_seq_len %d, token %s, %d threads)", cfg.model, cfg.host,
              server.effective_port, state.vocab_size, state.max_seq_len, "required" if token else "off", cfg.threads)

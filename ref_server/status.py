@@ -33,6 +33,7 @@ def identity_from_environ(environ: dict) -> dict | None:
     version = _clean(environ.get("HTTP_X_GRPO_VERSION", ""), 20)
     return {"id": pid, "role": _clean(environ.get("HTTP_X_GRPO_ROLE", "")) or "unknown",
             "host": _clean(environ.get("HTTP_X_GRPO_HOST", "")),
+            "addr": _clean(environ.get("REMOTE_ADDR", ""), 64),  # where it calls from, as this server sees it
             "version": int(version) if version.isdigit() else None}
 
 
@@ -53,6 +54,7 @@ class HeartbeatTable:
                 "last_heartbeat": None, "uploaded": 0, "taken": 0, "state": "", "version": None,
                 **{k: 0 for k in _COUNTS}}
         row["role"], row["host"], row["last_seen"] = ident["role"], ident["host"], now
+        row["addr"] = ident.get("addr", "")
         if ident.get("version") is not None:
             row["version"] = ident["version"]
         return row
@@ -100,9 +102,20 @@ class HeartbeatTable:
                 r[k + "_ago_s"] = None if r[k] is None else round(now - r[k], 1)
                 del r[k]
         rows.sort(key=lambda r: (r["role"], r["id"]))
-        stalled = [{"id": r["id"], "role": r["role"], "host": r["host"], "silent_s": r["silent_s"]}
+        stalled = [{"id": r["id"], "role": r["role"], "host": r["host"], "addr": r.get("addr", ""),
+                    "silent_s": r["silent_s"]}
                    for r in rows if r["silent_s"] > stall_warn and r["state"] != "done"]
         return rows, stalled
+
+
+def by_host(participants: list[dict]) -> list[dict]:
+    """The participants grouped by the address they call from: which ranks and workers each host runs."""
+    hosts: dict[str, dict] = {}
+    for r in participants:
+        h = hosts.setdefault(r.get("addr") or r["host"], {"addr": r.get("addr", ""), "host": r["host"],
+                                                          "ranks": [], "producers": []})
+        h["ranks" if r["role"] == "rank" else "producers"].append(r["id"])
+    return sorted(hosts.values(), key=lambda h: (h["addr"], h["host"]))
 
 
 # ----------------------------------------------------------------------------------- views
@@ -120,10 +133,10 @@ def format_table(status: dict) -> str:
     lines.append("queues: " + ", ".join(f"{name} {v['depth']} (oldest {_ago(v['oldest_age_s'])})"
                                         for name, v in q.items() if isinstance(v, dict))
                  + (", scoring now" if q.get("scoring") else ""))
-    cols = ("id", "role", "host", "version", "silent_s", "last_upload_ago_s", "last_get_ago_s", "uploaded", "taken",
-            "skipped_groups", "dropped_stale", "state")
-    heads = ("id", "role", "host", "ver", "silent", "last upload", "last get", "uploaded", "taken", "no spread",
-             "stale dropped", "state")
+    cols = ("id", "role", "addr", "host", "version", "silent_s", "last_upload_ago_s", "last_get_ago_s", "uploaded",
+            "taken", "skipped_groups", "dropped_stale", "state")
+    heads = ("id", "role", "address", "host", "ver", "silent", "last upload", "last get", "uploaded", "taken",
+             "no spread", "stale dropped", "state")
     cells = [list(heads)]
     stalled = {s["id"] for s in status.get("stalled", [])}
     for r in status.get("participants", []):

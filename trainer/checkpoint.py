@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from trainer import nodes
+
 log = logging.getLogger("trainer")
 
 
@@ -111,11 +113,12 @@ def save_step(engine, tokenizer, out: Path, step: int, cfg, rank: int, zero_stag
     """The DeepSpeed tag (for --resume) and, except at the last step (`final` follows, the same weights),
     an HF step_N directory; then retention."""
     engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
+    nodes.write_latest(out / "ds", f"step{step}")  # the other hosts' own `latest` (DeepSpeed: rank 0's only)
     from trainer.lora import is_lora
 
     # a LoRA run's `final` is the merged model, so its last adapter is no duplicate: keep it as step_N
     if step % cfg.save_steps == 0 and (step != cfg.all_steps or is_lora(engine.module)):
         save_hf(engine, tokenizer, out / f"step_{step}", rank, zero_stage, dtype)
-    torch.distributed.barrier()  # every rank's shards are on disk before rank 0 deletes older ones
-    if rank == 0:
+    torch.distributed.barrier()  # every rank's shards are on disk before older ones go
+    if nodes.is_node_leader():  # each host prunes its own run directory
         prune_checkpoints(out, cfg.save_total_limit)

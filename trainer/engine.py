@@ -13,6 +13,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import load_model
+from trainer import nodes
 from trainer.microbatch import micro_batches_per_step, micro_rows
 
 log = logging.getLogger("trainer")
@@ -33,6 +34,8 @@ def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
         opt["params"]["torch_adam"] = True  # no fused-op compilation on CPU
     if cfg.zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = cfg.zero_stage
+    if nodes.num_nodes() > 1:  # no shared filesystem: each host's local rank 0 writes its model states
+        ds.setdefault("checkpoint", {})["use_node_local_storage"] = True
     bf16 = ds.setdefault("bf16", {})
     if cfg.bf16 is not None:
         bf16["enabled"] = cfg.bf16
@@ -101,7 +104,8 @@ def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
     start_step = 0
     if cfg.resume:
         ds_dir = Path(cfg.output_dir) / "ds"
-        path, client_state = engine.load_checkpoint(str(ds_dir))
+        tag = nodes.agreed_tag(ds_dir)  # every host resumes the same step, or none does
+        path, client_state = engine.load_checkpoint(str(ds_dir), tag=tag) if tag else (None, None)
         if path is None:
             log.info("--resume: no DeepSpeed checkpoint in %s, starting from step 0", ds_dir)
         else:

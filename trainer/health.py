@@ -148,7 +148,7 @@ class Watchdog:
     # -- checks ------------------------------------------------------------------------------
     def dead_peers(self) -> list[str]:
         """Peer ranks on this host whose process is gone."""
-        me = os.uname().nodename
+        me = self.peers[self.rank][0]
         dead = []
         for r, (host, pid) in enumerate(self.peers):
             if r != self.rank and host == me and not _alive(pid):
@@ -164,7 +164,16 @@ class Watchdog:
         while not dead and time.monotonic() < deadline:
             time.sleep(0.05)
             dead = self.dead_peers()
-        who = (", ".join(dead) + " is gone") if dead else "a peer rank (not on this host, or stuck) stopped answering"
+        me = self.peers[self.rank][0]
+        elsewhere = sorted({h for h, _ in self.peers if h != me})
+        if dead:
+            who = ", ".join(dead) + " is gone"
+        elif elsewhere:  # nothing local died: the host(s) we cannot look into are the suspects
+            ranks = "; ".join(f"{h}: rank {', '.join(str(r) for r, (x, _) in enumerate(self.peers) if x == h)}"
+                              for h in elsewhere)
+            who = f"a peer rank stopped answering (none on this host is gone; other hosts: {ranks})"
+        else:
+            who = "a peer rank (not on this host, or stuck) stopped answering"
         tail_ = f": {type(error).__name__}: {str(error)[:300]}" if error is not None else ""
         return f"rank {self.rank}: {who} while this rank was {self.activity}{tail_}"
 

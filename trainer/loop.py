@@ -20,7 +20,7 @@ from common.knobs import to_dict
 from common.logprobs import chunk_count, sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.protocol import ScoredBatch
-from trainer import comm, microbatch, resume
+from trainer import comm, microbatch, nodes, resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
@@ -185,11 +185,11 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     setup_logging(f"rank{rank}")
     torch.manual_seed(cfg.seed + rank)
     out = Path(cfg.output_dir)
-    if rank == 0:
+    if nodes.is_node_leader():  # every host keeps its own run directory (no shared filesystem assumed)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         resolve_model_path(cfg.model)
-    torch.distributed.barrier()  # rank 0 builds the tiny model once; the others then find it cached
+    torch.distributed.barrier()  # each host's leader builds the tiny model once; its other ranks find it cached
     model_path = resolve_model_path(cfg.model)
     tok = load_tokenizer(model_path)
     engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
@@ -199,8 +199,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 
     peers: list = [None] * world  # (host, pid) of every rank: the watchdog names a peer that dies
-    torch.distributed.all_gather_object(peers, (os.uname().nodename, os.getpid()))
-    client = make_client(cfg, f"trainer-rank{rank}", "rank")
+    torch.distributed.all_gather_object(peers, (nodes.host_label(), os.getpid()))
+    client = make_client(cfg, f"trainer-rank{rank}", "rank", host=peers[rank][0])
     client.wait_ready(timeout=300)
     columns = ColumnSpec.from_config(cfg)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit, columns=columns)
@@ -285,7 +285,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             watchdog.activity = f"saving the checkpoint of step {step}"
             states: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(states, resume.capture(source.sampler))
-            if rank == 0:  # before DeepSpeed moves `latest` to this tag
+            if nodes.is_node_leader():  # each host's own copy, before `latest` moves to this tag
                 resume.save_rank_states(out / "ds", f"step{step}", states)
             save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
     watchdog.activity = "saving the final checkpoint"

@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import time
+from urllib.parse import urlparse
 
 import torch
 
@@ -18,6 +19,7 @@ from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engines import EngineDied, make_engine
 from trainer.health import Heartbeat
 from trainer.lora import ADAPTER_FORMAT, LoraMerger, checkpoint_weights
+from trainer.nodes import host_label
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
@@ -40,7 +42,8 @@ def genonly(cfg: GRPOConfig) -> None:
     torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
     model_path = resolve_model_path(cfg.model)
     tok = load_tokenizer(model_path)
-    client = make_client(cfg, f"worker{cfg.worker_id}", "worker")
+    ref_host = urlparse(cfg.ref_server.split(",")[0]).hostname  # named by the address that reaches the server
+    client = make_client(cfg, f"worker{cfg.worker_id}", "worker", host=host_label(ref_host))
     client.wait_ready(timeout=300)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit,
                              columns=ColumnSpec.from_config(cfg))

@@ -1,0 +1,170 @@
+"""One command per host role (issue 23): what `./launch.sh ref-server | trainer-host | workers` runs.
+
+    ./launch.sh ref-server   --host 10.0.0.1 --token-file secret.txt --ref-model M
+    ./launch.sh trainer-host --nodes 2 --node-rank R --master-addr 10.0.0.2 --master-port 29511 \
+                             --ref-url http://10.0.0.1:59875 --token-file secret.txt --workers 1 -- --model M ...
+    ./launch.sh workers      --ref-url http://10.0.0.1:59875 --token-file secret.txt --workers 1 -- --model M ...
+
+Each host keeps its own --run-dir (no shared filesystem): the ref server relays the policy weights to the
+workers over HTTP, every trainer host writes its own ranks' DeepSpeed shards there (and its own `latest`),
+rank 0's host also the HF checkpoints, `final` and metrics. `--resume true` (after --) on every trainer
+host continues from each host's own run directory. Trainer hosts run DeepSpeed's own launcher in its
+per-node mode (`deepspeed --no_ssh --node_rank R`; no ssh between hosts): start one per host, in any order.
+Relative paths are taken from where launch.sh is run (GRPO_CALLER_DIR).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.nodes import address_towards, interface_of
+
+ROOT = Path(__file__).resolve().parent.parent
+PATH_FLAGS = ("--model", "--ref_model", "--data", "--ds_config", "--sync_dir")
+
+
+def caller_path(p: str | None) -> str | None:
+    """A path the user typed, relative to where they ran launch.sh."""
+    if not p or os.path.isabs(p):
+        return p
+    return str(Path(os.environ.get("GRPO_CALLER_DIR", os.getcwd())) / p)
+
+
+def trainer_args(extra: list[str]) -> list[str]:
+    """Arguments after `--`: path-valued flags that name something where the user is are made absolute."""
+    out = list(extra)
+    for i, a in enumerate(out[:-1]):
+        if a in PATH_FLAGS and os.path.exists(caller_path(out[i + 1]) or ""):
+            out[i + 1] = caller_path(out[i + 1])
+    return out
+
+
+def common_flags(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
+    p.add_argument("--token-file", help="bearer token file (required by a server bound off loopback); "
+                                        "default: $GRPO_REF_TOKEN")
+    if run_dir:
+        p.add_argument("--run-dir", required=True, help="this host's own run directory (logs, checkpoints)")
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="launch.sh", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="role", required=True)
+    r = sub.add_parser("ref-server", help="the reference model server (python -m ref_server)")
+    r.add_argument("--host", required=True, help="address to bind, reachable from the other hosts")
+    r.add_argument("--port", type=int, default=59875)
+    r.add_argument("--ref-model", required=True, help="reference model (HF id, local directory or 'tiny')")
+    r.add_argument("--ref-device", default="auto")
+    r.add_argument("--ref-dtype", default="auto")
+    common_flags(r, run_dir=False)
+    t = sub.add_parser("trainer-host", help="this host's DeepSpeed ranks (deepspeed --no_ssh --node_rank R)")
+    t.add_argument("--nodes", type=int, required=True, help="number of trainer hosts")
+    t.add_argument("--node-rank", type=int, required=True, help="this host's rank among them (0 = rank 0's host)")
+    t.add_argument("--master-addr", required=True, help="rendezvous address: trainer host 0's address")
+    t.add_argument("--master-port", type=int, default=29500, help="rendezvous port on trainer host 0")
+    t.add_argument("--gpus", type=int, default=None, help="ranks per trainer host (default: GPUs, 1 on CPU)")
+    t.add_argument("--ref-url", required=True, help="the ref server's URL (several: comma-separated)")
+    t.add_argument("--workers", type=int, default=0, help="genonly workers in the whole run (any host): rank 0 "
+                                                           "publishes weights to them when > 0")
+    t.add_argument("--config", help="trainer config JSON")
+    common_flags(t)
+    w = sub.add_parser("workers", help="genonly workers on this host")
+    w.add_argument("--ref-url", required=True, help="the ref server's URL")
+    w.add_argument("--workers", type=int, default=1, help="workers to start on this host")
+    w.add_argument("--first-id", type=int, default=0, help="worker id of the first (ids are unique in a run)")
+    w.add_argument("--config", help="trainer config JSON")
+    common_flags(w)
+    args = p.parse_args(argv)
+    return args, trainer_args(extra)
+
+
+def token_env(args: argparse.Namespace) -> dict:
+    env = dict(os.environ)
+    if args.token_file:
+        env["GRPO_REF_TOKEN"] = Path(caller_path(args.token_file)).read_text().strip()
+    return env
+
+
+def ref_server(args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "ref_server", "--model", caller_path(args.ref_model) if
+           os.path.exists(caller_path(args.ref_model)) else args.ref_model, "--host", args.host,
+           "--port", str(args.port), "--device", args.ref_device, "--dtype", args.ref_dtype]
+    return cmd + (["--token-file", caller_path(args.token_file)] if args.token_file else [])
+
+
+def trainer_host(args: argparse.Namespace, extra: list[str], env: dict) -> list[str]:
+    """deepspeed in its per-node mode: a hostfile naming every node (slots = ranks per node), this node's rank."""
+    import torch
+
+    if not 0 <= args.node_rank < args.nodes:
+        raise SystemExit(f"--node-rank must be in 0..{args.nodes - 1}, got {args.node_rank}")
+    gpus = args.gpus or torch.cuda.device_count() or 1
+    run_dir = Path(caller_path(args.run_dir))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hostfile = run_dir / "hostfile"
+    hostfile.write_text("".join(f"node{i} slots={gpus}\n" for i in range(args.nodes)))
+    # gloo/NCCL pick their interface from the hostname, which may resolve to loopback or to another
+    # network: use the one that reaches the rendezvous address (unless the user chose one)
+    ifname = interface_of(address_towards(args.master_addr))
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if ifname and not env.get(var):
+            env[var] = ifname
+    cfg = ["--config", caller_path(args.config)] if args.config else []
+    launcher = Path(sys.executable).parent / "deepspeed"  # the venv's, as launch.sh puts it first on PATH
+    return [str(launcher) if launcher.is_file() else "deepspeed", "--hostfile", str(hostfile), "--no_ssh",
+            "--node_rank", str(args.node_rank),
+            "--master_addr", args.master_addr, "--master_port", str(args.master_port),
+            str(ROOT / "trainer" / "main.py"), *cfg, *extra, "--ref_server", args.ref_url,
+            "--num_gen_workers", str(args.workers), "--output_dir", str(run_dir)]
+
+
+def workers(args: argparse.Namespace, extra: list[str], env: dict) -> int:
+    """Start the workers (each logs to RUN_DIR/workerN.log), wait for all; a signal stops them all."""
+    run_dir = Path(caller_path(args.run_dir))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = ["--config", caller_path(args.config)] if args.config else []
+    procs = []
+    for wid in range(args.first_id, args.first_id + args.workers):
+        cmd = [sys.executable, str(ROOT / "trainer" / "main.py"), "genonly", *cfg, *extra,
+               "--ref_server", args.ref_url, "--worker_id", str(wid), "--output_dir", str(run_dir)]
+        with open(run_dir / f"worker{wid}.log", "ab") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        print(f"[launch] worker{wid} (pid {procs[-1].pid}) -> {run_dir}/worker{wid}.log", file=sys.stderr)
+
+    def stop(signum, _frame) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    codes = [p.wait() for p in procs]
+    bad = {f"worker{args.first_id + i}": c for i, c in enumerate(codes) if c}
+    if bad:
+        print(f"[launch] workers that failed: {bad} (logs in {run_dir})", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse(list(sys.argv[1:] if argv is None else argv))
+    env = token_env(args)
+    if args.role == "workers":
+        return workers(args, extra, env)
+    cmd = ref_server(args) if args.role == "ref-server" else trainer_host(args, extra, env)
+    print("[launch] " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
+    os.chdir(ROOT)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
