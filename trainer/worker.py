@@ -17,7 +17,7 @@ from trainer import resume
 from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engines import EngineDied, make_engine
 from trainer.health import Heartbeat
-from trainer.lora import ADAPTER_FORMAT, LoraMerger, checkpoint_weights
+from trainer.lora_sync import policy_loader
 from trainer.reward_scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
@@ -53,13 +53,7 @@ def genonly(cfg: GRPOConfig) -> None:
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
-    merger = LoraMerger()  # a LoRA run publishes adapters only: merged into W0 read from the checkpoint
-
-    def load_policy(tensors: dict, metadata: dict) -> None:
-        if metadata.get("format") == ADAPTER_FORMAT:
-            engine.load_weights(merger.merged(tensors, metadata, lambda names: checkpoint_weights(model_path, names)))
-        else:
-            engine.load_weights(tensors.items())
+    load_policy = policy_loader(engine, model_path)  # LoRA runs publish adapters only: merged into W0 here
 
     rounds = uploaded = skipped = timeouts = 0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)

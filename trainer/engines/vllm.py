@@ -131,5 +131,11 @@ class VLLMEngine(GenEngine):
         except Exception as e:
             raise EngineDied(f"vLLM engine failed to load new weights: {type(e).__name__}: {e}") from e
 
+    def fused_modules(self) -> dict[str, list[str]]:
+        """The served model's packed_modules_mapping ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...})."""
+        mapping = self.llm.apply_model(lambda m: {k: list(v) for k, v in
+                                                  getattr(m, "packed_modules_mapping", {}).items()})
+        return mapping[0]
+
     def close(self) -> None:
         self.llm = None
