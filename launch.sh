@@ -25,6 +25,7 @@
 # Placement: every process gets its own GPU(s) (common/placement.py): ref server on the highest GPU, workers below
 # it, ranks from GPU 0; each sees only its GPUs (CUDA_VISIBLE_DEVICES). The plan is printed at start, written to
 # RUN_DIR/placement.json and shown by the ref server's /status. One GPU: all share it (said so). No GPU: CPU.
+# GRPO_PYTHON=/path/to/python: use that interpreter and its packages as they are (no scripts/setup.sh, no .venv).
 # Everything this script starts is stopped on exit, error or Ctrl-C; each process logs to RUN_DIR/<name>.log
 # (an earlier attempt's log is kept as <name>.log.1, .2, ...). Relative paths (--run-dir, --config, --token-file,
 # and --model/--ref_model/--data/--ds_config/--sync_dir after --) are taken from where you run this script.
@@ -42,9 +43,13 @@ case "$MODE" in
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
-bash scripts/setup.sh
-PY="$ROOT/.venv/bin/python"
-export PATH="$ROOT/.venv/bin:$PATH"
+if [ -n "${GRPO_PYTHON:-}" ]; then  # an environment made elsewhere (bench/gpu_check.py's bare GPU machine)
+  PY=$GRPO_PYTHON
+else
+  bash scripts/setup.sh
+  PY="$ROOT/.venv/bin/python"
+  export PATH="$ROOT/.venv/bin:$PATH"
+fi
 export TOKENIZERS_PARALLELISM=false
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -55,7 +55,8 @@ def genonly(cfg: GRPOConfig) -> None:
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
     load_policy = policy_loader(engine, model_path)  # LoRA runs publish adapters only: merged into W0 here
 
-    rounds = uploaded = skipped = timeouts = 0
+    rounds = uploaded = skipped = timeouts = gen_tokens = 0
+    gen_s = 0.0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
     doing = {"now": "starting"}
     heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
@@ -93,11 +94,13 @@ def genonly(cfg: GRPOConfig) -> None:
         stall.add(st, len(batches))
         stall.maybe_log()
         timeouts += st.reward_timeouts
+        gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds
         resume.write_json(state_path, resume.capture(sampler))
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
     scorer.close()
     heartbeat.stop("done")
-    log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts", rounds, uploaded,
-             time.time() - t_start, timeouts)
+    log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
+             "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,
+             gen_tokens / max(gen_s, 1e-9))
