@@ -29,7 +29,8 @@ def detect_gpus() -> tuple[list[int], str]:
     if smi:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
         found = [int(m.group(1)) for m in re.finditer(r"^GPU (\d+):", out.stdout, re.M)] if out.returncode == 0 else []
-        how = f"nvidia-smi -L ({smi})"
+        how = f"nvidia-smi -L ({smi})" if out.returncode == 0 else \
+            f"nvidia-smi -L failed (exit {out.returncode}: {out.stderr.strip()[:200]}), so no GPU is used"
     else:
         import torch
         found, how = list(range(torch.cuda.device_count())), "torch.cuda.device_count() (no nvidia-smi on PATH)"
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[launch] placement: {e}", file=sys.stderr)
         return 2
     doc = dict(plan.to_json(), found_by=how)
-    print("[launch] " + describe(doc).replace("\n", "\n[launch] "), file=sys.stderr)
+    print("[launch] " + describe(doc).replace("\n", "\n[launch] ") + f"\n[launch]   GPUs found by: {how}",
+          file=sys.stderr)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")

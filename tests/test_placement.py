@@ -206,3 +206,9 @@ def test_ref_server_status_shows_the_plan(start_server, tiny_model_dir, tmp_path
         page = requests.get(srv.url + "/", timeout=10).text
         assert "ref_server  GPU 3" in page and "deepspeed --include localhost:0,1" in page
 
+
+
+def test_ref_server_refuses_a_missing_placement_file(tmp_path):
+    from ref_server.config import ServerConfig
+    with pytest.raises(ValueError, match="placement_file .* not found"):
+        ServerConfig(model="tiny", placement_file=str(tmp_path / "nope.json")).validate()
