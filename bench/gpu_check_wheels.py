@@ -41,9 +41,13 @@ PREINSTALLED = ["torch", "transformers", "peft", "accelerate"]
 NOT_SHIPPED = {"pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "datasets", "matplotlib"}
 PYTHON = "3.12"
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64"]
-TARGET_ENV = {**default_environment(), "python_version": PYTHON, "python_full_version": f"{PYTHON}.0",
-              "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-              "implementation_name": "cpython", "platform_python_implementation": "CPython", "os_name": "posix"}
+
+
+def target_env(py: str = PYTHON) -> dict[str, str]:
+    """Marker environment of the target machine: Linux x86_64, CPython `py`."""
+    return {**default_environment(), "python_version": py, "python_full_version": f"{py}.0", "sys_platform": "linux",
+            "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
 
 
 def pins(requirements: str) -> dict[str, str]:
@@ -57,10 +61,10 @@ def pins(requirements: str) -> dict[str, str]:
     return out
 
 
-def closure(roots: list[str], requires=None) -> set[str]:
+def closure(roots: list[str], requires=None, py: str = PYTHON) -> set[str]:
     """The roots and everything they require (no extras), by the installed distributions' metadata, markers
     evaluated for the target machine. `requires(name) -> list[str] | None` (None: not installed here)."""
-    requires = requires or _installed_requires
+    requires, env = requires or _installed_requires, target_env(py)
     seen: set[str] = set()
     todo = [canonicalize_name(r) for r in roots]
     while todo:
@@ -70,7 +74,7 @@ def closure(roots: list[str], requires=None) -> set[str]:
         seen.add(name)
         for spec in requires(name) or []:
             req = Requirement(spec)
-            if req.marker is None or req.marker.evaluate({**TARGET_ENV, "extra": ""}):
+            if req.marker is None or req.marker.evaluate(env):
                 todo.append(canonicalize_name(req.name))
     return seen
 
@@ -82,12 +86,12 @@ def _installed_requires(name: str) -> list[str] | None:
         return None
 
 
-def to_ship(requirements: str, requires=None, version=None) -> dict[str, str]:
+def to_ship(requirements: str, requires=None, version=None, py: str = PYTHON) -> dict[str, str]:
     """name -> version of every wheel the bare machine lacks: closure(our runtime pins) - closure(preinstalled)."""
     version = version or (lambda n: metadata.version(n))
     roots = [n for n in pins(requirements) if n not in NOT_SHIPPED and n not in PREINSTALLED]
-    have = closure(PREINSTALLED, requires)
-    need = closure(roots, requires) - have
+    have = closure(PREINSTALLED, requires, py)
+    need = closure(roots, requires, py) - have
     return {n: version(n) for n in sorted(need)}
 
 
@@ -106,7 +110,7 @@ def _pip(*args: str) -> None:
     subprocess.run(cmd, check=True)
 
 
-def gather(dest: Path, ship: dict[str, str]) -> dict:
+def gather(dest: Path, ship: dict[str, str], py: str = PYTHON) -> dict:
     """Download the target's wheels (binary only, CPython 3.12, manylinux x86_64); build pure-Python wheels for
     the few packages that publish none (deepspeed). Returns the manifest (also written to dest/manifest.json)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -115,16 +119,16 @@ def gather(dest: Path, ship: dict[str, str]) -> dict:
         if any(parse_wheel_filename(f.name)[:2] == (name, Version(ver)) for f in dest.glob("*.whl")):
             continue
         try:
-            _pip("download", "--no-deps", "--only-binary=:all:", f"--python-version={PYTHON}", *plat,
+            _pip("download", "--no-deps", "--only-binary=:all:", f"--python-version={py}", *plat,
                  "--implementation=cp", "-d", str(dest), f"{name}=={ver}")
         except subprocess.CalledProcessError:  # no wheel published: build one (it must come out pure Python)
             _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(dest), f"{name}=={ver}")
     wheels = sorted(dest.glob("*.whl"))
     files = {f.name: f.stat().st_size for f in wheels}
-    impure = [f for f in files if not fits_target(f)]
+    impure = [f for f in files if not fits_target(f, py)]
     missing = [n for n in ship if not any(name_of(f) == n for f in files)]
     total = sum(files.values())
-    manifest = {"python": PYTHON, "platforms": PLATFORMS, "packages": ship, "files": files, "total_bytes": total,
+    manifest = {"python": py, "platforms": PLATFORMS, "packages": ship, "files": files, "total_bytes": total,
                 "total_mib": round(total / 2**20, 2)}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     if missing or impure:
@@ -138,11 +142,12 @@ def name_of(wheel_file: str) -> str:
     return parse_wheel_filename(wheel_file)[0]
 
 
-def fits_target(wheel_file: str) -> bool:
-    """Installable on the target (CPython 3.12, manylinux x86_64): not, e.g., a wheel built here for 3.11."""
+def fits_target(wheel_file: str, py: str = PYTHON) -> bool:
+    """Installable on the target (CPython `py`, manylinux x86_64): not, e.g., a wheel built here for 3.11."""
+    ver, cp = tuple(int(v) for v in py.split(".")), "cp" + py.replace(".", "")
     plats = [f"manylinux_2_{m}_x86_64" for m in range(5, 40)] + [f"manylinux{y}_x86_64" for y in (1, 2010, 2014)]
-    target = set(cpython_tags((3, 12), abis=["cp312"], platforms=plats)) | \
-        set(compatible_tags((3, 12), interpreter="cp312", platforms=plats))
+    target = set(cpython_tags(ver, abis=[cp], platforms=plats)) | \
+        set(compatible_tags(ver, interpreter=cp, platforms=plats))
     return bool(set(parse_wheel_filename(wheel_file)[3]) & target)
 
 
@@ -150,18 +155,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["gather", "list", "command"])
     ap.add_argument("--dest", default=str(REPO / WHEEL_DIR))
+    ap.add_argument("--python-version", default=PYTHON, help="the GPU machine's Python (default %(default)s)")
+    ap.add_argument("--python", default="python3", help="its interpreter, in the printed command")
+    ap.add_argument("check_args", nargs="*", help="bench/gpu_check.py flags for the printed command, after --")
     a = ap.parse_args()
-    ship = to_ship((REPO / "requirements.txt").read_text())
+    ship = to_ship((REPO / "requirements.txt").read_text(), py=a.python_version)
     if a.what == "list":
         print("\n".join(f"{n}=={v}" for n, v in ship.items()))
     elif a.what == "gather":
         os.environ.setdefault("DS_BUILD_OPS", "0")
-        m = gather(Path(a.dest), ship)
+        m = gather(Path(a.dest), ship, a.python_version)
         print(f"{len(m['files'])} wheels, {m['total_mib']} MiB in {a.dest}; on the GPU machine, in the checkout:",
               file=sys.stderr)
-        print(install_and_run())
+        print(install_and_run(a.check_args, a.python))
     else:
-        print(install_and_run())
+        print(install_and_run(a.check_args, a.python))
 
 
 if __name__ == "__main__":
