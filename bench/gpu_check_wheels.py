@@ -11,6 +11,7 @@ target (Linux x86_64, CPython 3.12), so the list is computed without network; on
     .venv/bin/python bench/gpu_check_wheels.py gather      # -> .whl/*.whl + .whl/manifest.json (<= 64 MiB)
     .venv/bin/python bench/gpu_check_wheels.py list        # what would be gathered (no network)
     .venv/bin/python bench/gpu_check_wheels.py command     # the one command to run on the GPU machine
+    (--python-version 3.11 --python /path/python -- --device cpu --steps 2: another target, check flags)
 DeepSpeed publishes no wheel (sdist only): it is built here as a pure-Python wheel (DS_BUILD_OPS=0; its ops are
 JIT-built if ever used; ds_config.json asks torch's AdamW, so none is).
 """
@@ -157,8 +158,9 @@ def main() -> None:
     ap.add_argument("--dest", default=str(REPO / WHEEL_DIR))
     ap.add_argument("--python-version", default=PYTHON, help="the GPU machine's Python (default %(default)s)")
     ap.add_argument("--python", default="python3", help="its interpreter, in the printed command")
-    ap.add_argument("check_args", nargs="*", help="bench/gpu_check.py flags for the printed command, after --")
-    a = ap.parse_args()
+    argv = sys.argv[1:]
+    check_args = argv[argv.index("--") + 1:] if "--" in argv else []  # bench/gpu_check.py flags for the command
+    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     ship = to_ship((REPO / "requirements.txt").read_text(), py=a.python_version)
     if a.what == "list":
         print("\n".join(f"{n}=={v}" for n, v in ship.items()))
@@ -167,9 +169,9 @@ def main() -> None:
         m = gather(Path(a.dest), ship, a.python_version)
         print(f"{len(m['files'])} wheels, {m['total_mib']} MiB in {a.dest}; on the GPU machine, in the checkout:",
               file=sys.stderr)
-        print(install_and_run(a.check_args, a.python))
+        print(install_and_run(check_args, a.python))
     else:
-        print(install_and_run(a.check_args, a.python))
+        print(install_and_run(check_args, a.python))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,11 @@ def test_to_ship_subtracts_the_preinstalled_closure():
     assert ship == {"bottle": "x", "deepspeed": "x", "hjson": "3.1"}  # numpy comes with torch, pytest not shipped
 
 
+def test_another_target_python_changes_markers_and_tags():
+    assert gw.closure(["a"], {"a": ["c; python_version < '3.12'"], "c": []}.get, py="3.11") == {"a", "c"}
+    assert gw.fits_target("tiktoken-0.14.0-cp311-cp311-manylinux_2_28_x86_64.whl", py="3.11")
+
+
 def test_wheel_tags_must_fit_the_target():
     assert gw.fits_target("bottle-0.13.4-py2.py3-none-any.whl")
     assert gw.fits_target("grpcio-1.85.3-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl")
@@ -66,6 +71,12 @@ def test_the_one_command_installs_offline_then_runs_the_check():
     out = subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "bench" / "gpu_check_wheels.py"),
                           "command"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == cmd
+    other = subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "bench" / "gpu_check_wheels.py"),
+                            "command", "--python", "/opt/py/bin/python", "--", "--device", "cpu", "--steps", "2"],
+                           capture_output=True, text=True, timeout=60, cwd=REPO).stdout.strip()
+    assert other.startswith("/opt/py/bin/python -m pip install --no-index --no-deps --target .whl/site")
+    assert other.endswith("GRPO_PYTHON=/opt/py/bin/python TOKENIZERS_PARALLELISM=false /opt/py/bin/python "
+                          "bench/gpu_check.py --device cpu --steps 2")
 
 
 def test_wheel_dir_is_ignored_by_git():
