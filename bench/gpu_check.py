@@ -71,11 +71,12 @@ class PeakMemory:
 
     def __init__(self, device: str, root_pid: int):
         self.device, self.root_pid, self.peak_mib, self._stop = device, root_pid, 0.0, threading.Event()
+        self.smi = shutil.which("nvidia-smi")  # absent: the GPU-wide peak is unknown (None), the rank's still shows
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _sample(self) -> float:
         if self.device == "cuda":
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=30).stdout.split()
             return max(float(v) for v in out) if out else 0.0
         import psutil
@@ -97,15 +98,19 @@ class PeakMemory:
             self._stop.wait(0.5)
 
     def __enter__(self) -> PeakMemory:
+        if self.device == "cuda" and not self.smi:
+            self.peak_mib = None
+            return self
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
 
 
-def summarise(run: Path, rc: int, wall: float, peak_mib: float, device: str) -> dict:
+def summarise(run: Path, rc: int, wall: float, peak_mib: float | None, device: str) -> dict:
     """The figures of one run from its metrics.jsonl and its worker's log."""
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()] \
         if (run / "metrics.jsonl").is_file() else []
@@ -118,7 +123,7 @@ def summarise(run: Path, rc: int, wall: float, peak_mib: float, device: str) -> 
         "rc": rc, "steps_done": len(rows), "wall_s": round(wall, 1),
         "s_per_step": round(sum(later) / len(later), 3) if later else None,
         "first_step_s": round(step_s[0], 3) if step_s else None,
-        ("peak_gpu_mib" if device == "cuda" else "peak_rss_mib"): round(peak_mib, 1),
+        ("peak_gpu_mib" if device == "cuda" else "peak_rss_mib"): None if peak_mib is None else round(peak_mib, 1),
         "rank_peak_mem_mb": round(max((r.get("peak_mem_mb", 0.0) for r in rows), default=0.0), 1),
         "gen_tokens_per_s": round(tokens / seconds, 1) if seconds else None, "gen_tokens": tokens,
     }
