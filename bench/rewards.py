@@ -2,9 +2,9 @@
 
     python bench/rewards.py [--groups 400] [--group-size 8] [--rewards correct,format] [--repeats 3] [--timeout 10]
 
-Completions are made from the demo's arith task (trainer/arith.py): per group of `group-size`, some worked
+Completions are made from the demo's arith task (trainer/demo/arith.py): per group of `group-size`, some worked
 solutions in the R1 format and some wrong or malformed ones, as a half-trained policy writes them. Each side
-scores the same groups with trainer.reward_scoring.RewardScorer (what rollouts call):
+scores the same groups with trainer.rewards.scoring.RewardScorer (what rollouts call):
 
   in_process   reward_timeout = 0: the functions are called directly (no isolation, no timeout)
   timeout      reward_timeout = T: the calls go to the reward worker process (JSON lines over a pipe), each
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.arith import load_arith, solution_text  # noqa: E402
-from trainer.reward_scoring import RewardScorer  # noqa: E402
+from trainer.demo.arith import load_arith, solution_text  # noqa: E402
+from trainer.rewards.scoring import RewardScorer  # noqa: E402
 
 
 def make_groups(n_groups: int, size: int, seed: int) -> list[tuple]:

@@ -78,6 +78,11 @@ class GRPOConfig:
     warmup_steps: int = knob(0, "Linear warmup steps.")
     grad_clip: float = knob(1.0, "Gradient norm clip.")
     grad_accum: int = knob(1, "Gradient accumulation steps (DeepSpeed).")
+    micro_batch_size: int = knob(0, "Rows (completions) per forward/backward on a rank: the training batch is split "
+                                    "into micro-batches whose gradients are accumulated into ONE optimizer update per "
+                                    "step, with the same gradient as the whole batch for every aggregation "
+                                    "(trainer/microbatch.py). 0 = the whole batch at once. TRL: "
+                                    "per_device_train_batch_size.")
     zero_stage: int | None = knob(None, "Override the ZeRO stage of ds_config (2 by default; 3 works).")
     bf16: bool | None = knob(None, "Ranks in bf16 under DeepSpeed (bf16 weights, fp32 master copy and Adam state): "
                                    "true/false override ds_config's bf16.enabled; null keeps it (ds_config.json: "
@@ -238,6 +243,7 @@ class GRPOConfig:
             (self.stall_timeout >= 0, "stall_timeout must be >= 0 seconds (0 = never)"),
             (self.dist_timeout > 0, "dist_timeout must be > 0 seconds"),
             (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
+            (self.micro_batch_size >= 0, "micro_batch_size must be >= 0 rows (0 = the whole batch at once)"),
             (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
         ]
         for ok, msg in checks:

@@ -8,6 +8,8 @@ chunk is checkpointed, so backward recomputes it instead of keeping every chunk 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -62,10 +64,18 @@ def _gathered_copy(lm_head: torch.nn.Module, hidden: torch.Tensor) -> tuple[torc
     return got["w"], got["b"]
 
 
+def chunk_count(rows: int, width: int, chunk_tokens: int) -> int:
+    """How many LM-head calls logprobs_from_hidden makes for (rows, width) completion positions."""
+    return math.ceil(width / max(1, chunk_tokens // max(rows, 1)))
+
+
 def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
-                         chunk_tokens: int = 256, with_entropy: bool = False
+                         chunk_tokens: int = 256, with_entropy: bool = False, min_chunks: int = 0
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden (B, T, H) predicting targets (B, T) -> logps (B, T) float32 [, entropy (B, T)]."""
+    """hidden (B, T, H) predicting targets (B, T) -> logps (B, T) float32 [, entropy (B, T)].
+
+    min_chunks: call the head at least this often, with empty chunks past T. Under ZeRO-3 every head call is a
+    collective, so ranks whose longest completions differ pass the count they agreed on (the maximum)."""
     B, T, _ = hidden.shape
     step = max(1, chunk_tokens // max(B, 1))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
@@ -82,7 +92,9 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
             return logprobs_from_logits(torch.nn.functional.linear(h, weight, bias), t)
 
     out, ents = [], []
-    for s in range(0, T, step):
+    starts = list(range(0, T, step))
+    starts += [T] * (min_chunks - len(starts))  # empty chunks: same calls as the other ranks, no positions
+    for s in starts:
         h, t = hidden[:, s:s + step], targets[:, s:s + step]
         out.append(checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t))
         if with_entropy:
@@ -92,8 +104,8 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
-                      completion_lens: torch.Tensor, chunk_tokens: int = 256, with_entropy: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      completion_lens: torch.Tensor, chunk_tokens: int = 256, with_entropy: bool = False,
+                      min_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM).
 
     input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).
@@ -111,7 +123,8 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
     pos, valid = completion_index(prompt_lens, completion_lens)
     h = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # state before each token
     targets = input_ids.gather(1, pos)
-    logps, ent = logprobs_from_hidden(h, model.get_output_embeddings(), targets, chunk_tokens, with_entropy)
+    logps, ent = logprobs_from_hidden(h, model.get_output_embeddings(), targets, chunk_tokens, with_entropy,
+                                      min_chunks)
     logps = logps.masked_fill(~valid, 0.0)
     if ent is not None:
         ent = ent.masked_fill(~valid, 0.0)

@@ -45,6 +45,8 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
     "lr_scheduler_type": ("lr_schedule", _pick(SCHEDULERS, "lr_scheduler_type"),
                           "constant, constant_with_warmup->constant, cosine (linear etc. refused)"),
     "max_steps": ("all_steps", None, "training steps"),
+    "per_device_train_batch_size": ("micro_batch_size", None, "completions per forward/backward on a device; "
+                                    "the batch itself stays num_pre_Q x Q_batch_size x train_batch_groups"),
     "logging_steps": ("log_every", None, "metrics row every N steps"),
 }
 
@@ -60,7 +62,6 @@ REFUSED: dict[str, str] = {
         "vllm_importance_sampling_cap")},
     "generation_batch_size": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
     "steps_per_generation": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
-    "per_device_train_batch_size": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
     "gradient_accumulation_steps": "TRL's accumulation also sets the generation batch; use grad_accum knowingly",
     "num_train_epochs": "training length is all_steps (alias max_steps)",
     "delta": "two-sided clipping (delta) is not implemented",

@@ -87,7 +87,7 @@ def test_demo_uses_float32_on_a_cpu_without_native_bf16(monkeypatch) -> None:
 
     from common.config import GRPOConfig
     from common.knobs import load_config
-    from trainer.demo import DEMO_CONFIG, cpu_precision_args
+    from trainer.demo.cli import DEMO_CONFIG, cpu_precision_args
 
     said: list[str] = []
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)

@@ -238,3 +238,24 @@ def test_sequence_logprobs_gradient_flows_to_the_model(tiny):
     finally:
         emb.requires_grad_(False)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
+
+
+def test_min_chunks_pads_with_empty_head_calls_and_changes_nothing():
+    """ZeRO-3 ranks agree on the LM-head call count: extra calls are empty chunks, values and gradients unchanged."""
+    from common.logprobs import chunk_count, logprobs_from_hidden
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    calls = []
+    head.register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape)))
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 7))
+    base, _ = logprobs_from_hidden(hidden, head, targets, chunk_tokens=4)
+    (g_base,) = torch.autograd.grad(base.sum(), hidden)
+    n = chunk_count(2, 7, 4)
+    assert n == 4 and len(calls) == 2 * n  # forward + checkpoint recompute per chunk
+    calls.clear()
+    padded, ent = logprobs_from_hidden(hidden, head, targets, chunk_tokens=4, with_entropy=True, min_chunks=n + 3)
+    (g_pad,) = torch.autograd.grad(padded.sum(), hidden)
+    assert len([c for c in calls if c[1] == 0]) >= 3 and ent.shape == (2, 7)
+    torch.testing.assert_close(padded, base)
+    torch.testing.assert_close(g_pad, g_base)

@@ -10,7 +10,7 @@ import pytest
 from common.modeling import load_tokenizer
 from trainer.data import ColumnSpec, load_examples
 from trainer.prompt_formats import R1ZERO_TEMPLATE
-from trainer.rewards import reward_countdown
+from trainer.rewards.countdown import reward_countdown
 from trainer.rollout import encode_prompts
 
 

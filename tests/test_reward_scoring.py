@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trl_rewards, loaded by dotted path
 
 from trainer.data import Example  # noqa: E402
-from trainer.reward_scoring import RewardScorer, reward_kind  # noqa: E402
+from trainer.rewards.scoring import RewardScorer, reward_kind  # noqa: E402
 
 
 def ex(gt: str = "4", prompt: str = "2+2?", **cols) -> Example:

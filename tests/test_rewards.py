@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from trainer.countdown import evaluate_countdown
 from trainer.rewards import (
     REWARD_FNS,
     extract_answer,
@@ -20,6 +19,7 @@ from trainer.rewards import (
     reward_total,
     score_completion,
 )
+from trainer.rewards.countdown import evaluate_countdown
 
 
 def ans(text: str) -> str:
@@ -234,7 +234,7 @@ def test_countdown_exact_fractions_and_division() -> None:
 
 
 def test_countdown_never_evaluates_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.countdown as rw
+    import trainer.rewards.countdown as rw
 
     parsed: list[str] = []
     real_parse = rw.ast.parse
@@ -313,7 +313,7 @@ def test_score_completion_rejects_nan() -> None:
 
 
 def test_plugin_module_and_register(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.rewards as rw
+    import trainer.rewards.registry as rw
 
     (tmp_path / "my_plugin_rewards.py").write_text(
         "from trainer.rewards import register_reward\n\n"

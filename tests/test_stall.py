@@ -16,7 +16,7 @@ from common.protocol import ScoredBatch
 from trainer.batches import is_stale
 from trainer.data import load_examples
 from trainer.engines.hf import HFEngine
-from trainer.reward_scoring import RewardScorer
+from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
 

@@ -8,6 +8,7 @@ import time
 from common.client import RefServerError
 from common.config import GRPOConfig
 from common.protocol import ProtocolError, ScoredBatch, collate
+from trainer.comm import all_reduce_int
 from trainer.engines.hf import HFEngine
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
@@ -44,17 +45,21 @@ def is_stale(cfg: GRPOConfig, policy_version: int, b: ScoredBatch) -> bool:
 class BatchSource:
     """Yields training batches: scored groups from the server, generating our own when none is ready."""
 
-    def __init__(self, cfg, client, model, tokenizer, sampler, scorer, eos, vocab_size, producer_id):
+    def __init__(self, cfg, client, model, tokenizer, sampler, scorer, eos, vocab_size, producer_id,
+                 lockstep: bool = False):
         self.cfg, self.client, self.model, self.tok = cfg, client, model, tokenizer
         self.sampler, self.scorer, self.eos, self.vocab = sampler, scorer, eos, vocab_size
         self.producer_id = producer_id
         # Ranks generate from the live DeepSpeed module with HF: it already holds the exact current weights,
         # where a vLLM engine per rank would hold a second copy and need a weight swap every step.
+        # lockstep (ZeRO-3): ranks decide together to generate, and generate with synced_gpus (see _next_lockstep)
+        self.lockstep = lockstep
         self.engine = HFEngine(model, tokenizer, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               gen_batch_size=cfg.gen_batch_size)
+                               gen_batch_size=cfg.gen_batch_size, synced_gpus=lockstep)
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
         self.stall = StallReporter(producer_id, cfg.log_stall_every)  # says so when every group is skipped
+        self.idle_since = time.time()
         self.watchdog = None  # trainer/health.py Watchdog: told what we wait for (its stall diagnosis says it)
 
     def _doing(self, what: str) -> None:
@@ -66,61 +71,107 @@ class BatchSource:
         groups: list[ScoredBatch] = []
         info = {"wait_s": 0.0, "gen_s": 0.0, "rejected_batches": 0, "dropped_stale": 0, "lost_batches": 0}
         gen = RolloutStats()
+        if self.lockstep:
+            self._next_lockstep(policy_version, groups, info, gen)
+            info["own_gen"] = gen
+            return collate(groups), info
         last_note = time.time()
-        idle_since = time.time()
+        self.idle_since = time.time()
         while len(groups) < cfg.train_batch_groups:
             # Long-poll while the server still holds work that may be our uploads; another rank may have
             # taken them already, and a blind wait then cost a second per step. With workers, poll in slices.
             pending = self.in_flight > 0 and self._server_busy()
             wait = 1.0 if pending else (2.0 if cfg.num_gen_workers and not self.in_flight else 0.0)
-            t0 = time.time()
-            self._doing("waiting for a scored batch from the ref server {url} (GET /get)")
-            b = self.client.get(timeout=wait)
-            info["wait_s"] += time.time() - t0
-            if b is not None:
-                try:
-                    check_scored(b, cfg, self.vocab)
-                except ProtocolError as e:
-                    log.error("rejected scored batch: %s", e)
-                    info["rejected_batches"] += 1
-                    continue
-                if b.producer_id == self.producer_id:
-                    self.in_flight = max(0, self.in_flight - 1)
-                if is_stale(cfg, policy_version, b):
-                    # too old to learn from safely, or newer than ours: from steps lost before a resume
-                    info["dropped_stale"] += 1
-                    continue
-                groups.append(b)
-                self.stall.progress()
-                idle_since = time.time()
+            got = self._take(policy_version, info, wait)
+            if got is not None:
+                if got is not False:
+                    groups.append(got)
                 continue
             if pending and self._server_busy():
                 continue  # our uploads are still queued or being scored: keep waiting for them
-            if self.in_flight and self.client.outages != self.outages_at_upload:
-                # the server was unreachable since our uploads: they died with it; count them and generate anew
-                log.warning("%d uploaded batch(es) lost with the ref server; generating new ones", self.in_flight)
-                info["lost_batches"] += self.in_flight
-            self.in_flight = 0  # nothing pending: what we uploaded went to another rank (or was lost)
-            if cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - idle_since > cfg.get_wait):
-                t0 = time.time()
-                self._doing("generating its own rollouts")
-                batches, st = generate_batches(self.engine, self.tok, self.sampler.next_batch(cfg.Q_batch_size),
-                                               cfg, self.scorer, policy_version, self.producer_id)
-                info["gen_s"] += time.time() - t0
-                _merge_stats(gen, st)
-                self._doing("uploading its rollouts to the ref server {url}")
-                for rb in batches:
-                    self.client.upload(rb)
-                self.in_flight += len(batches)
-                self.stall.add(st, len(batches))
-                self.stall.maybe_log()
-                self.outages_at_upload = self.client.outages
-                idle_since = time.time()
+            self._forget_in_flight(info)
+            if self._may_generate():
+                self._generate(policy_version, info, gen)
             elif time.time() - last_note > 30:
                 log.info("waiting for scored batches from genonly workers (%.0f s so far)", info["wait_s"])
                 last_note = time.time()
         info["own_gen"] = gen
         return collate(groups), info
+
+    def _next_lockstep(self, policy_version: int, groups: list, info: dict, gen: RolloutStats) -> None:
+        """ZeRO-3: every module call gathers parameters from all ranks, so generating is a collective. Ranks go
+        round by round: each takes what the server has for it; then, if any rank still lacks groups and has
+        nothing coming, ALL ranks generate (synced_gpus), a rank already served uploading for the others."""
+        cfg = self.cfg
+        self.idle_since = time.time()
+        while True:
+            short = len(groups) < cfg.train_batch_groups
+            idle = False
+            if short:
+                pending = self.in_flight > 0 and self._server_busy()
+                got = self._take(policy_version, info, 1.0 if (pending or cfg.num_gen_workers) else 0.0)
+                if got:
+                    groups.append(got)
+                short = len(groups) < cfg.train_batch_groups
+                idle = short and got is None and not (pending and self._server_busy())
+            if all_reduce_int(int(short)) == 0:  # every rank has its batch
+                return
+            if idle:
+                self._forget_in_flight(info)
+            self._doing("agreeing with the other ranks whether to generate (ZeRO-3 lockstep)")
+            if all_reduce_int(int(idle and self._may_generate())):
+                self._generate(policy_version, info, gen)
+
+    def _take(self, policy_version: int, info: dict, wait: float):
+        """One GET /get: a usable batch, False for one rejected or stale, None when there was none."""
+        t0 = time.time()
+        self._doing("waiting for a scored batch from the ref server {url} (GET /get)")
+        b = self.client.get(timeout=wait)
+        info["wait_s"] += time.time() - t0
+        if b is None:
+            return None
+        try:
+            check_scored(b, self.cfg, self.vocab)
+        except ProtocolError as e:
+            log.error("rejected scored batch: %s", e)
+            info["rejected_batches"] += 1
+            return False
+        if b.producer_id == self.producer_id:
+            self.in_flight = max(0, self.in_flight - 1)
+        if is_stale(self.cfg, policy_version, b):
+            # too old to learn from safely, or newer than ours: from steps lost before a resume
+            info["dropped_stale"] += 1
+            return False
+        self.stall.progress()
+        self.idle_since = time.time()
+        return b
+
+    def _forget_in_flight(self, info: dict) -> None:
+        if self.in_flight and self.client.outages != self.outages_at_upload:
+            # the server was unreachable since our uploads: they died with it; count them and generate anew
+            log.warning("%d uploaded batch(es) lost with the ref server; generating new ones", self.in_flight)
+            info["lost_batches"] += self.in_flight
+        self.in_flight = 0  # nothing pending: what we uploaded went to another rank (or was lost)
+
+    def _may_generate(self) -> bool:
+        cfg = self.cfg
+        return cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - self.idle_since > cfg.get_wait)
+
+    def _generate(self, policy_version: int, info: dict, gen: RolloutStats) -> None:
+        t0 = time.time()
+        self._doing("generating its own rollouts")
+        batches, st = generate_batches(self.engine, self.tok, self.sampler.next_batch(self.cfg.Q_batch_size),
+                                       self.cfg, self.scorer, policy_version, self.producer_id)
+        info["gen_s"] += time.time() - t0
+        _merge_stats(gen, st)
+        self._doing("uploading its rollouts to the ref server {url}")
+        for rb in batches:
+            self.client.upload(rb)
+        self.in_flight += len(batches)
+        self.stall.add(st, len(batches))
+        self.stall.maybe_log()
+        self.outages_at_upload = self.client.outages
+        self.idle_since = time.time()
 
     def _server_busy(self) -> bool:
         """A ref server holds work not handed out yet (queued, being scored, or scored and waiting)."""

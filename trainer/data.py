@@ -11,31 +11,26 @@ Other fields of a row are kept in Example.meta; Example.columns (all but the pro
 """
 from __future__ import annotations
 
+import importlib
 import json
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from common.prompts import SYSTEM_PROMPT  # re-exported: the R1-style prompt (simple_GRPO's wording)
+from trainer.example import Example  # re-exported: what a loader returns
 from trainer.prompt_formats import build_prompt, check_messages  # re-exported: prompt formats live there
-from trainer.rewards import last_boxed
+from trainer.rewards.answers import last_boxed
 
 __all__ = ["Example", "ColumnSpec", "SYSTEM_PROMPT", "load_examples", "build_prompt", "PromptSampler"]
 
 # Hub datasets that need a config name (GSM8K has "main" and "socratic").
 _HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
 _FILE_SUFFIXES = (".jsonl", ".parquet")
-
-
-@dataclass
-class Example:
-    prompt: str | list  # text, or a message list [{"role", "content"}, ...] for prompt_format "messages"
-    ground_truth: str
-    meta: dict = field(default_factory=dict)  # the row's other columns (GSM8K: "solution" = the worked answer)
-    columns: dict = field(default_factory=dict, compare=False)  # all columns but the prompt: TRL reward keywords
-    index: int | None = None  # position in the loaded list, set by PromptSampler (batches log what they trained)
+# Generated tasks by name -> "module:function(split) -> list[Example]".
+SYNTHETIC_SOURCES = {"arith": "trainer.demo.arith:load_arith"}
 
 
 # ----------------------------------------------------------------------------- rows -> examples
@@ -181,7 +176,7 @@ def load_examples(source: str, split: str = "train", limit: int | None = None,
                   columns: ColumnSpec | None = None) -> list[Example]:
     """Examples from `source`, first `limit` rows only when given.
 
-    source: "arith" (the synthetic task in trainer/arith.py); an existing directory holding
+    source: a SYNTHETIC_SOURCES name ("arith": the demo's task, trainer/demo/arith.py); an existing directory holding
     {split}.jsonl / {split}.parquet; an existing .jsonl / .parquet file (split ignored);
     otherwise a Hugging Face hub id loaded with datasets.load_dataset (needs internet or a
     warm HF cache; "openai/gsm8k" uses its "main" config). `columns` maps the row layout (ColumnSpec).
@@ -189,10 +184,8 @@ def load_examples(source: str, split: str = "train", limit: int | None = None,
     spec = columns or ColumnSpec()
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    if source == "arith":
-        from trainer.arith import load_arith  # lazy: trainer.arith imports Example from here
-
-        examples = load_arith(split)
+    if source in SYNTHETIC_SOURCES:
+        examples = _load_synthetic(source, split)
         return examples if limit is None else examples[:limit]
     path = Path(source).expanduser()
     if path.is_dir():
@@ -206,6 +199,13 @@ def load_examples(source: str, split: str = "train", limit: int | None = None,
     if not examples and limit != 0:
         raise ValueError(f"data source {source!r} (split {split!r}) holds no examples")
     return examples
+
+
+def _load_synthetic(name: str, split: str) -> list[Example]:
+    """A generated task, reached by its dotted path: the demo sits above data loading and must not be imported
+    from here statically (it imports Example below)."""
+    mod_name, _, fn_name = SYNTHETIC_SOURCES[name].partition(":")
+    return getattr(importlib.import_module(mod_name), fn_name)(split)
 
 
 def _load_hub(source: str, split: str, limit: int | None, spec: ColumnSpec) -> list[Example]:

@@ -13,6 +13,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import load_model
+from trainer.microbatch import micro_batches_per_step, micro_rows
 
 log = logging.getLogger("trainer")
 
@@ -20,9 +21,11 @@ log = logging.getLogger("trainer")
 def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
     """ds_config.json with the fields this config owns filled in (one source of truth for each knob)."""
     ds = json.loads(Path(cfg.ds_config).read_text())
-    ds.pop("train_batch_size", None)  # derived: micro (1 training batch) x accumulation x world
-    ds["train_micro_batch_size_per_gpu"] = 1
-    ds["gradient_accumulation_steps"] = cfg.grad_accum
+    ds.pop("train_batch_size", None)  # derived: micro x accumulation x world
+    # Rows per forward/backward; DeepSpeed steps the optimizer after grad_accum steps' micro-batches
+    # (trainer/microbatch.py: one optimizer update per step with grad_accum 1).
+    ds["train_micro_batch_size_per_gpu"] = micro_rows(cfg)
+    ds["gradient_accumulation_steps"] = cfg.grad_accum * micro_batches_per_step(cfg)
     ds["gradient_clipping"] = cfg.grad_clip
     opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
     opt.setdefault("params", {}).update(lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -14,10 +15,11 @@ from tqdm import tqdm
 
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
+from trainer.comm import all_reduce_int
 from trainer.data import ColumnSpec, Example, load_examples
 from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
-from trainer.rewards import reward_correct, reward_format
+from trainer.rewards.builtin import reward_correct, reward_format
 from trainer.rollout import encode_prompts
 
 
@@ -37,8 +39,11 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     correct = formatted = 0
     samples = []
     bar = tqdm(total=len(kept), desc="eval", disable=not progress, leave=False)
-    for s in range(0, len(kept), batch_size):
-        chunk = kept[s:s + batch_size]
+    calls = math.ceil(len(kept) / batch_size)
+    if getattr(engine, "synced_gpus", False):  # ZeRO-3 ranks evaluating their shards together: as many calls
+        calls = all_reduce_int(calls, "max")
+    for c in range(calls):
+        chunk = kept[c * batch_size:(c + 1) * batch_size]
         outs = engine.generate([ids for _, ids in chunk], 1, max_new_tokens=max_new_tokens, greedy=True)
         for (ex, _), out in zip(chunk, outs):
             text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)

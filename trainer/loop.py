@@ -17,18 +17,19 @@ import torch
 
 from common.config import GRPOConfig
 from common.knobs import to_dict
-from common.logprobs import sequence_logprobs
+from common.logprobs import chunk_count, sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.protocol import ScoredBatch
-from trainer import resume
+from trainer import comm, microbatch, resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
+from trainer.microbatch import micro_batches_per_step, rows_per_step
 from trainer.publish import Publisher
-from trainer.reward_scoring import RewardScorer
+from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import RolloutStats
 from trainer.runtime import make_client, setup_logging
 from trainer.step_metrics import (
@@ -46,7 +47,9 @@ log = logging.getLogger("trainer")
 
 
 def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
-    """mu optimisation passes over one training batch; returns loss and diagnostics."""
+    """mu optimisation passes over one training batch, each in micro-batches of micro_batch_size rows whose
+    gradients DeepSpeed accumulates into one optimizer update (trainer/microbatch.py); returns loss and
+    diagnostics."""
     device = next(engine.module.parameters()).device
     mask = b.completion_mask().to(device)
     if cfg.mask_truncated and "truncated" in b.extra:
@@ -54,39 +57,74 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
         mask = mask & keep[:, None]
     adv = b.advantages.to(device)
     if cfg.advantage_mode == "reinforce_pp":  # group-centred at generation; normalised over the step's batch here
-        adv = reinforce_pp_advantages(adv, all_reduce=torch.distributed.all_reduce
-                                      if torch.distributed.is_initialized() else None)
+        adv = reinforce_pp_advantages(adv, all_reduce=comm.all_reduce if torch.distributed.is_initialized() else None)
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
-    level = cfg.importance_sampling_level
-    eps = dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high) if level == "sequence" else \
-        dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    micros = microbatch.split(b, mask, adv, gen, ref, cfg.micro_batch_size or b.num_rows, cfg.aggregation)
+    if len(micros) != micro_batches_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches
+        raise ValueError(f"training batch of {b.num_rows} rows makes {len(micros)} micro-batches of "
+                         f"micro_batch_size={cfg.micro_batch_size}; train_batch_groups x num_pre_Q = "
+                         f"{rows_per_step(cfg)} rows make {micro_batches_per_step(cfg)}")
+    scale = dapo_scale(mask) if cfg.aggregation == "dapo" else 1.0  # the whole rank batch's share, once
     stats: dict = {}
-    old = weights = None  # truncated IS: the trainer's own old logps (first pass) and the per-token weights
+    olds: list = [None] * len(micros)  # truncated IS: the trainer's own old logps (first pass) per micro-batch
     for _ in range(cfg.mu):
-        logps, ent = sequence_logprobs(engine.module, b.input_ids, b.prompt_lens, b.completion_lens,
-                                       chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
-        logps = logps.float()
-        if cfg.tis_cap is not None and gen is not None and old is None:
-            old = logps.detach()
-            weights = tis_weights(old, gen, cfg.tis_cap)
-        loss = grpo_loss(logps, ref, old if old is not None else gen, adv, mask, beta=cfg.beta,
-                         aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
-                         max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level,
-                         is_weights=weights, **eps)
-        if cfg.aggregation == "dapo":
-            loss = loss * dapo_scale(mask)
-        engine.backward(loss)
-        engine.step()
+        seen = []
+        for i, mb in enumerate(micros):
+            logps, ent = sequence_logprobs(engine.module, mb.input_ids, mb.prompt_lens, mb.completion_lens,
+                                           chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True,
+                                           min_chunks=agreed_chunks(engine.module, mb, cfg))
+            logps = logps.float()
+            if cfg.tis_cap is not None and mb.gen is not None and olds[i] is None:
+                olds[i] = logps.detach()
+            loss = micro_loss(logps, mb, olds[i], cfg) * (scale * mb.weight)
+            engine.backward(loss * microbatch.backward_scale(len(micros)))
+            engine.step()  # an optimizer update only after the step's last micro-batch (engine.py)
+            seen.append((logps.detach(), ent, float(loss.detach())))
         if not stats:  # diagnostics of the first pass: the policy that saw this batch
-            stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=level, **eps)
-            m = mask.float()
-            stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
-            stats["loss"] = float(loss.detach())
-            if gen is not None:  # train/inference mismatch (includes policy drift when the batch is stale)
-                stats.update(mismatch_stats(logps, gen, mask))
-            if weights is not None:
-                stats["tis_weight_mean"] = float((weights * m).sum() / m.sum().clamp(min=1))
+            stats = step_stats(seen, micros, olds, b, mask, adv, gen, ref, cfg)
+    return stats
+
+
+def agreed_chunks(model, mb: microbatch.Micro, cfg: GRPOConfig) -> int:
+    """Under ZeRO-3 each LM-head call gathers the head from every rank: all ranks make as many calls as the
+    rank with the longest completions (common/logprobs.py pads with empty chunks). 0 otherwise."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return 0
+    return comm.all_reduce_int(chunk_count(*mb.mask.shape, cfg.logp_chunk_tokens), "max")
+
+
+def micro_loss(logps: torch.Tensor, mb: microbatch.Micro, old: torch.Tensor | None, cfg: GRPOConfig) -> torch.Tensor:
+    """The GRPO loss of one micro-batch, normalised within it (the caller weights it into the batch's loss)."""
+    level = cfg.importance_sampling_level
+    weights = tis_weights(old, mb.gen, cfg.tis_cap) if old is not None else None
+    return grpo_loss(logps, mb.ref, old if old is not None else mb.gen, mb.adv, mb.mask, beta=cfg.beta,
+                     aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
+                     max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level, is_weights=weights,
+                     **_eps(cfg))
+
+
+def _eps(cfg: GRPOConfig) -> dict:
+    if cfg.importance_sampling_level == "sequence":
+        return dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high)
+    return dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+
+
+def step_stats(seen: list, micros: list, olds: list, b: ScoredBatch, mask, adv, gen, ref, cfg: GRPOConfig) -> dict:
+    """Whole-batch diagnostics from the first pass's micro-batches: KL, clipping, entropy, loss, mismatch."""
+    B, T = mask.shape
+    logps = microbatch.join([s[0] for s in seen], micros, B, T)
+    ent = microbatch.join([s[1] for s in seen], micros, B, T)
+    stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=cfg.importance_sampling_level,
+                       **_eps(cfg))
+    m = mask.float()
+    stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
+    stats["loss"] = sum(s[2] for s in seen)  # the weighted micro losses add up to the batch's loss
+    if gen is not None:  # train/inference mismatch (includes policy drift when the batch is stale)
+        stats.update(mismatch_stats(logps, gen, mask))
+    if all(o is not None for o in olds):
+        weights = tis_weights(microbatch.join(olds, micros, B, T), gen, cfg.tis_cap)
+        stats["tis_weight_mean"] = float((weights * m).sum() / m.sum().clamp(min=1))
     return stats
 
 
@@ -95,16 +133,29 @@ def dapo_scale(mask: torch.Tensor) -> float:
     ranks, so a rank's token_mean (sum / local tokens) is scaled by local tokens * world / global tokens."""
     local = mask.sum().to(torch.float64).cpu()
     total = local.clone()
-    torch.distributed.all_reduce(total)
+    comm.all_reduce(total)  # on the group's device (NCCL: CUDA), see trainer/comm.py
     return float(local * torch.distributed.get_world_size() / total.clamp(min=1))
 
 
-def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
+def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> dict:
+    """Greedy accuracy on the eval set. lockstep (ZeRO-3): every rank evaluates its shard with synced
+    generation (each forward gathers the weights from all ranks) and the counts are summed."""
+    from trainer.engines.hf import HFEngine
     from trainer.evaluate import evaluate
+    if lockstep:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        examples = examples[rank::world]
+        model = HFEngine(model, tok, eos_ids(tok, model, chat=cfg.prompt_format != "r1zero"), temperature=1.0,
+                         top_p=1.0, top_k=0, gen_batch_size=cfg.gen_batch_size, synced_gpus=True)
     res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt, prompt_format=cfg.prompt_format,
                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False)
-    return {"eval_accuracy": res["accuracy"], "eval_format": res["format_rate"], "eval_n": res["n"]}
+    counts = [(res["accuracy"] * res["n"], res["format_rate"] * res["n"], res["n"])]
+    if lockstep:
+        mine, counts = counts[0], [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(counts, mine)
+    correct, formatted, n = (sum(c[i] for c in counts) for i in range(3))
+    return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n}
 
 
 # --------------------------------------------------------------------------- train
@@ -122,10 +173,7 @@ def train(cfg: GRPOConfig) -> None:
         raise SystemExit(EXIT_PEER_GONE) from e
 
 
-def _is_dist_error(e: BaseException) -> bool:
-    dist_error = getattr(torch.distributed, "DistError", ())
-    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(
-        k in str(e) for k in ("Gloo", "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")))
+_is_dist_error = comm.is_dist_error  # gloo's and NCCL's words for a failed collective
 
 
 def _train(cfg: GRPOConfig, started: list) -> None:
@@ -162,7 +210,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)
     stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")
     source = BatchSource(cfg, client, policy, tok, sampler, scorer, stop_ids,
-                         vocab, producer_id=f"trainer-rank{rank}")
+                         vocab, producer_id=f"trainer-rank{rank}", lockstep=zero_stage == 3)
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
                             run_config=to_dict(cfg)) if rank == 0 else None
 
@@ -170,7 +218,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     publisher.publish(start_step)
 
     def maybe_eval(step: int) -> dict:
-        res = run_eval(policy, tok, cfg, eval_examples) if rank == 0 else {}
+        lockstep = zero_stage == 3  # rank 0 alone would wait forever for the others' weight shards
+        res = run_eval(policy, tok, cfg, eval_examples, lockstep) if (rank == 0 or lockstep) else {}
         torch.distributed.barrier()
         if rank == 0:
             log.info("eval at step %d: accuracy %.3f format %.3f", step, res["eval_accuracy"], res["eval_format"])

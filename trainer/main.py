@@ -4,7 +4,7 @@
     python trainer/main.py genonly [--config FILE] [--key value ...]  # generate-only worker
 
 Follow one batch: trainer/worker.py (or a rank itself, trainer/batches.py) samples a group
-(trainer/rollout.py), rewards it (trainer/rewards.py) and uploads it; the ref server scores it with
+(trainer/rollout.py), rewards it (trainer/rewards/) and uploads it; the ref server scores it with
 reference logprobs; trainer/loop.py takes it, computes the GRPO loss (trainer/grpo.py) and steps
 the DeepSpeed engine (trainer/engine.py).
 """

@@ -1,4 +1,4 @@
-"""Rollouts: sample a group of completions per prompt, reward them (trainer/reward_scoring.py), build upload
+"""Rollouts: sample a group of completions per prompt, reward them (trainer/rewards/scoring.py), build upload
 batches.
 
 The exact sampled token ids travel to the server (never decoded and re-tokenised); the
@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.logprobs import sequence_logprobs
+from common.logprobs import chunk_count, sequence_logprobs
 from common.prompts import SYSTEM_PROMPT
 from common.protocol import RolloutBatch
+from trainer.comm import all_reduce_int
 from trainer.data import Example, build_prompt
 from trainer.engines import GenEngine, Sample
 from trainer.grpo import group_advantages, has_spread, overlong_penalty
@@ -80,18 +81,36 @@ def engine_logps(samples: list[Sample]) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
+def policy_logps(batches: list[RolloutBatch], engine: GenEngine, cfg, synced: bool) -> None:
+    """gen_logps of an engine that returns none (HF): one forward of its model per group, the same computation
+    the trainer does. Synced (ZeRO-3): every module call gathers weights from all ranks, so each rank makes as
+    many forwards, each with as many LM-head chunks, as the rank with the most (a 1-token dummy row past ours)."""
+    n = all_reduce_int(len(batches), "max") if synced else len(batches)
+    for i in range(n):
+        b = batches[i] if i < len(batches) else None
+        ids, plens, clens = (b.input_ids, b.prompt_lens, b.completion_lens) if b is not None else \
+            (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+        chunks = chunk_count(ids.shape[0], int(clens.max()), cfg.logp_chunk_tokens)
+        logps, _ = sequence_logprobs(engine.model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens,
+                                     min_chunks=all_reduce_int(chunks, "max") if synced else 0)
+        if b is not None:
+            b.gen_logps = logps.float().cpu()
+
+
 def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg, scorer,
                      policy_version: int = 0, producer_id: str = "") -> tuple[list[RolloutBatch], RolloutStats]:
     """One generation round: a RolloutBatch per prompt group with reward spread.
 
-    scorer: a trainer.reward_scoring.RewardScorer (rewards, per-function components, timeouts per group).
+    scorer: a trainer.rewards.scoring.RewardScorer (rewards, per-function components, timeouts per group).
     gen_logps are the engine's own logprobs when it returns them (vLLM, no second forward), otherwise
     one forward of the HF engine's model, the same computation the trainer does."""
     t0 = time.time()
     stats = RolloutStats()
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
                                                      cfg.prompt_format)
-    if not kept:
+    synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
+    if not kept and not synced:
         return [], stats
     samples = engine.generate([ids for _, ids in kept], cfg.num_pre_Q, max_new_tokens=cfg.max_new_tokens)
     groups = [samples[g * cfg.num_pre_Q:(g + 1) * cfg.num_pre_Q] for g in range(len(kept))]
@@ -130,11 +149,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         if cfg.compute_gen_logps and group[0].logprobs is not None:
             batch.gen_logps = engine_logps(group)
             batch.extra["gen_logps_source"] = "engine"  # the trainer's mismatch metric compares against these
-        elif cfg.compute_gen_logps:
-            with torch.no_grad():
-                batch.gen_logps, _ = sequence_logprobs(engine.model, ids, plens, clens,
-                                                       chunk_tokens=cfg.logp_chunk_tokens)
-                batch.gen_logps = batch.gen_logps.float().cpu()
         batches.append(batch)
+    if cfg.compute_gen_logps:
+        policy_logps([b for b in batches if b.gen_logps is None], engine, cfg, synced)
     stats.seconds = time.time() - t0
     return batches, stats

@@ -7,8 +7,9 @@ import logging
 import torch
 
 from common.protocol import ScoredBatch
+from trainer import comm
 from trainer.lora import is_lora, trainable_summary
-from trainer.reward_scoring import component_means
+from trainer.rewards.scoring import component_means
 
 log = logging.getLogger("trainer")
 
@@ -42,13 +43,12 @@ def batch_metrics(b: ScoredBatch) -> dict:
 
 def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) -> dict:
     """Combine per-rank metrics: means, sums (counts, rank-0-only figures) and maxima."""
-    dist = torch.distributed
     vals = lambda keys: torch.tensor([float(d.get(k, 0.0)) for k in keys], dtype=torch.float64)  # noqa: E731
     m, t, x = vals(mean), vals(total), vals(most)
-    dist.all_reduce(m)
-    dist.all_reduce(t)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    m /= dist.get_world_size()
+    comm.all_reduce(m)  # on the group's device (NCCL: CUDA), see trainer/comm.py
+    comm.all_reduce(t)
+    comm.all_reduce(x, "max")
+    m /= torch.distributed.get_world_size()
     return {**dict(zip(mean, m.tolist())), **dict(zip(total, t.tolist())), **dict(zip(most, x.tolist()))}
 
 

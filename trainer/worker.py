@@ -18,7 +18,7 @@ from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engines import EngineDied, make_engine
 from trainer.health import Heartbeat
 from trainer.lora_sync import policy_loader
-from trainer.reward_scoring import RewardScorer
+from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
 from trainer.stall import StallReporter

@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Iterable
 
 import torch
 
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_model, load_tokenizer
-from trainer.engines import GenEngine, Sample, cut_at_eos, ignored_generation_settings
+from trainer.comm import all_reduce_int
+from trainer.engines.base import GenEngine, Sample, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)
 
 
 class HFEngine(GenEngine):
     def __init__(self, model, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
-                 gen_batch_size: int):
+                 gen_batch_size: int, synced_gpus: bool = False):
         self.model, self.tok, self.eos_ids = model, tokenizer, list(eos_ids)
+        # ZeRO-3 ranks generating together: every rank keeps calling forward until all are done
+        # (each forward gathers the partitioned weights from every rank), as transformers' synced_gpus does.
+        self.synced_gpus = synced_gpus
         self.temperature, self.top_p, self.top_k, self.gen_batch_size = temperature, top_p, top_k, gen_batch_size
         ignored = ignored_generation_settings(getattr(model, "generation_config", None))
         if ignored:
@@ -63,8 +68,13 @@ class HFEngine(GenEngine):
         model.eval()
         model.generation_config = copy.deepcopy(gc)  # nothing of the checkpoint's left to merge in
         try:
-            for s in range(0, len(jobs), self.gen_batch_size):
-                chunk = jobs[s:s + self.gen_batch_size]
+            calls = math.ceil(len(jobs) / self.gen_batch_size)
+            if self.synced_gpus:  # as many generate calls as the rank with the most prompts; a dummy prompt past ours
+                calls = all_reduce_int(calls, "max")
+            for c in range(calls):
+                chunk = jobs[c * self.gen_batch_size:(c + 1) * self.gen_batch_size]
+                dummy = not chunk
+                chunk = chunk or [[pad]]
                 width = max(len(p) for p in chunk)
                 ids = torch.full((len(chunk), width), pad, dtype=torch.long)
                 mask = torch.zeros_like(ids)
@@ -72,7 +82,9 @@ class HFEngine(GenEngine):
                     ids[i, width - len(p):] = torch.tensor(p)
                     mask[i, width - len(p):] = 1
                 seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      generation_config=gc)
+                                      generation_config=gc, synced_gpus=self.synced_gpus or None)
+                if dummy:
+                    continue
                 comps = seqs[:, width:].cpu()
                 for i, p in enumerate(chunk):
                     c, trunc = cut_at_eos(comps[i], self.eos_ids, max_new_tokens)

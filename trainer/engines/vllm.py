@@ -18,7 +18,7 @@ import torch
 
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_tokenizer
-from trainer.engines import EngineDied, GenEngine, Sample, cut_at_eos, ignored_generation_settings
+from trainer.engines.base import EngineDied, GenEngine, Sample, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)
 

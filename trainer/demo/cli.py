@@ -1,12 +1,12 @@
 """The demo: DeepSeek-R1-Zero/R1 in miniature, end to end, on a CPU in minutes (CLI and order of the phases;
-the phases themselves are trainer/demo_phases.py).
+the phases themselves are phases.py).
 
     ./launch.sh demo [--run-dir DIR] [--seed N] [--quick]
     ./launch.sh demo --model Qwen/Qwen2.5-1.5B-Instruct --data openai/gsm8k --config configs/gsm8k_qwen.json
 
 Default (CPU, the embedded tiny model):
   1. build the tiny Qwen2 model and its tokenizer (common/tiny_model.py);
-  2. cold-start SFT on worked solutions of the synthetic `a o b o c` task (trainer/arith.py) in the
+  2. cold-start SFT on worked solutions of the synthetic `a o b o c` task (arith.py) in the
      R1 format, stopped early so the model is able but imperfect;
   3. greedy held-out accuracy and format rate (before);
   4. pure GRPO through the real pipeline, `launch.sh train`: the ref server as its own process, a
@@ -27,9 +27,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from trainer.demo_phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
+from trainer.demo.phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "demo.json"
 
 # The demo's own settings (the GRPO phase's live in configs/demo.json); --quick shrinks them for CI.
@@ -234,7 +234,8 @@ def _raise_interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """`python -m trainer.demo`: main() with Ctrl-C as exit 130."""
     try:
         sys.exit(main())
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ Two kinds of reward function, told apart by their signature:
           runs), `completion_ids` (token ids) and every other dataset column as a keyword list, one value per
           completion.
 None means "not applicable": skipped in the weighted sum (as TRL does) and in the per-function means.
-A call that runs past `reward_timeout` also counts as None (trainer/reward_timeout.py). A function that
+A call that runs past `reward_timeout` also counts as None (timeout.py). A function that
 raises, returns the wrong length or a non-finite number stops the run, naming itself and the example.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from trainer.reward_timeout import RewardCallError, make_caller
-from trainer.rewards import load_reward_fns, reward_name
+from trainer.rewards.registry import load_reward_fns, reward_name
+from trainer.rewards.timeout import RewardCallError, make_caller
 
 log = logging.getLogger("trainer")
 

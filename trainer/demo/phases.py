@@ -1,4 +1,4 @@
-"""The demo's phases (trainer/demo.py runs them in order): cold-start SFT, held-out evaluation, the GRPO run
+"""The demo's phases (cli.py runs them in order): cold-start SFT, held-out evaluation, the GRPO run
 through `launch.sh train`, and the before/after report (table, summary.json, plot.png)."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from trainer.plot import make_plot
+from trainer.demo.plot import make_plot
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEV_HOLDOUT = 500  # the first 500 train-split problems: SFT's stopping check reads them, SFT never trains on them
 
 
@@ -93,7 +93,7 @@ def cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str,
     `a.sft_steps`; returns the saved model's directory. Sets a.sft_steps to the steps done."""
     from common.modeling import load_model, load_tokenizer
     from trainer.data import load_examples
-    from trainer.sft import sft
+    from trainer.demo.sft import sft
 
     t0 = time.time()
     log.banner(f"2/5 cold-start SFT: up to {a.sft_steps} steps x {a.sft_batch_size} worked solutions, lr {a.sft_lr}"
@@ -101,7 +101,7 @@ def cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str,
     train_examples = load_examples(a.data, split=cfg.data_split, limit=cfg.data_limit)
     dev: list = []
     if a.data == "arith":
-        from trainer.arith import solution_text
+        from trainer.demo.arith import solution_text
         solution_fn = solution_text
         if a.sft_target > 0:
             dev, train_examples = train_examples[:DEV_HOLDOUT][:check["dev"]], train_examples[DEV_HOLDOUT:]

@@ -4,7 +4,7 @@ Loss on completion tokens only (prompt tokens are context), eos appended so the 
 to stop. Stopped early on purpose: GRPO needs an able but imperfect model (groups with mixed
 rewards).
 
-    python -m trainer.sft --model DIR --out DIR [--steps 250 --batch-size 64 --lr 1e-3]
+    python -m trainer.demo.sft --model DIR --out DIR [--steps 250 --batch-size 64 --lr 1e-3]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from common.modeling import load_model, load_tokenizer
-from trainer.data import Example
+from trainer.example import Example
 from trainer.rollout import encode_prompts
 
 
@@ -63,7 +63,7 @@ def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.arith import load_arith, solution_text
+    from trainer.demo.arith import load_arith, solution_text
 
     p = argparse.ArgumentParser(description="Cold-start SFT on the synthetic arithmetic task (R1 format).")
     p.add_argument("--model", required=True, help="Start model (HF dir or 'tiny').")

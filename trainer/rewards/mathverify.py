@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from trainer.rewards import extract_answer
+from trainer.rewards.answers import extract_answer
 
 
 def math_verify_reward(completion: str, ground_truth: str) -> float | None:

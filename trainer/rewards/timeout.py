@@ -2,7 +2,7 @@
 
 Why a process: a thread cannot be stopped (a C-level loop in sympy ignores everything), and
 `signal.alarm` (math-verify's own timeout) only works in the main thread, which a DeepSpeed rank's
-reward call need not be on. The worker is `python -m trainer.reward_timeout SPECS_JSON`: it loads the
+reward call need not be on. The worker is `python -m trainer.rewards.timeout SPECS_JSON`: it loads the
 reward functions by the same names/dotted paths as the trainer (nothing is pickled), then answers
 JSON lines on a private pipe (stdout is redirected to stderr there, so a reward that prints cannot
 corrupt the protocol).
@@ -96,7 +96,7 @@ class ProcessCaller:
         env = dict(os.environ)
         # The child imports the same modules by name: give it the parent's import path.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.reward_timeout", json.dumps(self.specs)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.rewards.timeout", json.dumps(self.specs)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         self._buf = b""
         msg = self._read(STARTUP_TIMEOUT)
@@ -203,7 +203,7 @@ def _serve(specs: list[str]) -> None:
         out.write((json.dumps(obj, allow_nan=True) + "\n").encode())
 
     try:
-        from trainer.rewards import load_reward_fns
+        from trainer.rewards.registry import load_reward_fns
 
         fns = load_reward_fns(specs)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises

@@ -1,12 +1,16 @@
-"""Countdown's arithmetic, checked without eval(): the ground truth's numbers and target, and the exact value
-(Fraction) of a + - * / ( ) expression with the integer literals it uses. reward_countdown
-(trainer/rewards.py) compares the two."""
+"""Countdown: its arithmetic, checked without eval() (the ground truth's numbers and target, and the exact value
+(Fraction) of a + - * / ( ) expression with the integer literals it uses), and reward_countdown, which compares
+the two."""
 from __future__ import annotations
 
 import ast
 import json
 import re
+import unicodedata
+from collections import Counter
 from fractions import Fraction
+
+from trainer.rewards.answers import extract_answer
 
 MAX_EXPR_CHARS = 200
 MAX_EXPR_DEPTH = 32
@@ -71,3 +75,19 @@ def evaluate_countdown(expr: str) -> tuple[Fraction, list[int]] | None:
         return _eval_node(tree.body, used), used
     except (SyntaxError, ValueError, RecursionError, MemoryError, _Reject):
         return None
+
+
+def reward_countdown(completion: str, ground_truth: str) -> float:
+    """+1.0 when the last <answer> holds an expression equal to the target that uses each given
+    number exactly once (as a multiset) and only + - * / and parentheses; else -1.0.
+
+    ground_truth: JSON {"numbers": [3, 5, 7], "target": 22}. An optional "= ..." tail in the
+    answer is ignored (the left side is what is evaluated); × and ÷ are read as * and /.
+    """
+    numbers, target = parse_countdown_truth(ground_truth)
+    expr = extract_answer(completion)
+    res = None if expr is None else evaluate_countdown(unicodedata.normalize("NFKC", expr))
+    if res is None:
+        return -1.0
+    value, used = res
+    return 1.0 if Counter(used) == Counter(numbers) and value == target else -1.0

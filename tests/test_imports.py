@@ -1,0 +1,125 @@
+"""The project's import graph has no circles, every module imports on its own, and the README's paths exist.
+
+The graph counts every import statement, lazy ones inside functions too: a lazy import only hides a circle
+until the day someone moves it to the top of the file.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "ref_server", "trainer")
+
+
+def project_modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
+    return mods
+
+
+def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Project modules that `name` imports anywhere in its file (`from a import b` may name module a.b)."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in mods and m != name}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_find_cycles_sees_a_circle() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles() -> None:
+    mods = project_modules()
+    graph = {name: imports_of(name, path, mods) for name, path in mods.items()}
+    assert graph["trainer.loop"], "the import walk found nothing: it is broken, not the code clean"
+    assert find_cycles(graph) == []
+
+
+def test_imports_only_go_downward() -> None:
+    """common/ never imports trainer/ or ref_server/ (they import it); engines and rewards never import the loop."""
+    mods = project_modules()
+    for name, path in mods.items():
+        deps = imports_of(name, path, mods)
+        if name.startswith("common"):
+            assert not {d for d in deps if d.startswith(("trainer", "ref_server"))}, name
+        if name.startswith(("trainer.engines", "trainer.rewards")):
+            assert "trainer.loop" not in deps, name
+        if not name.startswith("trainer.demo"):
+            assert not {d for d in deps if d.startswith("trainer.demo")}, f"{name} imports the demo (above it)"
+
+
+def test_every_module_imports_alone() -> None:
+    """Each module imported first in a fresh interpreter (an import order that hides a circle fails here)."""
+    names = [n for n in project_modules() if not n.endswith("__main__")]
+    script = ("import importlib, subprocess, sys\n"
+              "bad = []\n"
+              "for n in sys.argv[1:]:\n"
+              "    r = subprocess.run([sys.executable, '-c', f'import {n}'], capture_output=True, text=True)\n"
+              "    if r.returncode: bad.append((n, r.stderr.strip().splitlines()[-1:]))\n"
+              "print(bad)\n"
+              "sys.exit(1 if bad else 0)\n")
+    r = subprocess.run([sys.executable, "-c", script, *names], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_readme_paths_exist() -> None:
+    text = (REPO / "README.md").read_text()
+    paths = set(re.findall(r"`((?:common|ref_server|trainer|bench|tests|configs|docs|scripts)/[\w./-]+)", text))
+    assert len(paths) > 10
+    missing = sorted(p for p in paths if not (REPO / p.rstrip("/").split(":")[0]).exists())
+    assert missing == [], f"README names paths that do not exist: {missing}"

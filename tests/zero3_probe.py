@@ -1,0 +1,50 @@
+"""Run by tests/test_zero3_lockstep.py under `deepspeed --num_gpus 2`: real ZeRO-3 ranks train on batches
+whose longest completion differs between ranks (rank r: 64 - 40 r tokens), so the per-rank LM-head chunk
+counts differ. Prints PROBE DONE after `steps` train_step calls on every rank; a rank out of lockstep hangs
+(until dist_timeout) or fails instead.
+
+    deepspeed --num_gpus 2 tests/zero3_probe.py MODEL_DIR STEPS [GRPOConfig overrides...]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from common.config import GRPOConfig
+from common.protocol import ScoredBatch
+from trainer.engine import build_engine, init_deepspeed
+from trainer.loop import train_step
+
+
+def batch_for(rank: int, rows: int, vocab: int) -> ScoredBatch:
+    g = torch.Generator().manual_seed(rank)
+    longest = 64 - 40 * rank
+    plen = torch.full((rows,), 6)
+    clen = torch.tensor([longest] + [max(1, longest - 3 * i) for i in range(1, rows)])
+    ids = torch.zeros(rows, int((plen + clen).max()), dtype=torch.long)
+    for i in range(rows):
+        ids[i, :plen[i] + clen[i]] = torch.randint(3, vocab, (int(plen[i] + clen[i]),), generator=g)
+    T = int(clen.max())
+    return ScoredBatch(ids, plen, clen, torch.randn(rows, generator=g), gen_logps=-torch.rand(rows, T, generator=g) - 5,
+                       ref_logps=-torch.rand(rows, T, generator=g) - 5)
+
+
+def main() -> None:
+    model, steps, *over = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    cfg = GRPOConfig(model=model, zero_stage=3, max_new_tokens=64, logp_chunk_tokens=8, num_pre_Q=4, lr=1e-3,
+                     dist_timeout=60, output_dir="/nonexistent-not-written")
+    for a, v in zip(over[::2], over[1::2]):
+        setattr(cfg, a.lstrip("-"), type(getattr(cfg, a.lstrip("-")))(v))
+    deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
+    engine, _, _ = build_engine(cfg, deepspeed, model, on_gpu)
+    vocab = engine.module.config.vocab_size
+    for step in range(int(steps)):
+        stats = train_step(engine, batch_for(rank, cfg.num_pre_Q * cfg.train_batch_groups, vocab), cfg)
+        print(f"rank{rank} step {step + 1} loss {stats['loss']:.6f}", flush=True)
+    torch.distributed.barrier()
+    print(f"rank{rank} PROBE DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Reward functions by name: the built-ins, plugins registered with @register_reward, and dotted paths to your
+own ("my_pkg.my_rewards:score" or "my_pkg.my_rewards.score"). Rewards see the decoded completion text with
+special tokens already stripped by the caller; score_completion sums them per completion.
+
+TRL-style batch functions `f(prompts, completions, **columns) -> list[float | None]` load the same way
+(scoring.py tells the kinds apart and calls them).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+
+from trainer.rewards.builtin import reward_contains, reward_correct, reward_format, reward_math_verify
+from trainer.rewards.countdown import reward_countdown
+
+RewardFn = Callable[[str, str], float]
+
+REWARD_FNS: dict[str, RewardFn] = {
+    "correct": reward_correct,
+    "format": reward_format,
+    "countdown": reward_countdown,
+    "contains": reward_contains,
+    "math_verify": reward_math_verify,
+}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make `fn` loadable by a short name (plugins call it at import time)."""
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in REWARD_FNS and REWARD_FNS[name] is not fn:
+            raise ValueError(f"reward name {name!r} is already registered")
+        REWARD_FNS[name] = fn
+        return fn
+    return deco
+
+
+def _import_fn(path: str) -> RewardFn:
+    mod_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"unknown reward function {path!r}: use a built-in name ({', '.join(REWARD_FNS)}) "
+                         f"or a dotted path 'package.module:function'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"reward function {path!r}: cannot import module {mod_name!r} ({e})") from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"reward function {path!r}: module {mod_name!r} has no callable {attr!r}")
+    return fn
+
+
+def load_reward_fns(spec: str | list[str]) -> list[RewardFn]:
+    """Built-in names and/or dotted paths -> functions. A string may list several, comma-separated."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    if not items or not all(isinstance(s, str) and s.strip() for s in items):
+        raise ValueError(f"reward_fns must be a non-empty list of names or dotted paths, got {spec!r}")
+    names = [s.strip() for s in items]
+    return [REWARD_FNS[n] if n in REWARD_FNS else _import_fn(n) for n in names]
+
+
+def reward_name(fn: RewardFn) -> str:
+    """Short name for logs: the registry name of a built-in, else the function's own name."""
+    for name, f in REWARD_FNS.items():
+        if f is fn:
+            return name
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def score_completion(completion: str, ground_truth: str, fns: list[RewardFn]) -> tuple[float, dict[str, float]]:
+    """(sum of rewards, {name: reward}); a repeated name gets a #2, #3... suffix."""
+    parts: dict[str, float] = {}
+    for fn in fns:
+        name = base = reward_name(fn)
+        k = 2
+        while name in parts:
+            name, k = f"{base}#{k}", k + 1
+        r = float(fn(completion, ground_truth))
+        if not math.isfinite(r):  # a NaN reward would poison the whole group's advantages
+            raise ValueError(f"reward function {name!r} returned {r!r}")
+        parts[name] = r
+    return sum(parts.values()), parts
