@@ -18,7 +18,11 @@
 #   --run-dir DIR      where logs, metrics and checkpoints go (default runs/<timestamp>)
 #   --config FILE      trainer config JSON (passed to trainer/main.py and the workers)
 #   --workers N        genonly workers to start on this machine (default 1)
-#   --gpus N           trainer ranks on this machine (deepspeed --num_gpus; default 2 on CPU, all GPUs on CUDA)
+#   --gpus N           trainer ranks on this machine (default 2 on CPU; on GPUs: the GPUs the others leave)
+#   --worker-gpus L    GPU indices for the workers, one each (e.g. 2,3; default: the highest free GPUs)
+#   --rank-gpus L      GPU indices for the ranks (deepspeed --include localhost:L; default: the lowest free GPUs)
+#   --share-gpu        let processes share GPUs (vLLM workers there get a memory fraction that fits)
+#   --print-plan       print the placement plan (which process gets which GPU) and exit without starting anything
 #   --ref-url URL      use a running ref server instead of starting one
 #   --ref-model M      model for the ref server (default: the trainer's --model, or 'tiny')
 #   --ref-device D     device for the ref server (auto, cpu, cuda:N; default auto)
@@ -27,6 +31,10 @@
 #   --port P           port of the ref server started here (default 59875)
 #   --token-file F     bearer token file shared by server and clients
 #   --master-port P    DeepSpeed rendezvous port (default: a free one)
+# Placement: every process gets its own GPU(s) (common/placement.py): ref server on the highest GPU, workers below
+# it, ranks from GPU 0; each sees only its GPUs (CUDA_VISIBLE_DEVICES). The plan is printed at start, written to
+# RUN_DIR/placement.json and shown by the ref server's /status. One GPU: all share it (said so). No GPU: CPU.
+# GRPO_PYTHON=/path/to/python: use that interpreter and its packages as they are (no scripts/setup.sh, no .venv).
 # Everything this script starts is stopped on exit, error or Ctrl-C; each process logs to RUN_DIR/<name>.log
 # (an earlier attempt's log is kept as <name>.log.1, .2, ...). Relative paths (--run-dir, --config, --token-file,
 # and --model/--ref_model/--data/--ds_config/--sync_dir after --) are taken from where you run this script.
@@ -44,9 +52,13 @@ case "$MODE" in
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
-bash scripts/setup.sh
-PY="$ROOT/.venv/bin/python"
-export PATH="$ROOT/.venv/bin:$PATH"
+if [ -n "${GRPO_PYTHON:-}" ]; then  # an environment made elsewhere (bench/gpu_check.py's bare GPU machine)
+  PY=$GRPO_PYTHON
+else
+  bash scripts/setup.sh
+  PY="$ROOT/.venv/bin/python"
+  export PATH="$ROOT/.venv/bin:$PATH"
+fi
 export TOKENIZERS_PARALLELISM=false
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -63,7 +75,7 @@ case "$MODE" in  # one host's role in a multi-host run (trainer/hosts.py)
 esac
 
 RUN_DIR="runs/$(date +%Y%m%d-%H%M%S)"; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
-PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=(); REF_DTYPE=auto; WORKER_DTYPE=""
+PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=(); REF_DTYPE=auto; WORKER_DTYPE=""; PLAN_FLAGS=(); PRINT_PLAN=""
 from_caller() {  # a path the user typed, relative to where they ran us (we cd'ed to the repository)
   case "$1" in /*|"") printf '%s' "$1" ;; *) printf '%s' "$CALLER_DIR/$1" ;; esac
 }
@@ -84,6 +96,9 @@ while [ $# -gt 0 ]; do
     --ref-dtype) REF_DTYPE=$2; shift 2 ;;
     --worker-dtype) WORKER_DTYPE=$2; shift 2 ;;
     --ref-device) REF_DEVICE=$2; shift 2 ;;
+    --worker-gpus|--rank-gpus) PLAN_FLAGS+=("$1" "$2"); shift 2 ;;
+    --share-gpu) PLAN_FLAGS+=(--share-gpu); shift ;;
+    --print-plan) PRINT_PLAN=1; shift ;;
     --port) PORT=$2; shift 2 ;;
     --token-file) TOKEN_FILE=$(from_caller "$2"); shift 2 ;;
     --master-port) MASTER_PORT=$2; shift 2 ;;
@@ -98,8 +113,6 @@ for i in "${!EXTRA[@]}"; do  # path-valued trainer flags: relative to the caller
   esac
 done
 [ -n "$WORKER_DTYPE" ] && EXTRA+=(--worker_dtype "$WORKER_DTYPE")  # workers load in it, rank 0 publishes in it
-mkdir -p "$RUN_DIR"
-rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 # The trainer's model (from --config or --model in EXTRA) also serves as reference unless told otherwise.
 if [ -z "$REF_MODEL" ]; then
@@ -112,11 +125,26 @@ print(cfg.ref_model or cfg.model)
 PYEOF
 )
 fi
+# Which GPU(s) each process gets (common/placement.py): sets PLAN_REF_ENV/PLAN_REF_DEVICE, PLAN_WORKER_ENV[w],
+# PLAN_WORKER_ARGS[w] and PLAN_DS (deepspeed --include ... or --num_gpus N); prints the plan.
+[ -n "$GPUS" ] && PLAN_FLAGS+=(--gpus "$GPUS")
+[ -n "$REF_URL" ] && PLAN_FLAGS+=(--no-ref)
+[ -z "$PRINT_PLAN" ] && PLAN_FLAGS+=(--json "$RUN_DIR/placement.json" --check-torch)
+PLAN=$("$PY" -m common.placement_cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" -- \
+  "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
+eval "$PLAN"
+if [ -n "$PRINT_PLAN" ]; then  # what each process would be started with, then nothing is started
+  [ -z "$REF_URL" ] && echo "ref_server: ${PLAN_REF_ENV:-(environment unchanged)} --device $PLAN_REF_DEVICE"
+  for w in $(seq 0 $((WORKERS - 1))); do
+    [ "$WORKERS" -gt 0 ] && echo "worker$w: ${PLAN_WORKER_ENV[$w]:-(environment unchanged)} ${PLAN_WORKER_ARGS[$w]}"
+  done
+  echo "trainer: deepspeed ${PLAN_DS[*]}"
+  exit 0
+fi
+mkdir -p "$RUN_DIR"
+rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
   MASTER_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-fi
-if [ -z "$GPUS" ]; then
-  GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() or 2)")
 fi
 
 PIDS=()
@@ -165,8 +193,9 @@ NONCE=""; REF_PID=""
 if [ -z "$REF_URL" ]; then
   REF_URL="http://127.0.0.1:$PORT"
   NONCE=$("$PY" -c "import secrets; print(secrets.token_hex(8))")  # /health echoes it: our server, no stranger's
-  start ref_server "$PY" -m ref_server --model "$REF_MODEL" --port "$PORT" --device "$REF_DEVICE" \
-    --dtype "$REF_DTYPE" --run-nonce "$NONCE" "${TOKEN_ARGS[@]}"
+  start ref_server env $PLAN_REF_ENV "$PY" -m ref_server --model "$REF_MODEL" --port "$PORT" \
+    --device "$PLAN_REF_DEVICE" --dtype "$REF_DTYPE" --run-nonce "$NONCE" --placement-file "$RUN_DIR/placement.json" \
+    "${TOKEN_ARGS[@]}"
   REF_PID=${PIDS[-1]}
 fi
 echo "[launch] waiting for $REF_URL/health" >&2
@@ -204,15 +233,17 @@ for i in $(seq 1 300); do
 done
 for w in $(seq 0 $((WORKERS - 1))); do
   [ "$WORKERS" -gt 0 ] || break
-  start "worker$w" "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" --ref_server "$REF_URL" --worker_id "$w" \
+  # shellcheck disable=SC2086  # the plan's env prefix and extra flags are words without spaces
+  start "worker$w" env ${PLAN_WORKER_ENV[$w]} "$PY" trainer/main.py genonly "${CFG_ARGS[@]}" "${EXTRA[@]}" \
+    ${PLAN_WORKER_ARGS[$w]} --ref_server "$REF_URL" --worker_id "$w" \
     --output_dir "$RUN_DIR"  # the worker keeps its data-order state there (exact resume)
 done
 rotate trainer
-echo "[launch] trainer: deepspeed --num_gpus $GPUS (log: $RUN_DIR/trainer.log)" >&2
+echo "[launch] trainer: deepspeed ${PLAN_DS[*]} (log: $RUN_DIR/trainer.log)" >&2
 # In the background with `wait`: bash runs a trap only after the foreground command ends, so a
 # Ctrl-C / SIGINT to this script would otherwise wait for the whole run. Own process group, like the
 # others, so that cleanup stops the launcher and every rank.
-setsid deepspeed --num_gpus "$GPUS" --master_port "$MASTER_PORT" trainer/main.py "${CFG_ARGS[@]}" "${EXTRA[@]}" \
+setsid deepspeed "${PLAN_DS[@]}" --master_port "$MASTER_PORT" trainer/main.py "${CFG_ARGS[@]}" "${EXTRA[@]}" \
   --ref_server "$REF_URL" --num_gen_workers "$WORKERS" --output_dir "$RUN_DIR" > >(tee "$RUN_DIR/trainer.log") 2>&1 &
 TRAINER=$!
 PIDS+=("$TRAINER")

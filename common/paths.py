@@ -13,3 +13,24 @@ def check_model_path(path_or_id: str) -> None:
     """One clear line for a local-looking model path that does not exist (instead of a hub-lookup traceback)."""
     if looks_local(path_or_id) and not Path(path_or_id).expanduser().exists():
         raise FileNotFoundError(f"model path {path_or_id!r} does not exist")
+
+
+def local_model_dir(path_or_id: str) -> Path:
+    """The directory holding a model's files: a local path as is, a hub id ('Qwen/Qwen2.5-1.5B-Instruct')
+    through the Hugging Face cache (HF_HOME / HF_HUB_CACHE), where from_pretrained put it. Never downloads:
+    a process that reads checkpoint files (the LoRA base weights) runs after the model was loaded once."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if looks_local(path_or_id):
+        raise FileNotFoundError(f"model path {path_or_id!r} does not exist")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(path_or_id, local_files_only=True))
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"model {path_or_id!r} is neither a local directory nor in the Hugging Face cache "
+                                f"{constants.HF_HUB_CACHE}: load it once (from_pretrained downloads it) or pass a "
+                                f"local directory") from e
+

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import parse_qs
 
 import bottle
@@ -49,6 +50,7 @@ class ServerState:
     weights: WeightStore = field(default_factory=WeightStore)  # the policy weights relayed to workers
     heartbeats: HeartbeatTable = field(default_factory=HeartbeatTable)  # who called in when (GET /status)
     stopping: bool = False
+    placement: dict | None = None  # the run's placement plan (launch.sh), shown by GET /status
 
     def status(self, stall_warn: float) -> dict:
         """GET /status: participants, the stalled ones, queue depths and ages, the published weights."""
@@ -64,6 +66,7 @@ class ServerState:
                        "scoring": depths["scoring"]},
             "weights": {"version": w["version"], "bytes": w["bytes"],
                         "age_s": None if w["published_at"] is None else round(time.time() - w["published_at"], 1)},
+            "placement": self.placement,
         }
 
     def health(self) -> dict:
@@ -140,7 +143,8 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
     state = ServerState(cfg=cfg, model=model, scorer=scorer, metrics=metrics, token=token,
                         vocab_size=int(model.get_input_embeddings().num_embeddings),
                         max_seq_len=int(model.config.max_position_embeddings),
-                        long_polls=threading.BoundedSemaphore(max(1, cfg.threads // 2)))
+                        long_polls=threading.BoundedSemaphore(max(1, cfg.threads // 2)),
+                        placement=json.loads(Path(cfg.placement_file).read_text()) if cfg.placement_file else None)
     app = bottle.Bottle(catchall=True)
     retry = {"Retry-After": str(cfg.retry_after)}
 

@@ -53,6 +53,9 @@ class ServerConfig:
                                           "launch.sh checks it so that it never trains against a stranger's "
                                           "server that holds the same port.")
 
+    placement_file: str | None = knob(None, "JSON placement plan of the run (launch.sh writes RUN_DIR/placement."
+                                            "json: which GPU each process got); shown by GET /status.")
+
     # --- run status (GET /status) ----------------------------------------------------
     stall_warn: float = knob(120.0, "GET /status lists a participant as stalled after this many silent seconds "
                                     "(a client may pass ?stall_warn=S).")
@@ -68,6 +71,8 @@ class ServerConfig:
             (min(self.max_get_wait, self.retry_after, self.drain_timeout) >= 0,
              "max_get_wait, retry_after and drain_timeout must be >= 0"),
             (self.stall_warn > 0, "stall_warn must be > 0"),
+            (self.placement_file is None or Path(self.placement_file).is_file(),
+             f"placement_file {self.placement_file} not found"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -16,6 +16,8 @@ import html
 import threading
 import time
 
+from common.placement import describe as describe_placement
+
 MAX_PARTICIPANTS = 1000  # the table is bounded: identities come from clients
 _COUNTS = ("skipped_groups", "dropped_stale", "rounds")  # cumulative totals a client reports in its heartbeat
 
@@ -151,6 +153,8 @@ def format_table(status: dict) -> str:
     lines += ["  ".join(v.ljust(widths[i]) for i, v in enumerate(row)).rstrip() for row in cells]
     if len(cells) == 1:
         lines.append("  (no participant has called in yet)")
+    if status.get("placement"):
+        lines.append(describe_placement(status["placement"]))
     lines.append("stalled: " + (", ".join(f"{s['id']} ({s['silent_s']:.0f} s silent)"
                                           for s in status.get("stalled", [])) or "none"))
     return "\n".join(lines)

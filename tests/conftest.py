@@ -136,6 +136,12 @@ def qwen_base_dir(request) -> Path:
     return _qwen_vocab_dir(request, "base")
 
 
+def pytest_configure(config):
+    # registered here, not in pyproject.toml: editing that file changes scripts/setup.sh's stamp (a venv reinstall)
+    config.addinivalue_line("markers", "gpu: needs CUDA (tests/test_gpu.py); skipped, with the reason, where there "
+                                       "is none (CI)")
+
+
 def pytest_collection_modifyitems(config, items):
     """End-to-end (slow) files first: with two files at a time (run_tests.sh), the short files then fill
     in at the end instead of one long file running on alone. The sort is stable: order within a file holds."""

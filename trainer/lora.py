@@ -125,16 +125,21 @@ class LoraMerger:
     def __init__(self) -> None:
         self.base: dict[str, torch.Tensor] = {}
 
-    def merged(self, tensors: dict[str, torch.Tensor], metadata: dict, base_lookup
+    def merged(self, tensors: dict[str, torch.Tensor], metadata: dict, base_lookup, companions=None
                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`companions(merged_names) -> names`: base tensors the engine must get along with the merged ones
+        (trainer/lora_sync.py: the rest of a fused vLLM layer); they are sent unchanged, as W0."""
         if metadata.get("format") != ADAPTER_FORMAT:
             raise ValueError(f"not an adapter blob: metadata {metadata}")
         scaling = float(metadata["lora_scaling"])
         wanted = sorted({f"{k.rsplit('.lora_', 1)[0]}.weight" for k in tensors})
-        missing = [n for n in wanted if n not in self.base]
+        extra = sorted(set(companions(wanted)) - set(wanted)) if companions is not None else []
+        missing = [n for n in wanted + extra if n not in self.base]
         if missing:  # first sync (or new modules): capture W0 before anything is overwritten
             self.base.update({n: t.detach().clone() for n, t in base_lookup(missing).items()})
         yield from merged_tensors(self.base, tensors, scaling)
+        for n in extra:
+            yield n, self.base[n]
 
     def apply(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], metadata: dict) -> int:
         """Copy the merged weights into the HF model in place; returns how many tensors changed."""
@@ -152,26 +157,6 @@ class LoraMerger:
                 params[name].copy_(w)
                 n += 1
         return n
-
-
-def checkpoint_weights(model_path: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """W0 of `names` read from the base checkpoint's safetensors files: an engine-agnostic base for the
-    merge (a vLLM engine holds its weights in its own layout, fused qkv and all, not under HF names)."""
-    from safetensors import safe_open
-
-    wanted, out = set(names), {}
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_path}: cannot read the base weights to merge "
-                                f"LoRA adapters into")
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in wanted.intersection(st.keys()):
-                out[name] = st.get_tensor(name).float()
-    missing = sorted(wanted - set(out))
-    if missing:
-        raise ValueError(f"base checkpoint {model_path} lacks the adapted weights {missing[:5]}")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -222,3 +207,4 @@ def save_merged(engine, tokenizer, out: Path, rank: int, zero_stage: int) -> Non
         model.save_pretrained(out / "adapter", state_dict=peft_state, safe_serialization=True)
         log.info("saved merged LoRA model %s (adapter in %s)", out, out / "adapter")
     torch.distributed.barrier()
+

@@ -18,7 +18,7 @@ from trainer import resume
 from trainer.data import ColumnSpec, PromptSampler, load_examples
 from trainer.engines import EngineDied, make_engine
 from trainer.health import Heartbeat
-from trainer.lora import ADAPTER_FORMAT, LoraMerger, checkpoint_weights
+from trainer.lora_sync import policy_loader
 from trainer.nodes import host_label
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
@@ -56,15 +56,10 @@ def genonly(cfg: GRPOConfig) -> None:
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
     syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
-    merger = LoraMerger()  # a LoRA run publishes adapters only: merged into W0 read from the checkpoint
+    load_policy = policy_loader(engine, model_path)  # LoRA runs publish adapters only: merged into W0 here
 
-    def load_policy(tensors: dict, metadata: dict) -> None:
-        if metadata.get("format") == ADAPTER_FORMAT:
-            engine.load_weights(merger.merged(tensors, metadata, lambda names: checkpoint_weights(model_path, names)))
-        else:
-            engine.load_weights(tensors.items())
-
-    rounds = uploaded = skipped = timeouts = 0
+    rounds = uploaded = skipped = timeouts = gen_tokens = 0
+    gen_s = 0.0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
     doing = {"now": "starting"}
     heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
@@ -102,11 +97,13 @@ def genonly(cfg: GRPOConfig) -> None:
         stall.add(st, len(batches))
         stall.maybe_log()
         timeouts += st.reward_timeouts
+        gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds
         resume.write_json(state_path, resume.capture(sampler))
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
     scorer.close()
     heartbeat.stop("done")
-    log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts", rounds, uploaded,
-             time.time() - t_start, timeouts)
+    log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
+             "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,
+             gen_tokens / max(gen_s, 1e-9))

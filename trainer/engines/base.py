@@ -67,5 +67,10 @@ class GenEngine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    def fused_modules(self) -> dict[str, list[str]]:
+        """Engine layers that hold several checkpoint modules (vLLM: qkv_proj = q, k, v); a weight load must
+        bring every member of such a layer (trainer/lora_sync.py). None for an engine that loads by name."""
+        return {}
+
     def close(self) -> None:
         """Free the engine's resources (vLLM: its KV cache and threads)."""

@@ -34,6 +34,39 @@ def _set_cpu_env(cfg) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.vllm_cpu_threads_bind)
 
 
+def visible_devices_for(device: str, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES that puts vLLM on `device`: vLLM's in-process engine always takes its process's
+    first visible GPU, so cuda:N (N-th of the GPUs visible now) becomes the only visible one. None: leave as is."""
+    if device in ("auto", "cpu", "cuda", "cuda:0"):
+        return None
+    if not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"device must be auto, cpu or cuda:N (got {device!r})")
+    n = int(device[5:])
+    if visible is None:
+        return str(n)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if n >= len(ids):
+        raise ValueError(f"device {device} but CUDA_VISIBLE_DEVICES={visible!r} shows {len(ids)} GPU(s)")
+    return ids[n]
+
+
+def _place(cfg) -> None:
+    """Put the engine on cfg.device (launch.sh's plan gives each worker its GPU as CUDA_VISIBLE_DEVICES and
+    cuda:0; a worker started by hand may name cuda:N). Must run before this process touches CUDA."""
+    visible = visible_devices_for(cfg.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible is not None:
+        if torch.cuda.is_initialized():
+            raise RuntimeError(f"device {cfg.device}: CUDA is already initialised in this process, so vLLM would "
+                               f"take its first GPU; start the worker with CUDA_VISIBLE_DEVICES instead")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        log.info("vLLM engine on %s: CUDA_VISIBLE_DEVICES=%s", cfg.device, visible)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {cfg.device!r} requested but CUDA is not available")
+    if cfg.device == "cpu" and torch.cuda.is_available():
+        raise RuntimeError("device 'cpu' with vLLM on a CUDA machine: vLLM's CUDA build serves GPUs only; use "
+                           "gen_backend='hf' for a CPU worker, or hide the GPUs (CUDA_VISIBLE_DEVICES=)")
+
+
 def import_vllm():
     try:
         import vllm  # noqa: F401
@@ -56,6 +89,7 @@ class VLLMEngine(GenEngine):
     def from_config(cls, cfg, model_path: str, *, tokenizer=None) -> VLLMEngine:
         from transformers import GenerationConfig
 
+        _place(cfg)  # first: CUDA_VISIBLE_DEVICES counts only until CUDA is initialised
         _set_cpu_env(cfg)
         LLM, _, _ = import_vllm()
         tok = tokenizer or load_tokenizer(model_path)
@@ -130,6 +164,12 @@ class VLLMEngine(GenEngine):
             self.llm.reset_prefix_cache()
         except Exception as e:
             raise EngineDied(f"vLLM engine failed to load new weights: {type(e).__name__}: {e}") from e
+
+    def fused_modules(self) -> dict[str, list[str]]:
+        """The served model's packed_modules_mapping ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...})."""
+        mapping = self.llm.apply_model(lambda m: {k: list(v) for k, v in
+                                                  getattr(m, "packed_modules_mapping", {}).items()})
+        return mapping[0]
 
     def close(self) -> None:
         self.llm = None

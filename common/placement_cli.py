@@ -1,0 +1,121 @@
+"""launch.sh's side of the placement plan (common/placement.py): find the GPUs, read the run's config, print the
+plan, write it as JSON (the ref server shows it in GET /status) and hand launch.sh its shell variables.
+
+    python -m common.placement_cli --workers 1 [--gpus N] [--ref-device D] [--no-ref] [--worker-gpus 2,3]
+        [--rank-gpus 0,1] [--share-gpu] [--json RUN_DIR/placement.json] [--check-torch] -- TRAINER ARGS...
+
+stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_WORKER_ENV[],
+PLAN_WORKER_ARGS[], PLAN_DS[]); stderr: the plan, for people.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from common.placement import Plan, describe, plan_placement
+
+
+def detect_gpus() -> tuple[list[int], str]:
+    """(physical GPU indices this launcher may use, how they were found). `nvidia-smi -L` when it is on PATH
+    (no CUDA initialised here), else torch; CUDA_VISIBLE_DEVICES, when set, narrows them to its indices."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+        found = [int(m.group(1)) for m in re.finditer(r"^GPU (\d+):", out.stdout, re.M)] if out.returncode == 0 else []
+        how = f"nvidia-smi -L ({smi})" if out.returncode == 0 else \
+            f"nvidia-smi -L failed (exit {out.returncode}: {out.stderr.strip()[:200]}), so no GPU is used"
+    else:
+        import torch
+        found, how = list(range(torch.cuda.device_count())), "torch.cuda.device_count() (no nvidia-smi on PATH)"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found, how
+    items = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(v.isdigit() for v in items):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r}: the placement plan needs GPU indices (0,1,...), "
+                         f"not UUIDs or MIG names")
+    if smi:  # nvidia-smi lists physical GPUs: keep the visible ones
+        return [g for g in found if str(g) in items], f"{how}, narrowed by CUDA_VISIBLE_DEVICES={visible}"
+    return [int(v) for v in items], f"CUDA_VISIBLE_DEVICES={visible}"
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,2 (got {text!r})") from None
+
+
+def shell_vars(plan: Plan) -> str:
+    """The bash assignments launch.sh evals: each process's environment prefix and extra arguments."""
+    q = shlex.quote
+    ref = plan.ref
+    ref_env = f"CUDA_VISIBLE_DEVICES={ref.cuda_visible_devices}" if ref and ref.cuda_visible_devices is not None else ""
+    lines = [f"PLAN_REF_ENV={q(ref_env)}", f"PLAN_REF_DEVICE={q(ref.device if ref else '')}"]
+    envs, args = [], []
+    for w in plan.workers:
+        envs.append(q(f"CUDA_VISIBLE_DEVICES={w.cuda_visible_devices}") if w.cuda_visible_devices is not None else "''")
+        extra = [] if not w.gpus else ["--device", w.device]
+        if w.vllm_gpu_memory_utilization is not None:
+            extra += ["--vllm_gpu_memory_utilization", f"{w.vllm_gpu_memory_utilization:g}"]
+        args.append(q(" ".join(extra)))
+    lines += [f"PLAN_WORKER_ENV=({' '.join(envs)})", f"PLAN_WORKER_ARGS=({' '.join(args)})",
+              f"PLAN_DS=({' '.join(q(a) for a in plan.deepspeed_args)})"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m common.placement_cli", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; 2 on CPU)")
+    p.add_argument("--ref-device", default="auto")
+    p.add_argument("--no-ref", action="store_true", help="the ref server runs elsewhere (--ref-url)")
+    p.add_argument("--worker-gpus", type=_gpu_list, default=None)
+    p.add_argument("--rank-gpus", type=_gpu_list, default=None)
+    p.add_argument("--share-gpu", action="store_true")
+    p.add_argument("--json", default=None, help="write the plan here (the ref server's --placement-file)")
+    p.add_argument("--check-torch", action="store_true", help="fail when GPUs are planned but torch has no CUDA")
+    a = p.parse_args(argv)
+    from common.config import GRPOConfig
+    from common.knobs import load_config
+
+    try:
+        cfg = load_config(GRPOConfig, rest)
+        gpus, how = detect_gpus()
+        user_fraction = cfg.vllm_gpu_memory_utilization
+        if user_fraction == GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default:
+            user_fraction = None  # not set by the user: the plan may lower it on a shared GPU
+        plan = plan_placement(gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device, start_ref=not a.no_ref,
+                              worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus, share=a.share_gpu,
+                              vllm_workers=cfg.gen_backend == "vllm", vllm_fraction=user_fraction)
+        if a.check_torch and plan.gpus:
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError(f"{len(plan.gpus)} GPU(s) found ({how}) but this torch ({torch.__version__}) has "
+                                 f"no CUDA: install a CUDA build (GRPO_TORCH, see README) or hide the GPUs with "
+                                 f"CUDA_VISIBLE_DEVICES=")
+    except ValueError as e:
+        print(f"[launch] placement: {e}", file=sys.stderr)
+        return 2
+    doc = dict(plan.to_json(), found_by=how)
+    print("[launch] " + describe(doc).replace("\n", "\n[launch] ") + f"\n[launch]   GPUs found by: {how}",
+          file=sys.stderr)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print(shell_vars(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The placement plan (common/placement.py) for 0, 1, 2, 4 and 8 GPUs and the launcher's flags; launch.sh's side
+with a fake `nvidia-smi` on PATH (--print-plan: nothing is started); the plan in the ref server's /status."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import requests
+from conftest import REPO, subprocess_env
+
+from common.placement import describe, plan_placement
+from trainer.engines.vllm import visible_devices_for
+
+
+def where(plan) -> dict:
+    """process name -> its GPUs, plus the ranks' deepspeed arguments."""
+    out = {p.name: list(p.gpus) for p in plan.processes}
+    out["ds"] = " ".join(plan.deepspeed_args)
+    return out
+
+
+def assert_no_gpu_shared(plan):
+    used = [g for p in plan.processes for g in p.gpus]
+    assert len(used) == len(set(used)), where(plan)
+    assert all(p.vllm_gpu_memory_utilization is None for p in plan.workers)
+
+
+def test_no_gpu_is_the_cpu_plan():
+    plan = plan_placement([], workers=2)
+    assert plan.mode == "cpu" and plan.deepspeed_args == ["--num_gpus", "2"]
+    assert all(p.gpus == () and p.cuda_visible_devices is None for p in plan.processes)  # today's behaviour
+    assert plan_placement([], workers=0, ranks=3).deepspeed_args == ["--num_gpus", "3"]
+    for bad in (dict(ref_device="cuda:0"), dict(worker_gpus=[0]), dict(rank_gpus=[0])):
+        with pytest.raises(ValueError, match="no GPU"):
+            plan_placement([], workers=1, **bad)
+
+
+def test_one_gpu_is_shared_and_says_so():
+    plan = plan_placement([0], workers=1)
+    assert plan.mode == "shared" and where(plan) == {"ref_server": [0], "worker0": [0], "ranks": [0],
+                                                     "ds": "--include localhost:0"}
+    assert plan.workers[0].vllm_gpu_memory_utilization == 0.3  # TRL's colocate default: room for the others
+    assert "only 1 GPU" in describe(plan.to_json()) and "SHARED" in describe(plan.to_json())
+    two = plan_placement([0], workers=2)
+    assert [w.vllm_gpu_memory_utilization for w in two.workers] == [0.15, 0.15]
+    assert plan_placement([0], workers=1, vllm_workers=False).workers[0].vllm_gpu_memory_utilization is None
+    assert plan_placement([0], workers=1, vllm_fraction=0.4).workers[0].vllm_gpu_memory_utilization == 0.4
+    with pytest.raises(ValueError, match="exceeds"):
+        plan_placement([0], workers=2, vllm_fraction=0.5)
+
+
+def test_two_gpus_need_sharing_or_fewer_processes():
+    with pytest.raises(ValueError, match="needs 3 GPUs.*--share-gpu"):
+        plan_placement([0, 1], workers=1)
+    plan = plan_placement([0, 1], workers=1, ref_device="cpu")
+    assert where(plan) == {"ref_server": [], "worker0": [1], "ranks": [0], "ds": "--include localhost:0"}
+    assert plan.ref.cuda_visible_devices == "" and plan.ref.device == "cpu"  # hidden from the GPUs
+    assert_no_gpu_shared(plan)
+    assert where(plan_placement([0, 1], workers=0)) == {"ref_server": [1], "ranks": [0],
+                                                         "ds": "--include localhost:0"}
+    shared = plan_placement([0, 1], workers=1, share=True)
+    assert where(shared) == {"ref_server": [1], "worker0": [0], "ranks": [0, 1], "ds": "--include localhost:0,1"}
+    assert shared.workers[0].shares_gpu_with == ("ranks",)
+
+
+@pytest.mark.parametrize("n,workers,want", [
+    (4, 1, {"ref_server": [3], "worker0": [2], "ranks": [0, 1]}),
+    (4, 2, {"ref_server": [3], "worker0": [2], "worker1": [1], "ranks": [0]}),
+    (8, 1, {"ref_server": [7], "worker0": [6], "ranks": [0, 1, 2, 3, 4, 5]}),
+    (8, 3, {"ref_server": [7], "worker0": [6], "worker1": [5], "worker2": [4], "ranks": [0, 1, 2, 3]}),
+])
+def test_own_gpu_per_process(n, workers, want):
+    plan = plan_placement(range(n), workers=workers)
+    assert plan.mode == "own" and {k: v for k, v in where(plan).items() if k != "ds"} == want
+    assert plan.deepspeed_args == ["--include", "localhost:" + ",".join(map(str, want["ranks"]))]
+    assert_no_gpu_shared(plan)
+    for p in plan.workers + (plan.ref,):  # each sees only its GPU, as its cuda:0
+        assert p.cuda_visible_devices == str(p.gpus[0]) and p.device == "cuda:0"
+
+
+def test_pinned_gpus_and_rank_counts_on_8():
+    plan = plan_placement(range(8), workers=2, ranks=4)
+    assert where(plan)["ranks"] == [0, 1, 2, 3] and plan.idle_gpus == (4,)
+    plan = plan_placement(range(8), workers=2, ref_device="cuda:0", worker_gpus=[1, 2], rank_gpus=[4, 5, 6, 7])
+    assert where(plan) == {"ref_server": [0], "worker0": [1], "worker1": [2], "ranks": [4, 5, 6, 7],
+                           "ds": "--include localhost:4,5,6,7"}
+    assert plan.idle_gpus == (3,) and plan.num_ranks == 4
+    plan = plan_placement(range(8), workers=1, ref_device="cuda:5")
+    assert where(plan)["ref_server"] == [5] and where(plan)["worker0"] == [7]
+    assert where(plan)["ranks"] == [0, 1, 2, 3, 4, 6]
+    assert_no_gpu_shared(plan)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(workers=1, ref_device="cuda:2", worker_gpus=[2]), "GPU 2 is asked for by both ref_server and worker0"),
+    (dict(workers=1, worker_gpus=[0], rank_gpus=[0, 1]), "GPU 0 is asked for by both worker0 and rank"),
+    (dict(workers=2, worker_gpus=[1]), "one each"),
+    (dict(workers=1, rank_gpus=[0, 0]), "a GPU twice"),
+    (dict(workers=1, rank_gpus=[0, 9]), r"GPU\(s\) \[9\]"),
+    (dict(workers=1, ref_device="cuda:4"), r"GPU\(s\) \[4\]"),
+    (dict(workers=1, ranks=3, rank_gpus=[0, 1]), "--gpus 3 but --rank-gpus lists 2"),
+    (dict(workers=1, ranks=3), "needs 5 GPUs"),
+    (dict(workers=1, ranks=5, share=True), "one rank per GPU"),
+    (dict(workers=1, ref_device="gpu"), "auto, cpu or cuda:N"),
+])
+def test_bad_combinations_are_refused_clearly(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_placement(range(4), **kwargs)
+
+
+def test_sharing_only_when_asked_on_4_gpus():
+    plan = plan_placement(range(4), workers=2, share=True, rank_gpus=[0, 1])
+    assert where(plan) == {"ref_server": [3], "worker0": [2], "worker1": [1], "ranks": [0, 1],
+                           "ds": "--include localhost:0,1"}
+    assert [w.vllm_gpu_memory_utilization for w in plan.workers] == [None, 0.3]  # worker0 alone on GPU 2
+    plan = plan_placement(range(4), workers=1, share=True, ref_device="cuda:0", worker_gpus=[0])
+    assert where(plan)["ranks"] == [0, 1, 2, 3] and plan.workers[0].vllm_gpu_memory_utilization == 0.3
+    assert plan_placement(range(4), workers=1, start_ref=False).ref is None  # --ref-url: no ref server here
+    assert where(plan_placement(range(4), workers=1, start_ref=False))["ranks"] == [0, 1, 2]
+
+
+def test_vllm_on_the_gpu_it_was_placed_on():
+    assert visible_devices_for("cuda:0", None) is None and visible_devices_for("auto", "3") is None
+    assert visible_devices_for("cuda:2", None) == "2"
+    assert visible_devices_for("cuda:1", "4,6") == "6"  # the 2nd of the GPUs this process sees
+    with pytest.raises(ValueError, match="shows 2 GPU"):
+        visible_devices_for("cuda:2", "4,6")
+
+
+def test_vllm_worker_asked_for_a_gpu_without_cuda_says_so(tiny_model_dir, monkeypatch):
+    from common.config import GRPOConfig
+    from trainer.engines import make_engine
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = GRPOConfig(model=str(tiny_model_dir), gen_backend="vllm", device="cuda:1").validate()
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        make_engine(cfg, str(tiny_model_dir))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"  # before: the engine ignored cfg.device altogether
+
+
+# ------------------------------------------------------------------------------------- launch.sh's side
+def fake_smi(tmp_path, n: int):
+    d = tmp_path / f"bin{n}"
+    d.mkdir(exist_ok=True)
+    lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})"\n' for i in range(n))
+    (d / "nvidia-smi").write_text(f'#!/bin/sh\n[ "$1" = "-L" ] || exit 9\n{lines}')
+    (d / "nvidia-smi").chmod(0o755)
+    return d
+
+
+def plan_of(tmp_path, n: int, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(env_extra or {})
+    return subprocess.run(["bash", str(REPO / "launch.sh"), "train", "--print-plan", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_launch_prints_the_plan_and_hands_it_to_each_process(tmp_path):
+    proc = plan_of(tmp_path, 4, "--workers", "1", "--", "--model", "tiny", "--gen_backend", "vllm")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=3 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
+                                        "trainer: deepspeed --include localhost:0,1"]
+    assert "placement: 4 GPU(s) [0, 1, 2, 3], each process on its own GPU" in proc.stderr
+    assert not list(tmp_path.glob("runs")) and not (REPO / "runs" / "placement.json").exists()  # nothing started
+
+
+def test_launch_with_one_gpu_shares_it_and_sets_vllms_fraction(tmp_path):
+    proc = plan_of(tmp_path, 1, "--workers", "1", "--", "--gen_backend", "vllm")
+    assert proc.returncode == 0, proc.stderr
+    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0 --vllm_gpu_memory_utilization 0.3" in proc.stdout
+    assert "trainer: deepspeed --include localhost:0" in proc.stdout and "only 1 GPU" in proc.stderr
+
+
+def test_launch_flags_reach_the_plan(tmp_path):
+    proc = plan_of(tmp_path, 8, "--workers", "2", "--worker-gpus", "6,7", "--rank-gpus", "0,1,2,3",
+                   "--ref-device", "cuda:4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=4 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=6 --device cuda:0",
+                                        "worker1: CUDA_VISIBLE_DEVICES=7 --device cuda:0",
+                                        "trainer: deepspeed --include localhost:0,1,2,3"]
+    too_many = plan_of(tmp_path, 2, "--workers", "1")
+    assert too_many.returncode == 2 and "--share-gpu" in too_many.stderr and not too_many.stdout
+    visible = plan_of(tmp_path, 8, "--workers", "1", env_extra={"CUDA_VISIBLE_DEVICES": "2,5,6"})
+    assert visible.returncode == 0, visible.stderr
+    assert "trainer: deepspeed --include localhost:2" in visible.stdout and "CUDA_VISIBLE_DEVICES=6" in visible.stdout
+    cpu = plan_of(tmp_path, 0, "--workers", "1")
+    assert "trainer: deepspeed --num_gpus 2" in cpu.stdout and "placement: CPU" in cpu.stderr
+
+
+def test_launch_help_documents_the_plan():
+    out = subprocess.run(["bash", str(REPO / "launch.sh"), "--help"], capture_output=True, text=True).stdout
+    for flag in ("--print-plan", "--share-gpu", "--worker-gpus", "--rank-gpus"):
+        assert flag in out
+
+
+def test_ref_server_status_shows_the_plan(start_server, tiny_model_dir, tmp_path):
+    plan = dict(plan_placement(range(4), workers=1).to_json(), found_by="test")
+    (tmp_path / "placement.json").write_text(json.dumps(plan))
+    with start_server(tiny_model_dir, "--placement-file", str(tmp_path / "placement.json")) as srv:
+        status = requests.get(srv.url + "/status", timeout=10).json()
+        assert status["placement"] == plan
+        page = requests.get(srv.url + "/", timeout=10).text
+        assert "ref_server  GPU 3" in page and "deepspeed --include localhost:0,1" in page
+
+
+
+def test_ref_server_refuses_a_missing_placement_file(tmp_path):
+    from ref_server.config import ServerConfig
+    with pytest.raises(ValueError, match="placement_file .* not found"):
+        ServerConfig(model="tiny", placement_file=str(tmp_path / "nope.json")).validate()

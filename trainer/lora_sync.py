@@ -1,0 +1,98 @@
+"""Worker side of adapter-only LoRA sync into an engine: what to send so that the engine rebuilds every layer
+it touches from complete, correct weights.
+
+vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (its model's `packed_modules_mapping`), and
+its in-place `reload_weights` rebuilds a layer from the tensors it is sent: a fused layer whose members (or
+biases) were not all sent is rebuilt partly from uninitialised memory. With lora_target_modules
+["q_proj", "v_proj"] the k part (and the q/k/v biases) of every `qkv_proj` would be garbage after the first
+sync. So for each adapted module we also send, unchanged from the base checkpoint, every other tensor of the
+engine layer it lives in: the other members of its fused group and all their biases (its own bias too).
+W0 is read from the base checkpoint's safetensors (a hub id through the Hugging Face cache).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from common.paths import local_model_dir
+from trainer.lora import ADAPTER_FORMAT, LoraMerger
+
+log = logging.getLogger("trainer")
+
+
+class BaseCheckpoint:
+    """The base model's safetensors files: tensor names (read once, headers only) and tensors by name."""
+
+    def __init__(self, model_path: str):
+        from safetensors import safe_open
+
+        self.dir = local_model_dir(model_path)
+        self.files = sorted(Path(self.dir).glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"no *.safetensors in {self.dir} (model {model_path!r}): cannot read the "
+                                    f"base weights to merge LoRA adapters into")
+        self.where: dict[str, Path] = {}
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as st:
+                self.where.update({k: f for k in st.keys()})
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        names = sorted(set(names))
+        missing = [n for n in names if n not in self.where]
+        if missing:
+            raise ValueError(f"base checkpoint {self.dir} lacks the weights {missing[:5]}")
+        out: dict[str, torch.Tensor] = {}
+        for f in self.files:
+            mine = [n for n in names if self.where[n] == f]
+            if mine:
+                with safe_open(str(f), framework="pt") as st:
+                    out.update({n: st.get_tensor(n).float() for n in mine})
+        return out
+
+
+def checkpoint_weights(model_path: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """W0 of `names` from the base checkpoint (a local directory, or a hub id found in the HF cache)."""
+    return BaseCheckpoint(model_path).read(names)
+
+
+def layer_companions(merged: Iterable[str], fused: dict[str, list[str]], available: Iterable[str]) -> list[str]:
+    """Every checkpoint tensor of the engine layers that the merged weights `merged` land in, other than
+    those weights: for model.layers.0.self_attn.q_proj.weight with fused {"qkv_proj": [q, k, v]} that is
+    k_proj.weight, v_proj.weight and the q/k/v biases of layer 0 (whichever the checkpoint has)."""
+    member_of = {m: group for group in fused.values() for m in group}
+    modules = set()
+    for name in merged:
+        module = name.rsplit(".", 1)[0]  # model.layers.0.self_attn.q_proj
+        parent, _, leaf = module.rpartition(".")
+        modules.update(f"{parent}.{m}" if parent else m for m in member_of.get(leaf, [leaf]))
+    merged = set(merged)
+    return sorted(n for n in available if n.rsplit(".", 1)[0] in modules and n not in merged)
+
+
+def policy_loader(engine, model_path: str):
+    """The weight-sync `apply(tensors, metadata)` of a genonly worker: full weights go to the engine as they
+    are; an adapter blob is merged into W0 and sent with its layers' companions (see the module docstring)."""
+    merger = LoraMerger()
+    state: dict = {}
+
+    def base() -> BaseCheckpoint:
+        if "ckpt" not in state:  # first adapter sync only: a full-weight run never reads the checkpoint
+            state["ckpt"] = BaseCheckpoint(model_path)
+            state["fused"] = engine.fused_modules()
+            log.info("LoRA sync: W0 from %s; fused engine layers %s", state["ckpt"].dir, state["fused"] or "none")
+        return state["ckpt"]
+
+    def apply(tensors: dict, metadata: dict) -> None:
+        if metadata.get("format") != ADAPTER_FORMAT:
+            engine.load_weights(tensors.items())
+            return
+        ckpt = base()
+        engine.load_weights(merger.merged(tensors, metadata, ckpt.read,
+                                          lambda names: layer_companions(names, state["fused"], ckpt.where)))
+
+    return apply
