@@ -52,7 +52,8 @@ def genonly(cfg: GRPOConfig) -> None:
     scorer = RewardScorer.from_config(cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
-    syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
+    syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
+              if cfg.sync_steps else None)
     merger = LoraMerger()  # a LoRA run publishes adapters only: merged into W0 read from the checkpoint
 
     def load_policy(tensors: dict, metadata: dict) -> None:

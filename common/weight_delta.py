@@ -1,0 +1,210 @@
+"""Delta weight sync: send only the elements that changed since the last published version (issue 25).
+
+At RL learning rates most bf16 elements do not move from one step to the next (an Adam step of 1e-6 is
+below half a bf16 rounding step for all but the smallest weights), so rank 0 keeps the last published
+copy in the publish dtype and sends, per tensor, the cheapest of
+
+    <name>:idx + <name>:val   flat positions (I32, I64 past 2^31 elements) and the new values
+    <name>:mask + <name>:val  a bitmask (U8, element i = bit i % 8 of byte i // 8) and the new values
+    <name>                    the whole tensor (when that is smaller still)
+
+and nothing for a tensor that did not change. Elements are compared as bit patterns (the tensors viewed
+as integers), so NaN, -0.0 and every other value round-trip exactly. The delta is one safetensors blob
+(common/weight_sync.py ParametersBody: streamed, CRC-32 of its own data in the header) whose
+`__metadata__` says format=weights_delta, base_version, base_crc32 and full_crc32: the CRC-32 of the full
+blob's data section the delta reconstructs. Whoever applies it (the ref server to its full copy, a
+worker to the copy it holds) checks everything before changing a byte, and the result against
+full_crc32 afterwards. Wire format: docs/protocol.md section 7.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+DELTA_FORMAT = "weights_delta"
+NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class DeltaError(ValueError):
+    """A delta that does not fit the copy it is applied to (names, shapes, dtypes, positions): never applied."""
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers: equal bit patterns compare equal (NaN == NaN, -0.0 != 0.0)."""
+    return t.reshape(-1).view(_AS_INT[t.element_size()])
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def crc_of(tensors) -> str:
+    """CRC-32 of the tensors' bytes back to back: a full blob's data section when given in its order."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(tensor_bytes(t), crc)
+    return f"{crc:08x}"
+
+
+def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The cheapest encoding of `new` against `old` (same shape and dtype, contiguous, CPU); [] if equal."""
+    changed = torch.ne(as_bits(new), as_bits(old))
+    k = int(torch.count_nonzero(changed))
+    if k == 0:
+        return []
+    n, item = new.numel(), new.element_size()
+    pos_dtype = torch.int32 if n < 2 ** 31 else torch.int64
+    sizes = {"full": n * item, "mask": (n + 7) // 8 + k * item, "idx": k * (pos_dtype.itemsize + item)}
+    kind = min(sizes, key=sizes.get)  # ties: full (first), then mask
+    flat = new.reshape(-1)
+    if kind == "full":
+        return [(name, new)]
+    if kind == "mask":
+        mask = torch.from_numpy(np.packbits(changed.numpy(), bitorder="little"))
+        return [(f"{name}:mask", mask), (f"{name}:val", flat[changed])]
+    idx = changed.nonzero().reshape(-1)
+    return [(f"{name}:idx", idx.to(pos_dtype)), (f"{name}:val", flat[idx])]
+
+
+class DeltaEncoder:
+    """Rank 0's last published copy (publish dtype, CPU) and the deltas against it.
+
+    `snapshot(named)` takes a full copy (first publish, or after the server lost the chain);
+    `delta(named)` returns the changed tensors' encodings and moves the copy to the new weights.
+    Either way the copy ends equal to what was just published, and `crc` is its full blob CRC."""
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype
+        self.last: dict[str, torch.Tensor] = {}
+        self.crc: str | None = None
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        out = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+        return t.to(device="cpu", dtype=out).contiguous()
+
+    def snapshot(self, named) -> list[tuple[str, torch.Tensor]]:
+        """Keep a copy of every tensor in the publish dtype; returns it (what a full publish sends)."""
+        self.last = {}
+        for name, t in named:
+            c = self._cast(t)
+            self.last[name] = c.clone() if c.data_ptr() == t.data_ptr() else c  # never alias a live parameter
+        self.crc = crc_of(self.last.values())
+        return list(self.last.items())
+
+    def delta(self, named) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+        """(encoded tensors, metadata) of what changed since the copy; the copy becomes the new weights."""
+        if self.crc is None:
+            raise RuntimeError("DeltaEncoder.delta before a snapshot")
+        seen, out, crc = set(), [], 0
+        base_crc = self.crc
+        for name, t in named:
+            old = self.last.get(name)
+            new = self._cast(t)
+            if old is None or old.shape != new.shape or old.dtype != new.dtype:
+                raise DeltaError(f"{name}: not in the last published copy with this shape and dtype")
+            out += encode_tensor(name, new, old)  # values gathered into fresh tensors (full: `old` after copy)
+            old.copy_(new)
+            crc = zlib.crc32(tensor_bytes(old), crc)
+            seen.add(name)
+        if seen != set(self.last):
+            raise DeltaError(f"tensors missing from this publish: {sorted(set(self.last) - seen)[:5]}")
+        out = [(k, self.last[k] if k in self.last else v) for k, v in out]  # full ones: the copy (no cast twice)
+        self.crc = f"{crc:08x}"
+        return out, {"format": DELTA_FORMAT, "base_crc32": base_crc, "full_crc32": self.crc}
+
+
+def _split(key: str) -> tuple[str, str]:
+    name, _, part = key.rpartition(":")
+    return (name, part) if name and part in ("idx", "mask", "val") else (key, "full")
+
+
+def plan_delta(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> list[tuple]:
+    """Check a decoded delta against the copy it updates; returns the steps `apply_plan` takes.
+
+    Everything a corrupt or foreign delta could get wrong is caught here, before any byte changes:
+    unknown names, shapes, dtypes, positions out of range, value counts that do not match."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, part = _split(key)
+        parts.setdefault(name, {})[part] = t
+    steps = []
+    for name, p in parts.items():
+        b = base.get(name)
+        if b is None:
+            raise DeltaError(f"delta names {name!r}, which the weights do not have")
+        n = b.numel()
+        kinds = sorted(p)
+        if kinds == ["full"]:
+            t = p["full"]
+            if tuple(t.shape) != tuple(b.shape) or t.dtype != b.dtype:
+                raise DeltaError(f"{name}: full tensor {t.dtype} {tuple(t.shape)}, weights {b.dtype} {tuple(b.shape)}")
+            steps.append((name, "full", t, None))
+            continue
+        if kinds not in (["idx", "val"], ["mask", "val"]):
+            raise DeltaError(f"{name}: delta parts {kinds} (want idx+val, mask+val or the full tensor)")
+        val = p["val"]
+        if val.dim() != 1 or val.dtype != b.dtype:
+            raise DeltaError(f"{name}: values {val.dtype} {tuple(val.shape)}, weights are {b.dtype}")
+        if "idx" in p:
+            idx = p["idx"]
+            if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1 or len(idx) != len(val):
+                raise DeltaError(f"{name}: positions {idx.dtype} {tuple(idx.shape)} for {len(val)} values")
+            if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                raise DeltaError(f"{name}: a position is outside 0..{n - 1}")
+            steps.append((name, "idx", idx.long(), val))
+        else:
+            mask = p["mask"]
+            if mask.dtype != torch.uint8 or mask.dim() != 1 or len(mask) != (n + 7) // 8:
+                raise DeltaError(f"{name}: bitmask {mask.dtype} {tuple(mask.shape)}, want {(n + 7) // 8} bytes")
+            bits = np.unpackbits(mask.numpy(), bitorder="little")
+            if bits[n:].any():
+                raise DeltaError(f"{name}: bitmask has bits set past the tensor's {n} elements")
+            sel = torch.from_numpy(bits[:n].view(np.bool_))
+            if int(torch.count_nonzero(sel)) != len(val):
+                raise DeltaError(f"{name}: bitmask selects {int(torch.count_nonzero(sel))} elements, "
+                                 f"{len(val)} values sent")
+            steps.append((name, "mask", sel, val))
+    return steps
+
+
+def apply_plan(base: dict[str, torch.Tensor], steps: list[tuple]) -> list[str]:
+    """Write a checked delta into `base` in place; returns the names of the tensors that changed."""
+    with torch.no_grad():
+        for name, kind, a, val in steps:
+            flat = base[name].view(-1)
+            if kind == "full":
+                flat.copy_(a.reshape(-1))
+            elif kind == "idx":
+                flat[a] = val
+            else:
+                flat.masked_scatter_(a, val)
+    return [s[0] for s in steps]
+
+
+class HeldWeights:
+    """The full weights a follower last received (views into that blob, in its order), so a delta has
+    something to apply to: the ref server's copy, or a worker's copy next to its engine's."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int, crc: str) -> None:
+        self.tensors, self.version, self.crc = tensors, version, crc
+
+    def apply(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int) -> list[str]:
+        """Apply a delta (already CRC-checked as a blob) in place; returns the changed names.
+
+        Raises DeltaError, before changing anything, for a delta on another base; after, when the result's
+        CRC is not the trainer's (the copy is then unusable: the caller drops it and fetches a full one)."""
+        base = metadata.get("base_version", "")
+        if not base.isdigit() or int(base) != self.version or metadata.get("base_crc32") != self.crc:
+            raise DeltaError(f"delta for v{version} applies to v{base} (crc {metadata.get('base_crc32')}); "
+                             f"this copy is v{self.version} (crc {self.crc})")
+        changed = apply_plan(self.tensors, plan_delta(self.tensors, tensors))
+        got = crc_of(self.tensors.values())
+        if got != metadata.get("full_crc32"):
+            raise DeltaError(f"weights rebuilt from the delta for v{version} have crc {got}, the trainer's "
+                             f"have {metadata.get('full_crc32')}")
+        self.version, self.crc = version, got
+        return changed
