@@ -150,7 +150,7 @@ def test_delta_that_does_not_fit_changes_nothing():
     w["a"][3] += 1
     w["b"][0, :] += 1
     tensors, meta = enc.delta(w.items())
-    meta["base_version"] = "1"
+    tensors, meta["base_version"] = dict(tensors), "1"
     assert sorted(tensors) == ["a:idx", "a:val", "b:mask", "b:val"]
     bad_cases = [
         ({**tensors, "a:idx": torch.tensor([100], dtype=torch.int32)}, meta),  # position out of range
@@ -179,7 +179,7 @@ def test_worker_whose_copy_went_bad_refetches_the_full_copy(tiny_model_dir, capl
         sub = WeightSync(client=RefClient(srv.url), delta=True)
         pub.publish(trainer, 1, dtype=torch.bfloat16)
         assert sub.follow(worker) == 1
-        next(iter(sub.held.tensors.values())).view(-1)[0] += 1  # its copy no longer the trainer's v1
+        list(sub.held.tensors.values())[-1].add_(1)  # its copy no longer the trainer's v1 (the engine's is)
         train_step(trainer, 4)
         pub.publish(trainer, 2, dtype=torch.bfloat16)
         with caplog.at_level(logging.ERROR):
