@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -166,6 +167,7 @@ def delta_study(a) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3, help="AdamW steps (and delta syncs) per learning rate")
     p.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="learning rates, comma-separated (speedup: the first)")

@@ -332,7 +332,9 @@ class WeightSync:
         else:  # a full copy (kept for deltas) or an adapter (LoRA: never delta'd)
             self.held = (HeldWeights(tensors, version, metadata["crc32"])
                          if self.delta and metadata.get("format") == "pt" else None)
-        if apply is not None:
+        if self.held is not None and self.held.in_model:
+            pass  # the delta went straight into the model's parameters
+        elif apply is not None:
             apply(tensors, metadata)
         elif metadata.get("format") == "lora_adapter":
             if self.adapter_loader is None:
@@ -340,6 +342,8 @@ class WeightSync:
             self.adapter_loader(model, tensors, metadata)
         else:
             load_parameters(model, tensors, partial=self.last_kind == "delta")
+        if self.held is not None and apply is None and model is not None and not self.held.in_model:
+            self.held = self.held.adopt(model)  # later deltas go straight into the parameters, when they can
         del tensors
         self.version = version
         dt = time.time() - t0
