@@ -111,15 +111,17 @@ class Bf16Trainer:
         del self.opt, self.master
 
 
-def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: bool) -> tuple[float, int]:
+def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: bool) -> tuple[float, int, str]:
+    """Publish + fetch + apply of one version; returns (seconds, bytes published, the split)."""
     pub.delta = delta
     t0 = time.perf_counter()
     _, nbytes = pub.publish(model, version)
+    t1 = time.perf_counter()
     assert pub.last_kind == ("delta" if delta else "full"), pub.last_kind
     assert sub.follow(worker) == version and sub.last_kind == pub.last_kind, (sub.last_kind, pub.last_kind)
-    dt = time.perf_counter() - t0
+    t2 = time.perf_counter()
     assert same_bits(model, worker), f"worker differs from the trainer's v{version}"
-    return dt, nbytes
+    return t2 - t0, nbytes, f"{t1 - t0:.2f}+{t2 - t1:.2f}"
 
 
 def delta_study(a) -> None:
@@ -147,14 +149,15 @@ def delta_study(a) -> None:
                 loss = trainer.step()
                 train_s = time.perf_counter() - t0
                 version += 1
-                delta_s, nbytes = timed(pub, sub, model, worker, version, delta=True)
+                delta_s, nbytes, delta_split = timed(pub, sub, model, worker, version, delta=True)
                 version += 1  # the same weights in full: the baseline (the worker gets them in full too)
-                full_s, _ = timed(pub, sub, model, worker, version, delta=False)
+                full_s, _, full_split = timed(pub, sub, model, worker, version, delta=False)
                 shares.setdefault(lr, []).append(nbytes / full_bytes)
                 seconds.setdefault(lr, []).append((delta_s, full_s))
                 print(f"lr {lr:g} step {step}: loss {loss:.4f} ({train_s:.1f} s); delta {nbytes / 1e6:.1f} MB = "
                       f"{100 * nbytes / full_bytes:.2f} % of {full_bytes / 1e6:.0f} MB; sync delta {delta_s:.3f} s "
-                      f"vs full {full_s:.3f} s ({full_s / delta_s:.1f}x); worker bit-identical", flush=True)
+                      f"({delta_split} publish+follow) vs full {full_s:.3f} s ({full_split}) = {full_s / delta_s:.1f}x;"
+                      f" worker bit-identical", flush=True)
             trainer.close()
     finally:
         srv.terminate()

@@ -4,7 +4,8 @@ At RL learning rates most bf16 elements do not move from one step to the next (a
 below half a bf16 rounding step for all but the smallest weights), so rank 0 keeps the last published
 copy in the publish dtype and sends, per tensor, the cheapest of
 
-    <name>:idx + <name>:val   flat positions (I32, I64 past 2^31 elements) and the new values
+    <name>:blk + <name>:off + <name>:val   positions: per block of 65536 elements how many changed (I32),
+                              their offsets in the block (U16, block by block) and the new values
     <name>:mask + <name>:val  a bitmask (U8, element i = bit i % 8 of byte i // 8) and the new values
     <name>                    the whole tensor (when that is smaller still)
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 DELTA_FORMAT = "weights_delta"
+BLOCK = 1 << 16  # positions are sent as 16-bit offsets within blocks of this many elements
 NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)  # set bits per mask byte
@@ -62,16 +64,18 @@ def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, scratch: np.n
     k = int(np.count_nonzero(changed))
     if k == 0:
         return []
-    pos_dtype = np.int32 if n < 2 ** 31 else np.int64
-    sizes = {"full": n * item, "mask": (n + 7) // 8 + k * item, "idx": k * (np.dtype(pos_dtype).itemsize + item)}
+    blocks = -(-n // BLOCK)
+    sizes = {"full": n * item, "mask": (n + 7) // 8 + k * item, "pos": 4 * blocks + k * (2 + item)}
     kind = min(sizes, key=sizes.get)  # ties: full (first), then mask
     if kind == "full":
         return [(name, new)]
     if kind == "mask":
         mask, vals = np.packbits(changed, bitorder="little"), a[changed]
         return [(f"{name}:mask", torch.from_numpy(mask)), (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
-    idx = np.flatnonzero(changed)
-    return [(f"{name}:idx", torch.from_numpy(idx.astype(pos_dtype))),
+    idx = np.flatnonzero(changed)  # ascending: block by block, as the counts say
+    counts = np.bincount(idx >> 16, minlength=blocks).astype(np.int32)
+    offsets = (idx & 0xFFFF).astype(np.uint16)
+    return [(f"{name}:blk", torch.from_numpy(counts)), (f"{name}:off", torch.from_numpy(offsets)),
             (f"{name}:val", torch.from_numpy(a[idx]).view(new.dtype))]
 
 
@@ -134,7 +138,23 @@ def _crc_after(prev, t: torch.Tensor) -> int:
 
 def _split(key: str) -> tuple[str, str]:
     name, _, part = key.rpartition(":")
-    return (name, part) if name and part in ("idx", "mask", "val") else (key, "full")
+    return (name, part) if name and part in ("blk", "off", "mask", "val") else (key, "full")
+
+
+def _positions(name: str, blk: torch.Tensor, off: torch.Tensor, n: int, nvals: int) -> torch.Tensor:
+    """Flat positions from per-block counts and in-block offsets, checked (counts, totals, range)."""
+    blocks = -(-n // BLOCK)
+    if blk.dtype != torch.int32 or blk.shape != (blocks,) or off.dtype != torch.uint16 or off.dim() != 1:
+        raise DeltaError(f"{name}: positions {blk.dtype} {tuple(blk.shape)} / {off.dtype} {tuple(off.shape)}, "
+                         f"want int32 ({blocks},) counts and uint16 offsets")
+    counts = blk.numpy()
+    if (counts < 0).any() or int(counts.sum(dtype=np.int64)) != len(off) or len(off) != nvals:
+        raise DeltaError(f"{name}: block counts sum to {int(counts.sum(dtype=np.int64))}, {len(off)} offsets "
+                         f"and {nvals} values sent")
+    pos = np.repeat(np.arange(blocks, dtype=np.int64) << 16, counts) | off.numpy().astype(np.int64)
+    if len(pos) and int(pos.max()) >= n:
+        raise DeltaError(f"{name}: a position is outside 0..{n - 1}")
+    return torch.from_numpy(pos)
 
 
 def plan_delta(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> list[tuple]:
@@ -159,18 +179,13 @@ def plan_delta(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) 
                 raise DeltaError(f"{name}: full tensor {t.dtype} {tuple(t.shape)}, weights {b.dtype} {tuple(b.shape)}")
             steps.append((name, "full", t, None))
             continue
-        if kinds not in (["idx", "val"], ["mask", "val"]):
-            raise DeltaError(f"{name}: delta parts {kinds} (want idx+val, mask+val or the full tensor)")
+        if kinds not in (["blk", "off", "val"], ["mask", "val"]):
+            raise DeltaError(f"{name}: delta parts {kinds} (want blk+off+val, mask+val or the full tensor)")
         val = p["val"]
         if val.dim() != 1 or val.dtype != b.dtype:
             raise DeltaError(f"{name}: values {val.dtype} {tuple(val.shape)}, weights are {b.dtype}")
-        if "idx" in p:
-            idx = p["idx"]
-            if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1 or len(idx) != len(val):
-                raise DeltaError(f"{name}: positions {idx.dtype} {tuple(idx.shape)} for {len(val)} values")
-            if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
-                raise DeltaError(f"{name}: a position is outside 0..{n - 1}")
-            steps.append((name, "idx", idx.long(), val))
+        if "blk" in p:
+            steps.append((name, "idx", _positions(name, p["blk"], p["off"], n, len(val)), val))
         else:
             mask = p["mask"]
             if mask.dtype != torch.uint8 or mask.dim() != 1 or len(mask) != (n + 7) // 8:

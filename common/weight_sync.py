@@ -29,8 +29,8 @@ from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaEncoder, DeltaErr
 log = logging.getLogger(__name__)
 
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.uint8: "U8"}  # ints: deltas
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",  # ints: deltas
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.uint16: "U16", torch.uint8: "U8"}
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 
 

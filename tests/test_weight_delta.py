@@ -151,9 +151,10 @@ def test_delta_that_does_not_fit_changes_nothing():
     w["b"][0, :] += 1
     tensors, meta = enc.delta(w.items())
     tensors, meta["base_version"] = dict(tensors), "1"
-    assert sorted(tensors) == ["a:idx", "a:val", "b:mask", "b:val"]
+    assert sorted(tensors) == ["a:blk", "a:off", "a:val", "b:mask", "b:val"]
     bad_cases = [
-        ({**tensors, "a:idx": torch.tensor([100], dtype=torch.int32)}, meta),  # position out of range
+        ({**tensors, "a:off": torch.tensor([100], dtype=torch.uint16)}, meta),  # position out of range
+        ({**tensors, "a:blk": torch.tensor([2], dtype=torch.int32)}, meta),  # counts that do not add up
         ({**tensors, "b:val": tensors["b:val"][:-1]}, meta),  # fewer values than the bitmask selects
         ({**tensors, "c": torch.zeros(3)}, meta),  # a tensor the weights do not have
         ({**tensors, "a:val": tensors["a:val"].float()}, meta),  # wrong dtype
@@ -163,7 +164,7 @@ def test_delta_that_does_not_fit_changes_nothing():
     for i, (t, m) in enumerate(bad_cases):
         with pytest.raises(DeltaError):
             held.apply(dict(t), m, 2)
-        if i < 5:  # refused before a byte changed
+        if i < 6:  # refused before a byte changed
             assert bytes(blob) == snapshot
         else:
             blob[:] = snapshot  # the caller drops such a copy; restore it for the last check
