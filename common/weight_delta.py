@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 DELTA_FORMAT = "weights_delta"
+DELTA_MAX_SHARE = 0.5  # a delta larger than this share of the full weights is sent as the full copy instead
 BLOCK = 1 << 16  # positions are sent as 16-bit offsets within blocks of this many elements
 NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -56,27 +57,30 @@ def crc_of(tensors) -> str:
 def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, scratch: np.ndarray | None = None
                   ) -> list[tuple[str, torch.Tensor]]:
     """The cheapest encoding of `new` against `old` (same shape and dtype, contiguous, CPU); [] if equal.
-    scratch: a bool buffer of at least numel elements for the comparison (fresh pages cost more than it).
-    In numpy on integer views: its nonzero, count and bool gathers are 2-4x torch's on CPU."""
+    `old` is then updated to `new`. scratch: a bool buffer of at least numel elements for the comparison
+    (fresh pages cost more than it). In numpy on integer views: its nonzero and gathers are 2-4x torch's."""
     a, b = as_bits(new).numpy(), as_bits(old).numpy()
     n, item = a.size, new.element_size()
     changed = np.not_equal(a, b, out=None if scratch is None else scratch[:n])
-    k = int(np.count_nonzero(changed))
+    idx = np.flatnonzero(changed)  # ascending
+    k = len(idx)
     if k == 0:
         return []
     blocks = -(-n // BLOCK)
     sizes = {"full": n * item, "mask": (n + 7) // 8 + k * item, "pos": 4 * blocks + k * (2 + item)}
     kind = min(sizes, key=sizes.get)  # ties: full (first), then mask
     if kind == "full":
-        return [(name, new)]
+        old.copy_(new)
+        return [(name, old)]  # the kept copy: it does not change before the next publish
+    vals = a[idx]
+    b[idx] = vals  # the kept copy follows: k writes instead of a copy of the whole tensor
     if kind == "mask":
-        mask, vals = np.packbits(changed, bitorder="little"), a[changed]
+        mask = np.packbits(changed, bitorder="little")
         return [(f"{name}:mask", torch.from_numpy(mask)), (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
-    idx = np.flatnonzero(changed)  # ascending: block by block, as the counts say
-    counts = np.bincount(idx >> 16, minlength=blocks).astype(np.int32)
+    counts = np.bincount(idx >> 16, minlength=blocks).astype(np.int32)  # idx ascending: block by block
     offsets = (idx & 0xFFFF).astype(np.uint16)
     return [(f"{name}:blk", torch.from_numpy(counts)), (f"{name}:off", torch.from_numpy(offsets)),
-            (f"{name}:val", torch.from_numpy(a[idx]).view(new.dtype))]
+            (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
 
 
 class DeltaEncoder:
@@ -119,14 +123,12 @@ class DeltaEncoder:
                 new = self._cast(t)
                 if old is None or old.shape != new.shape or old.dtype != new.dtype:
                     raise DeltaError(f"{name}: not in the last published copy with this shape and dtype")
-                out += encode_tensor(name, new, old, self.scratch)  # values gathered into fresh tensors
-                old.copy_(new)
+                out += encode_tensor(name, new, old, self.scratch)  # and `old` becomes `new`
                 crc = pool.submit(_crc_after, crc, old)
                 seen.add(name)
             crc = crc.result() if crc is not None else 0
         if seen != set(self.last):
             raise DeltaError(f"tensors missing from this publish: {sorted(set(self.last) - seen)[:5]}")
-        out = [(k, self.last[k] if k in self.last else v) for k, v in out]  # full ones: the copy (no cast twice)
         self.crc = f"{crc:08x}"
         return out, {"format": DELTA_FORMAT, "base_crc32": base_crc, "full_crc32": self.crc}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
+from common.weight_delta import DELTA_FORMAT, DELTA_MAX_SHARE, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,7 @@ class WeightSync:
         self.encoder: DeltaEncoder | None = None  # publisher: the last published copy
         self.held: HeldWeights | None = None  # follower: the full weights last received, for deltas
         self.last_kind = "full"  # what the last publish or follow moved: "full" or "delta"
+        self.delta_bytes = 0  # the size of the last delta encoded (sent in full when over DELTA_MAX_SHARE)
         self.version: int | None = None  # the version this process's model holds
         self.bytes_moved = 0
         self.seconds = 0.0
@@ -222,7 +223,12 @@ class WeightSync:
             return ParametersBody(None, named=self.encoder.snapshot(model.named_parameters()),
                                   crc=self.encoder.crc), "full"
         tensors, meta = self.encoder.delta(model.named_parameters())
-        return ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)}), "delta"
+        body = ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)})
+        full = sum(t.numel() * t.element_size() for t in self.encoder.last.values())
+        self.delta_bytes = len(body)
+        if len(body) > DELTA_MAX_SHARE * full:  # most of it changed: the full copy costs everyone less to apply
+            return ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc), "full"
+        return body, "delta"
 
     def _publish_delta(self, body: ParametersBody, version: int) -> ParametersBody:
         from common.client import RefServerError

@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 
 from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError, apply_plan, plan_delta
 from common.weight_sync import IntegrityError, tensors_from_blob
@@ -84,6 +85,7 @@ class WeightStore:
         self._published_at: float | None = None
         self._delta: tuple[int, int, bytearray] | None = None  # (version, base version, blob) of the last delta
         self._served = {"delta": 0, "full": 0}  # bytes sent to workers, by kind (the trainer's sync_mb_down_*)
+        self._delta_check: str | None = None  # the last rebuilt copy's CRC check: pending, ok or failed
 
     def buffer(self, size: int) -> bytearray:
         """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
@@ -104,6 +106,7 @@ class WeightStore:
             if self._version is not None and version <= self._version:
                 raise WeightError(f"version {version} is not newer than the current {self._version}")
             old, self._version, self._blob, self._delta = self._blob, version, blob, None
+            self._delta_check = None
             self._published_at = time.time()
             self._retire(old)
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
@@ -117,6 +120,8 @@ class WeightStore:
         with self._lock:  # GETs wait for the (short) apply; a fetch already streaming keeps its own copy
             if self._blob is None or not base.isdigit() or int(base) != self._version:
                 raise StaleBase(f"delta from v{base}, this server holds v{self._version}: {NEEDS_FULL}")
+            if self._delta_check == "failed":
+                raise StaleBase(f"the copy rebuilt for v{self._version} failed its CRC check: {NEEDS_FULL}")
             if version <= self._version:
                 raise WeightError(f"version {version} is not newer than the current {self._version}")
             full = self._blob
@@ -141,8 +146,24 @@ class WeightStore:
             self._version, self._blob, self._delta = version, target, (version, int(base), delta)
             self._published_at = time.time()
             self._retire(full)
+            self._delta_check = "pending"
+            self._readers[id(target)] = self._readers.get(id(target), 0) + 1  # the check reads it: no write meanwhile
+        threading.Thread(target=self._check, args=(version, target, 8 + n, new_crc), daemon=True,
+                         name="weights-crc-check").start()
         log.info("policy weights v%d published as a delta from v%s (%d tensors, %.1f MB)", version, base, count,
                  len(delta) / 1e6)
+
+    def _check(self, version: int, blob: bytearray, start: int, want: str) -> None:
+        """The CRC of a copy rebuilt from a delta, off the publish's path: a copy that does not match the
+        trainer's (a bug, bad memory) makes the next delta a 409, so the trainer sends the full copy."""
+        got = f"{zlib.crc32(memoryview(blob)[start:]):08x}"
+        with self._lock:
+            if self._version == version:
+                self._delta_check = "ok" if got == want else "failed"
+        if got != want:
+            log.error("policy weights v%d rebuilt from a delta have crc %s, the trainer's have %s: asking for the "
+                      "full copy at the next publish", version, got, want)
+        self._reader_closed(blob)
 
     def _retire(self, blob: bytearray | None) -> None:  # under the lock
         if isinstance(blob, bytearray) and blob is not self._blob and not self._readers.get(id(blob)):
@@ -153,7 +174,7 @@ class WeightStore:
             return {"version": self._version, "bytes": len(self._blob) if self._blob is not None else 0,
                     "published_at": self._published_at,
                     "delta_from": self._delta[1] if self._delta else None,
-                    "delta_bytes": len(self._delta[2]) if self._delta else 0,
+                    "delta_bytes": len(self._delta[2]) if self._delta else 0, "delta_check": self._delta_check,
                     "served_delta_bytes": self._served["delta"], "served_full_bytes": self._served["full"]}
 
     def open_latest(self, since: int | None = None) -> tuple[int | None, BlobReader | None, str]:

@@ -4,6 +4,7 @@ applied (the server keeps its copy, a worker refetches the full weights and says
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import requests
@@ -75,6 +76,7 @@ def test_n_deltas_rebuild_the_nth_full_publish_bit_exact(server, tiny_model_dir)
     assert verify_blob(bytearray(blob))["__metadata__"]["crc32"] == sub.held.crc == pub.encoder.crc
     info = RefClient(server.url).weights_info()
     assert info["served_delta_bytes"] > 0 and info["served_full_bytes"] >= full_size
+    assert info["delta_check"] in ("ok", "pending")  # the server's own CRC check of its rebuilt copy
 
 
 def test_behind_or_late_workers_get_the_full_copy(server, tiny_model_dir):
@@ -187,3 +189,35 @@ def test_worker_whose_copy_went_bad_refetches_the_full_copy(tiny_model_dir, capl
             assert sub.follow(worker) == 2
         assert "refetching the full copy" in caplog.text
         assert sub.last_kind == "full" and same(held_bits(worker), bf16_bits(trainer))
+
+
+def wait_checked(store) -> str:
+    for _ in range(200):
+        if store.info()["delta_check"] != "pending":
+            break
+        time.sleep(0.05)
+    return store.info()["delta_check"]
+
+
+def test_server_copy_that_fails_its_crc_asks_for_the_full_copy():
+    from ref_server.weights import StaleBase, WeightStore
+
+    w = {"a": torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)}
+    enc = DeltaEncoder()
+    store = WeightStore()
+    store.publish(1, bytearray(b"".join(ParametersBody(None, named=enc.snapshot(w.items()), crc=enc.crc))))
+
+    def delta(version: int, **meta) -> bytearray:
+        w["a"][version] += 1
+        tensors, m = enc.delta(w.items())
+        return bytearray(b"".join(ParametersBody(None, named=tensors,
+                                                 metadata={**m, "base_version": str(version - 1), **meta})))
+
+    store.publish(2, delta(2))
+    assert wait_checked(store) == "ok"
+    store.publish(3, delta(3, full_crc32="0badc0de"))  # claims a CRC the rebuilt copy does not have
+    assert wait_checked(store) == "failed"
+    with pytest.raises(StaleBase, match="needs the full copy"):
+        store.publish(4, delta(4))
+    store.publish(4, bytearray(b"".join(ParametersBody(None, named=list(enc.last.items()), crc=enc.crc))))
+    assert store.info()["delta_check"] is None and store.info()["version"] == 4
