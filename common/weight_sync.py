@@ -223,12 +223,11 @@ class WeightSync:
             return ParametersBody(None, named=self.encoder.snapshot(model.named_parameters()),
                                   crc=self.encoder.crc), "full"
         tensors, meta = self.encoder.delta(model.named_parameters())
-        body = ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)})
         full = sum(t.numel() * t.element_size() for t in self.encoder.last.values())
-        self.delta_bytes = len(body)
-        if len(body) > DELTA_MAX_SHARE * full:  # most of it changed: the full copy costs everyone less to apply
+        self.delta_bytes = sum(t.numel() * t.element_size() for _, t in tensors)  # data; the header is small
+        if self.delta_bytes > DELTA_MAX_SHARE * full:  # most of it changed: the full copy costs everyone less
             return ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc), "full"
-        return body, "delta"
+        return ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)}), "delta"
 
     def _publish_delta(self, body: ParametersBody, version: int) -> ParametersBody:
         from common.client import RefServerError
