@@ -12,9 +12,9 @@ each step, in one run against one real ref server process on 127.0.0.1:
   applies it (server and worker rebuild the full weights and check their CRC);
 - full (today's path, `--sync_delta false`): the same weights published in full, fetched and applied.
 After each sync the worker's parameters are checked bit-identical to the trainer's. Printed per step:
-the delta's bytes as a share of the full weights (a delta over half the full size is sent as the full
-copy instead, common/weight_delta.py DELTA_MAX_SHARE: its size is still what is reported), and both wall
-times (publish + fetch + apply, split publish+follow).
+the delta's bytes as a share of the full weights (a delta larger than the full copy would go as the full
+copy, common/weight_delta.py DELTA_MAX_SHARE), and both wall times (publish + fetch + apply, split
+publish+follow).
 Last line JSON: delta_share_lr1e-6 / -5 / -4 (the largest share over the steps at that lr) and
 sync_speedup (full seconds / delta seconds, summed over the steps at lr 1e-6; the other lrs' on the
 line before). Memory: ~11 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy).

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 DELTA_FORMAT = "weights_delta"
-DELTA_MAX_SHARE = 0.5  # a delta larger than this share of the full weights is sent as the full copy instead
+DELTA_MAX_SHARE = 1.0  # a delta over this share of the full weights goes as the full copy (whichever is smaller)
 BLOCK = 1 << 16  # positions are sent as 16-bit offsets within blocks of this many elements
 NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
