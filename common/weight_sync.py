@@ -337,8 +337,8 @@ class WeightSync:
         else:  # a full copy (kept for deltas) or an adapter (LoRA: never delta'd)
             self.held = (HeldWeights(tensors, version, metadata["crc32"])
                          if self.delta and metadata.get("format") == "pt" else None)
-        if self.held is not None and self.held.in_model:
-            pass  # the delta went straight into the model's parameters
+        if (self.held is not None and self.held.in_model) or (self.last_kind == "delta" and not tensors):
+            pass  # the delta went straight into the model's parameters, or nothing changed
         elif apply is not None:
             apply(tensors, metadata)
         elif metadata.get("format") == "lora_adapter":

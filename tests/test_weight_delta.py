@@ -69,7 +69,10 @@ def test_n_deltas_rebuild_the_nth_full_publish_bit_exact(server, tiny_model_dir)
         assert sub.follow(worker) == version
         assert sub.last_kind == ("full" if version == 1 else "delta")
         assert same(held_bits(worker), bf16_bits(trainer))  # bit-identical to the trainer's publish
-    # the server's full copy (what a late worker gets) is the 5th full publish, CRC included
+    _, nbytes = pub.publish(trainer, 6, dtype=torch.bfloat16)  # nothing changed: an empty delta
+    assert pub.last_kind == "delta" and nbytes < 1000
+    assert sub.follow(worker) == 6 and sub.last_kind == "delta" and same(held_bits(worker), bf16_bits(trainer))
+    # the server's full copy (what a late worker gets) is the last full publish, CRC included
     blob = requests.get(server.url + "/weights").content
     expected = b"".join(ParametersBody(trainer, torch.bfloat16))
     assert blob == expected
