@@ -1,25 +1,36 @@
-"""Benchmark: policy weight sync through the ref server vs copying the same bytes through a local file.
+"""Benchmark: delta weight sync vs full copies at Qwen2.5-0.5B's shape, trained by real AdamW steps.
 
-    python bench/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--repeats 5]
+    python bench/weight_sync.py [--steps 3] [--lrs 1e-6,1e-5,1e-4] [--tokens 64]
+    python bench/weight_sync.py --relay_vs_file [--hidden 1024 --layers 8 --vocab 32000] [--repeats 5]
 
-Ours (sync_seconds): rank 0 streams the model's parameters (no joined blob) in a PUT to a real
-ref server process on 127.0.0.1, and a worker-side model fetches them and copies them into its
-own parameters (common/weight_sync.py) - the whole publish-and-fetch path. The weights change
-before every version and the worker's copy is checked after each. From the third version on,
-the relay receives into the retired blob's memory (ref_server/weights.py); best of --repeats.
-Baseline (file_copy_seconds): the same safetensors bytes written to a local file, fsync'd, and
-read back into memory. ratio = file_copy_seconds / sync_seconds (target >= 0.5).
-The last output line is one JSON object with sync_seconds, file_copy_seconds, ratio.
+Default: a random-weight model of the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 kv heads,
+intermediate 4864, vocab 151936, tied embeddings; built locally, nothing downloaded) trained the way
+DeepSpeed trains bf16: the module's parameters are bf16 (what rank 0 publishes), an fp32 master copy takes
+the AdamW step (synthetic loss: next-token cross-entropy on random tokens) and is rounded into them. After
+each step, in one run against one real ref server process on 127.0.0.1:
+- delta: rank 0 publishes only what changed (common/weight_delta.py), a bf16 worker model fetches and
+  applies it (server and worker rebuild the full weights and check their CRC);
+- full (today's path, `--sync_delta false`): the same weights published in full, fetched and applied.
+After each sync the worker's parameters are checked bit-identical to the trainer's. Printed per step:
+the delta's bytes as a share of the full weights (a delta larger than the full copy would go as the full
+copy, common/weight_delta.py DELTA_MAX_SHARE), and both wall times (publish + fetch + apply, split
+publish+follow).
+Last line JSON: delta_share_lr1e-6 / -5 / -4 (the largest share over the steps at that lr) and
+sync_speedup (full seconds / delta seconds, summed over the steps at lr 1e-6; the other lrs' on the
+line before). Memory: ~11 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy).
+
+--relay_vs_file: the older comparison (bench/weight_sync_file.py): full sync through the relay vs
+writing and reading the same bytes through a local file.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +38,8 @@ import requests
 import torch
 
 from common.client import RefClient
-from common.weight_sync import WeightSync, parameters_blob
+from common.weight_delta import as_bits
+from common.weight_sync import WeightSync
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,86 +50,147 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_model(hidden: int, layers: int, vocab: int, out: Path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
-                      tie_word_embeddings=False, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
-    return model
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=5, help="best-of-N for both sides")
-    a = p.parse_args()
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench_wsync."))
-    model = build_model(a.hidden, a.layers, a.vocab, tmp)
-    nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    print(f"model: {sum(t.numel() for t in model.parameters()) / 1e6:.0f}M params, {nbytes / 1e6:.0f} MB float32")
-    if nbytes < 500e6:
-        print("warning: model is smaller than 500 MB; raise --hidden/--layers")
-    worker = build_model(a.hidden, a.layers, a.vocab, tmp)
-    with torch.no_grad():
-        for q in worker.parameters():
-            q.zero_()
-
-    # The server only relays weights; give it the tiny model so its own memory stays small.
+def start_server() -> tuple[subprocess.Popen, str]:
+    """A real ref server process; it only relays weights, so it loads the tiny model as its reference."""
     from common.tiny_model import ensure_tiny_model
     port = free_port()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     srv = subprocess.Popen([sys.executable, "-m", "ref_server", "--model", str(ensure_tiny_model()), "--port",
                             str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if requests.get(url + "/health", timeout=1).ok:
+                return srv, url
+        except requests.RequestException:
+            time.sleep(0.2)
+    srv.terminate()
+    raise SystemExit("ref server did not start")
+
+
+def qwen05b(dtype: torch.dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).to(dtype)
+
+
+def same_bits(a, b) -> bool:
+    return all(torch.equal(as_bits(x.detach()), as_bits(y.detach())) for x, y in zip(a.parameters(), b.parameters()))
+
+
+class Bf16Trainer:
+    """DeepSpeed's bf16 recipe in small: bf16 module, fp32 master + AdamW state, master rounded into the module."""
+
+    def __init__(self, model, init: dict[str, torch.Tensor], lr: float, tokens: int) -> None:
+        self.model, self.tokens = model, tokens
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(init[n])
+        self.master = [p.detach().float() for p in model.parameters()]
+        for m in self.master:
+            m.requires_grad_(True)
+        self.opt = torch.optim.AdamW(self.master, lr=lr, foreach=False)
+        self.gen = torch.Generator().manual_seed(1)
+
+    def step(self) -> float:
+        ids = torch.randint(0, self.model.config.vocab_size, (1, self.tokens), generator=self.gen)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for m, p in zip(self.master, self.model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters()):
+                p.copy_(m)  # round to nearest bf16, as DeepSpeed's bf16 optimizer does
+        return loss.item()
+
+    def close(self) -> None:
+        del self.opt, self.master
+
+
+def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: bool) -> tuple[float, int, str]:
+    """Publish + fetch + apply of one version; returns (seconds, bytes published, the split)."""
+    pub.delta = delta
+    t0 = time.perf_counter()
+    _, nbytes = pub.publish(model, version)
+    t1 = time.perf_counter()
+    assert pub.last_kind == "full" or delta, pub.last_kind  # a delta over DELTA_MAX_SHARE goes in full
+    assert sub.follow(worker) == version and sub.last_kind == pub.last_kind, (sub.last_kind, pub.last_kind)
+    t2 = time.perf_counter()
+    assert same_bits(model, worker), f"worker differs from the trainer's v{version}"
+    split = f"{t1 - t0:.2f}+{t2 - t1:.2f}"
+    if delta and pub.last_kind == "full":
+        split += ", sent in full: over DELTA_MAX_SHARE"
+    return t2 - t0, pub.delta_bytes if delta else nbytes, split
+
+
+def delta_study(a) -> None:
+    lrs = [float(x) for x in a.lrs.split(",")]
+    model = qwen05b(torch.bfloat16)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}  # the bf16 "checkpoint"
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {full_bytes / 1e6:.0f} MB bf16",
+          flush=True)
+    worker = qwen05b(torch.bfloat16)
+    srv, url = start_server()
+    shares: dict[float, list[float]] = {}
+    seconds: dict[float, list[tuple[float, float]]] = {}
+    version = 0
     try:
-        for _ in range(600):
-            try:
-                if requests.get(url + "/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.2)
-        pub, sub = WeightSync(client=RefClient(url, timeout=600)), WeightSync(client=RefClient(url, timeout=600))
-        sync_times = []
-        for version in range(1, a.repeats + 1):
-            with torch.no_grad():  # new weights each version (untimed): a stale buffer cannot pass the check
-                for q in model.parameters():
-                    q.add_(1.0)
-            t0 = time.perf_counter()
-            pub.publish(model, version)
-            t1 = time.perf_counter()
-            assert sub.follow(worker) == version
-            t2 = time.perf_counter()
-            sync_times.append(t2 - t0)
-            print(f"sync v{version}: publish {t1 - t0:.2f} s + fetch/apply {t2 - t1:.2f} s = {t2 - t0:.2f} s")
-            same = all(torch.equal(x, y) for x, y in zip(model.parameters(), worker.parameters()))
-            assert same, f"worker weights differ from the published v{version}"
+        for lr in lrs:
+            trainer = Bf16Trainer(model, init, lr, a.tokens)
+            pub = WeightSync(client=RefClient(url, timeout=600), delta=True)
+            sub = WeightSync(client=RefClient(url, timeout=600), delta=True)
+            version += 1
+            pub.publish(model, version)  # the first publish is a full copy; both start from it
+            assert sub.follow(worker) == version and same_bits(model, worker)
+            for step in range(1, a.steps + 1):
+                t0 = time.perf_counter()
+                loss = trainer.step()
+                train_s = time.perf_counter() - t0
+                version += 1
+                delta_s, nbytes, delta_split = timed(pub, sub, model, worker, version, delta=True)
+                version += 1  # the same weights in full: the baseline (the worker gets them in full too)
+                full_s, _, full_split = timed(pub, sub, model, worker, version, delta=False)
+                shares.setdefault(lr, []).append(nbytes / full_bytes)
+                seconds.setdefault(lr, []).append((delta_s, full_s))
+                print(f"lr {lr:g} step {step}: loss {loss:.4f} ({train_s:.1f} s); delta {nbytes / 1e6:.1f} MB = "
+                      f"{100 * nbytes / full_bytes:.2f} % of {full_bytes / 1e6:.0f} MB; sync delta {delta_s:.3f} s "
+                      f"({delta_split} publish+follow) vs full {full_s:.3f} s ({full_split}) = {full_s / delta_s:.1f}x;"
+                      f" worker bit-identical", flush=True)
+            trainer.close()
     finally:
         srv.terminate()
         srv.wait(30)
+    speed = {lr: sum(f for _, f in s) / sum(d for d, _ in s) for lr, s in seconds.items()}
+    print("sync speedup per lr: " + ", ".join(f"{lr:g}: {v:.2f}x" for lr, v in speed.items()))
+    out = {f"delta_share_lr{lr:.0e}".replace("e-0", "e-"): round(max(shares[lr]), 5) for lr in lrs}
+    out["sync_speedup"] = round(speed[lrs[0]], 3)
+    print(json.dumps(out))
 
-    blob = parameters_blob(model)
-    path = tmp / "weights.safetensors"
-    copy_times = []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        back = path.read_bytes()
-        copy_times.append(time.perf_counter() - t0)
-        assert len(back) == len(blob)
-        del back
-        path.unlink()
-    print(f"file copy of the same {len(blob) / 1e6:.0f} MB: best {min(copy_times):.2f} s")
-    sync_s, copy_s = min(sync_times), min(copy_times)
-    print(json.dumps({"sync_seconds": round(sync_s, 3), "file_copy_seconds": round(copy_s, 3),
-                      "ratio": round(copy_s / sync_s, 3), "bytes": len(blob), "repeats": a.repeats}))
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps (and delta syncs) per learning rate")
+    p.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="learning rates, comma-separated (speedup: the first)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens in the synthetic loss's sequence")
+    p.add_argument("--relay_vs_file", action="store_true", help="the older benchmark: relay vs a local file")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeats", type=int, default=5, help="--relay_vs_file: best-of-N for both sides")
+    a = p.parse_args()
+    if a.relay_vs_file:
+        from weight_sync_file import relay_vs_file  # next to this script
+        relay_vs_file(a, start_server)
+    else:
+        delta_study(a)
 
 
 if __name__ == "__main__":

@@ -210,12 +210,19 @@ class RefClient:
         v = r.json().get("version")
         return None if v is None else int(v)
 
-    def fetch_weights(self) -> tuple[int, bytearray]:
-        """(version, safetensors blob) of the newest published policy weights.
+    def weights_info(self) -> dict:
+        """GET /weights/version of the first server: version, sizes and the bytes served to workers so far."""
+        _, r = self._request("GET", self.urls[:1], "/weights/version")
+        return r.json()
+
+    def fetch_weights(self, since: int | None = None) -> tuple[int, bytearray]:
+        """(version, safetensors blob) of the newest published policy weights; with `since` (the version
+        this process holds), the server sends a delta from it instead when it has one (common/weight_delta.py).
 
         The read timeout is per socket read (self.timeout): a body that stops arriving mid-way, or a
         connection cut short, raises RefServerError (status 0) at once, never a half-read blob."""
-        _, r = self._request("GET", self.urls[:1], "/weights", stream=True)
+        _, r = self._request("GET", self.urls[:1], "/weights", stream=True,
+                             params={} if since is None else {"since": str(since)})
         # Into one preallocated buffer (requests' .content joins small chunks), 16 MB a read:
         # urllib3's readinto reads the whole requested size into a temporary first.
         with r:

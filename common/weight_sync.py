@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
+from common.weight_delta import DELTA_FORMAT, DELTA_MAX_SHARE, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
+
 log = logging.getLogger(__name__)
 
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",  # ints: deltas
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.uint16: "U16", torch.uint8: "U8"}
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 
 
@@ -39,12 +42,13 @@ class ParametersBody:
     of MB, and a joined blob costs a fresh allocation of that size plus a copy on every publish.
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, named=None,
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module | None, dtype: torch.dtype | None = None, named=None,
+                 metadata: dict[str, str] | None = None, crc: str | None = None) -> None:
         """dtype: send floating parameters in this dtype (e.g. bfloat16 for bf16 workers: half the bytes);
         each is cast while it is sent, one at a time, so no cast copy of the whole model is held.
         named: (name, tensor) pairs to send instead of every parameter (LoRA adapters only, trainer/lora.py),
-        described by `metadata` (the safetensors header's __metadata__)."""
+        described by `metadata` (the safetensors header's __metadata__). crc: the data's CRC-32 when the caller
+        already has it (common/weight_delta.py DeltaEncoder), saving a pass."""
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.items, offset = [], 0
         for name, p in (model.named_parameters() if named is None else named):
@@ -54,10 +58,12 @@ class ParametersBody:
             header[name] = {"dtype": _DTYPES[out], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
             self.items.append((t, out))
             offset += nbytes
-        crc = 0
-        for piece in self._pieces():  # one pass before sending (~1 GB/s): the header carries the checksum
-            crc = zlib.crc32(piece, crc)
-        header["__metadata__"] = {"format": "pt", **header.get("__metadata__", {}), "crc32": f"{crc:08x}"}
+        if crc is None:
+            crc = 0
+            for piece in self._pieces():  # one pass before sending (~4 GB/s): the header carries the checksum
+                crc = zlib.crc32(piece, crc)
+            crc = f"{crc:08x}"
+        header["__metadata__"] = {"format": "pt", **header.get("__metadata__", {}), "crc32": crc}
         h = json.dumps(header, separators=(",", ":")).encode()
         h += b" " * (-len(h) % 8)
         self.head = len(h).to_bytes(8, "little") + h
@@ -113,11 +119,12 @@ def verify_blob(buf: bytes | bytearray) -> dict:
     return header
 
 
-def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
-    """Zero-copy tensor views into a safetensors blob (checked: checksum, dtypes, shapes and offsets in range)."""
-    header = verify_blob(buf)
+def tensors_from_blob(buf: bytes | bytearray, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Zero-copy tensor views into a safetensors blob, in data order (checked: checksum, dtypes, shapes and
+    offsets in range). verify=False skips the checksum pass (the ref server's own copy, updated in place)."""
     n = int.from_bytes(bytes(buf[:8]), "little")
-    base, data_len, out = 8 + n, len(buf) - 8 - n, {}
+    header = verify_blob(buf) if verify else json.loads(bytes(buf[8:8 + n]))
+    base, data_len, out = 8 + n, len(buf) - 8 - n, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -130,8 +137,8 @@ def tensors_from_blob(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
             raise ValueError(f"weights blob: tensor {name!r} has a bad dtype, shape or offsets")
         t = (torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + start) if numel
              else torch.empty(0, dtype=dtype))
-        out[name] = t.reshape(info["shape"])
-    return out
+        out.append((start, name, t.reshape(info["shape"])))
+    return {name: t for _, name, t in sorted(out, key=lambda x: x[0])}
 
 
 def blob_metadata(buf: bytes | bytearray) -> dict[str, str]:
@@ -145,31 +152,41 @@ def blob_metadata(buf: bytes | bytearray) -> dict[str, str]:
     return meta
 
 
-def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy tensors into the model's parameters in place; every parameter must be there with its shape."""
+def load_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
+    """Copy tensors into the model's parameters in place; every parameter must be there with its shape
+    (partial: only those that changed, from a delta)."""
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(tensors))
+    missing = [] if partial else sorted(set(params) - set(tensors))
     unexpected = sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise ValueError(f"weights do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
-        for name, p in params.items():
-            t = tensors[name]
+        for name, t in tensors.items():
+            p = params[name]
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"weights: {name} has shape {tuple(t.shape)}, model has {tuple(p.shape)}")
             p.copy_(t.to(dtype=p.dtype, device=p.device))
 
 
 class WeightSync:
-    """Publish (trainer rank 0) or follow (workers) the policy weights. Either `client` or `sync_dir`."""
+    """Publish (trainer rank 0) or follow (workers) the policy weights. Either `client` or `sync_dir`.
 
-    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None):
+    delta=True (HTTP only; a shared directory keeps full copies): the publisher sends only what changed
+    since its last publish and the follower asks for only what changed since the version it holds
+    (common/weight_delta.py); either falls back to a full copy, and says so, when the chain is broken."""
+
+    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None, delta: bool = False):
         if (client is None) == (sync_dir is None):
             raise ValueError("WeightSync needs exactly one of client (HTTP) or sync_dir (shared directory)")
         self.client = client
         # adapter_loader(model, tensors, metadata): applies an adapter-only blob (LoRA; trainer/lora.py LoraMerger)
         self.adapter_loader = adapter_loader
         self.dir = Path(sync_dir) if sync_dir else None
+        self.delta = delta and client is not None
+        self.encoder: DeltaEncoder | None = None  # publisher: the last published copy
+        self.held: HeldWeights | None = None  # follower: the full weights last received, for deltas
+        self.last_kind = "full"  # what the last publish or follow moved: "full" or "delta"
+        self.delta_bytes = 0  # the size of the last delta encoded (sent in full when over DELTA_MAX_SHARE)
         self.version: int | None = None  # the version this process's model holds
         self.bytes_moved = 0
         self.seconds = 0.0
@@ -178,30 +195,69 @@ class WeightSync:
     def publish(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None, named=None,
                 metadata: dict[str, str] | None = None) -> tuple[float, int]:
         """Publish the model's weights (or just `named` ones, described by `metadata`) as `version`, floating
-        ones in `dtype` when given; returns (seconds, bytes)."""
+        ones in `dtype` when given; returns (seconds, bytes). `last_kind` says whether it was a delta."""
         t0 = time.time()
-        body = ParametersBody(model, dtype, named=named, metadata=metadata)
-        if self.client is not None:
-            self.client.publish_weights(body, version)
-        else:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            final = self.dir / f"policy-v{version}.safetensors"
-            tmp = final.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
-                body.write_to(f)
-            os.replace(tmp, final)
-            latest = self.dir / "latest.json"
-            tmp_latest = self.dir / "latest.json.tmp"
-            tmp_latest.write_text(json.dumps({"version": version, "file": final.name}))
-            os.replace(tmp_latest, latest)
-            for old in self.dir.glob("policy-v*.safetensors"):  # keep only the newest
-                if old != final:
-                    old.unlink(missing_ok=True)
+        try:
+            if self.delta and named is None:
+                body, self.last_kind = self._delta_body(model, dtype)
+            else:
+                body, self.last_kind = ParametersBody(model, dtype, named=named, metadata=metadata), "full"
+            if self.client is None:
+                self._write_dir(body, version)
+            elif self.last_kind == "full":
+                self.client.publish_weights(body, version)
+            else:
+                body = self._publish_delta(body, version)
+        except BaseException:
+            self.encoder = None  # the server may not hold what the copy says: start over with a full copy
+            raise
         self.version = version
         dt = time.time() - t0
         self.bytes_moved += len(body)
         self.seconds += dt
         return dt, len(body)
+
+    def _delta_body(self, model, dtype) -> tuple[ParametersBody, str]:
+        if self.encoder is None or self.encoder.dtype != dtype or self.version is None:
+            self.encoder = DeltaEncoder(dtype)
+            return ParametersBody(None, named=self.encoder.snapshot(model.named_parameters()),
+                                  crc=self.encoder.crc), "full"
+        tensors, meta = self.encoder.delta(model.named_parameters())
+        full = sum(t.numel() * t.element_size() for t in self.encoder.last.values())
+        self.delta_bytes = sum(t.numel() * t.element_size() for _, t in tensors)  # data; the header is small
+        if self.delta_bytes > DELTA_MAX_SHARE * full:  # most of it changed: the full copy costs everyone less
+            return ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc), "full"
+        return ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)}), "delta"
+
+    def _publish_delta(self, body: ParametersBody, version: int) -> ParametersBody:
+        from common.client import RefServerError
+
+        try:
+            self.client.publish_weights(body, version)
+            return body
+        except RefServerError as e:
+            if NEEDS_FULL not in e.message:
+                raise
+            log.warning("delta for v%d refused (%s); publishing the full copy", version, e.message)
+        body = ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc)
+        self.last_kind = "full"
+        self.client.publish_weights(body, version)
+        return body
+
+    def _write_dir(self, body: ParametersBody, version: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"policy-v{version}.safetensors"
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            body.write_to(f)
+        os.replace(tmp, final)
+        latest = self.dir / "latest.json"
+        tmp_latest = self.dir / "latest.json.tmp"
+        tmp_latest.write_text(json.dumps({"version": version, "file": final.name}))
+        os.replace(tmp_latest, latest)
+        for old in self.dir.glob("policy-v*.safetensors"):  # keep only the newest
+            if old != final:
+                old.unlink(missing_ok=True)
 
     # ---- worker side --------------------------------------------------------------------
     def latest_version(self) -> int | None:
@@ -213,10 +269,11 @@ class WeightSync:
             return None
 
     def _fetch(self) -> tuple[int, dict[str, torch.Tensor], dict[str, str]] | None:
-        """(version, verified tensors, metadata) of the newest weights; None if the shared file was superseded."""
+        """(version, verified tensors, metadata) of the newest weights; None if the shared file was superseded.
+        With delta on and a full copy held, the server answers with a delta when it has one from there."""
         if self.client is not None:
-            version, blob = self.client.fetch_weights()
-            # views into blob: freed together after the copy
+            version, blob = self.client.fetch_weights(since=self.held.version if self.held is not None else None)
+            # views into blob: freed together after the copy (or kept as `held`)
             return version, tensors_from_blob(blob), blob_metadata(blob)
         meta = json.loads((self.dir / "latest.json").read_text())
         try:
@@ -225,24 +282,12 @@ class WeightSync:
             return None
         return int(meta["version"]), tensors_from_blob(blob), blob_metadata(blob)
 
-    def follow(self, model: torch.nn.Module | None = None, apply=None, retries: int = 5, backoff: float = 0.5
-               ) -> int | None:
-        """Fetch and apply the newest weights if they are newer than ours; returns the new version or None.
-
-        `apply(tensors, metadata)` loads them somewhere else than an HF model's parameters (a generation
-        engine); metadata says whether they are full weights or a LoRA adapter (trainer/lora.py).
-        A download that breaks, stalls or fails its checksum is logged and retried up to `retries`
-        times; the model keeps its current weights meanwhile (and after the last failure)."""
+    def _fetch_retrying(self, retries: int, backoff: float):
         from common.client import RefServerError
 
-        latest = self.latest_version()
-        if latest is None or (self.version is not None and latest <= self.version):
-            return None
-        t0 = time.time()
         for attempt in range(retries + 1):
             try:
-                got = self._fetch()
-                break
+                return self._fetch()
             except (RefServerError, IntegrityError) as e:
                 if isinstance(e, RefServerError) and e.status not in (0, 503):
                     raise
@@ -254,6 +299,22 @@ class WeightSync:
                 log.warning("weights download failed (%s); keeping %s, retry %d of %d", e, keep, attempt + 1,
                             retries)
                 time.sleep(min(backoff * 2 ** attempt, 10.0))
+
+    def follow(self, model: torch.nn.Module | None = None, apply=None, retries: int = 5, backoff: float = 0.5
+               ) -> int | None:
+        """Fetch and apply the newest weights if they are newer than ours; returns the new version or None.
+
+        `apply(tensors, metadata)` loads them somewhere else than an HF model's parameters (a generation
+        engine); metadata says whether they are full weights, a delta (then `tensors` are the full new values
+        of the tensors that changed) or a LoRA adapter (trainer/lora.py).
+        A download that breaks, stalls or fails its checksum is logged and retried up to `retries`
+        times; the model keeps its current weights meanwhile (and after the last failure). A delta that
+        does not rebuild the trainer's weights exactly is never loaded: the full copy is fetched instead."""
+        latest = self.latest_version()
+        if latest is None or (self.version is not None and latest <= self.version):
+            return None
+        t0 = time.time()
+        got = self._fetch_retrying(retries, backoff)
         if got is None:
             return None
         version, tensors, metadata = got
@@ -261,18 +322,36 @@ class WeightSync:
             log.warning("ignoring policy weights v%d: not newer than the v%d we hold", version, self.version)
             return None
         moved = sum(t.numel() * t.element_size() for t in tensors.values())
-        if apply is not None:
+        self.bytes_moved += moved
+        self.last_kind = "delta" if metadata.get("format") == DELTA_FORMAT else "full"
+        if self.last_kind == "delta":
+            try:
+                if self.held is None:
+                    raise DeltaError("a delta arrived, and no full copy is held to apply it to")
+                changed = self.held.apply(tensors, metadata, version)
+            except DeltaError as e:
+                log.error("policy weights delta not applied (%s); refetching the full copy", e)
+                self.held = None  # possibly half-written: the engine never saw it, the full copy replaces it
+                return self.follow(model, apply, retries, backoff)
+            tensors = {name: self.held.tensors[name] for name in changed}
+        else:  # a full copy (kept for deltas) or an adapter (LoRA: never delta'd)
+            self.held = (HeldWeights(tensors, version, metadata["crc32"])
+                         if self.delta and metadata.get("format") == "pt" else None)
+        if (self.held is not None and self.held.in_model) or (self.last_kind == "delta" and not tensors):
+            pass  # the delta went straight into the model's parameters, or nothing changed
+        elif apply is not None:
             apply(tensors, metadata)
         elif metadata.get("format") == "lora_adapter":
             if self.adapter_loader is None:
                 raise ValueError("the trainer publishes LoRA adapters only, and this follower has no adapter loader")
             self.adapter_loader(model, tensors, metadata)
         else:
-            load_parameters(model, tensors)
+            load_parameters(model, tensors, partial=self.last_kind == "delta")
+        if self.held is not None and apply is None and model is not None and not self.held.in_model:
+            self.held = self.held.adopt(model)  # later deltas go straight into the parameters, when they can
         del tensors
         self.version = version
         dt = time.time() - t0
         self.seconds += dt
-        self.bytes_moved += moved
-        log.info("policy weights v%d applied in %.2f s (%.1f MB)", version, dt, moved / 1e6)
+        log.info("policy weights v%d applied in %.2f s (%s, %.1f MB)", version, dt, self.last_kind, moved / 1e6)
         return version

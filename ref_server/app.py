@@ -31,7 +31,7 @@ from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.config import ServerConfig, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
 from ref_server.status import HeartbeatTable, by_host, identity_from_environ, render_html
-from ref_server.weights import WeightError, WeightStore
+from ref_server.weights import StaleBase, WeightError, WeightStore
 
 log = logging.getLogger("ref_server")
 JSON = "application/json"
@@ -247,7 +247,7 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
         try:
             state.weights.publish(int(raw), buf)
         except WeightError as e:
-            raise _error(409 if "not newer" in str(e) else 400, str(e)) from None
+            raise _error(409 if isinstance(e, StaleBase) or "not newer" in str(e) else 400, str(e)) from None
         return _json({"version": int(raw), "bytes": length})
 
     @app.get("/weights/version")
@@ -258,12 +258,15 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
     @app.get("/weights")
     def get_weights():
         require_token()
-        version, reader = state.weights.open_latest()
+        since = bottle.request.query.get("since", "")
+        if since and not since.isdigit():
+            raise _error(400, f"since must be a non-negative integer, got {since!r}")
+        version, reader, kind = state.weights.open_latest(int(since) if since else None)
         if reader is None:
             raise _error(404, "no policy weights published yet")
         return bottle.HTTPResponse(reader, status=200, headers={
             "Content-Type": "application/octet-stream", "Content-Length": str(len(reader.blob)),
-            "X-Policy-Version": str(version)})
+            "X-Policy-Version": str(version), "X-Weights-Format": kind})
 
     @app.get("/health")
     def health():

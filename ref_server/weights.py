@@ -1,12 +1,17 @@
 """Policy weights relay: trainer rank 0 publishes, genonly workers fetch (issue: workers follow the policy).
 
-    PUT /weights?version=N   safetensors blob of the policy's parameters (token required when set)
-    GET /weights/version     {"version": N | null, "bytes": size}
-    GET /weights             the latest blob, header X-Policy-Version; 404 before the first publish
+    PUT /weights?version=N   safetensors blob of the policy's parameters (token required when set), or a
+                             delta against the version held (format=weights_delta, common/weight_delta.py)
+    GET /weights/version     {"version": N | null, "bytes": size, "served_delta_bytes", "served_full_bytes", ...}
+    GET /weights[?since=M]   the latest blob, header X-Policy-Version; 404 before the first publish. With
+                             since=M and the last delta going from M to the latest: that delta instead
 
 The ref server is the one place every process already reaches, so this works across nodes
-with no shared filesystem. The blob is only relayed, never deserialised here: the server
-checks that it is a well-formed safetensors header and keeps one copy.
+with no shared filesystem. A full blob is only relayed, never deserialised here: the server
+checks that it is a well-formed safetensors header and keeps one copy. A delta is checked in full
+(CRC, names, shapes, positions) and applied to that copy in place (or to a fresh copy while a fetch
+still streams it), so late or restarted workers still get the full weights; the last delta is kept
+for workers one version behind.
 """
 from __future__ import annotations
 
@@ -14,6 +19,10 @@ import json
 import logging
 import threading
 import time
+import zlib
+
+from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError, apply_plan, plan_delta
+from common.weight_sync import IntegrityError, tensors_from_blob
 
 log = logging.getLogger("ref_server")
 
@@ -22,8 +31,13 @@ class WeightError(ValueError):
     """A publish the store refuses (bad blob, version not newer)."""
 
 
-def check_safetensors_blob(blob: bytes) -> int:
-    """Validate the framing of a safetensors blob without loading tensors; returns the tensor count."""
+class StaleBase(WeightError):
+    """A delta from another version than the one held (or none held): the publisher sends the full copy."""
+
+
+def check_safetensors_blob(blob: bytes, header_out: dict | None = None) -> int:
+    """Validate the framing of a safetensors blob without loading tensors; returns the tensor count
+    (the header into `header_out` when given)."""
     if len(blob) < 8:
         raise WeightError("weights blob too short")
     n = int.from_bytes(blob[:8], "little")
@@ -45,8 +59,11 @@ def check_safetensors_blob(blob: bytes) -> int:
                 and 0 <= offs[0] <= offs[1] <= data_len):
             raise WeightError(f"tensor {name!r} has bad data_offsets")
         count += 1
-    if count == 0:
+    meta = header.get("__metadata__")
+    if count == 0 and not (isinstance(meta, dict) and meta.get("format") == DELTA_FORMAT):  # nothing changed: ok
         raise WeightError("weights blob holds no tensors")
+    if header_out is not None:
+        header_out.update(header)
     return count
 
 
@@ -66,6 +83,9 @@ class WeightStore:
         self._readers: dict[int, int] = {}  # id(blob) -> open BlobReaders (each holds its blob alive)
         self._spare: bytearray | None = None
         self._published_at: float | None = None
+        self._delta: tuple[int, int, bytearray] | None = None  # (version, base version, blob) of the last delta
+        self._served = {"delta": 0, "full": 0}  # bytes sent to workers, by kind (the trainer's sync_mb_down_*)
+        self._delta_check: str | None = None  # the last rebuilt copy's CRC check: pending, ok or failed
 
     def buffer(self, size: int) -> bytearray:
         """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
@@ -73,18 +93,77 @@ class WeightStore:
             if self._spare is not None and len(self._spare) == size:
                 buf, self._spare = self._spare, None
                 return buf
-            self._spare = None  # a different size: let it go rather than hold three copies
-        return bytearray(size)
+            if self._spare is None or size > len(self._spare) // 2:
+                self._spare = None  # a different full copy: let it go rather than hold three copies
+        return bytearray(size)  # (a delta: the spare stays for the next full copy)
 
     def publish(self, version: int, blob: bytearray) -> None:
-        count = check_safetensors_blob(blob)
+        header: dict = {}
+        count = check_safetensors_blob(blob, header)
+        if (header.get("__metadata__") or {}).get("format") == DELTA_FORMAT:
+            return self._publish_delta(version, blob, header["__metadata__"], count)
         with self._lock:
             if self._version is not None and version <= self._version:
                 raise WeightError(f"version {version} is not newer than the current {self._version}")
-            old, self._version, self._blob = self._blob, version, blob
+            old, self._version, self._blob, self._delta = self._blob, version, blob, None
+            self._delta_check = None
             self._published_at = time.time()
             self._retire(old)
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
+
+    def _publish_delta(self, version: int, delta: bytearray, meta: dict, count: int) -> None:
+        try:
+            changes = tensors_from_blob(delta)  # its own CRC first: a truncated or corrupt delta changes nothing
+        except (IntegrityError, ValueError) as e:
+            raise WeightError(f"weights delta refused: {e}") from None
+        base = str(meta.get("base_version", ""))
+        with self._lock:  # GETs wait for the (short) apply; a fetch already streaming keeps its own copy
+            if self._blob is None or not base.isdigit() or int(base) != self._version:
+                raise StaleBase(f"delta from v{base}, this server holds v{self._version}: {NEEDS_FULL}")
+            if self._delta_check == "failed":
+                raise StaleBase(f"the copy rebuilt for v{self._version} failed its CRC check: {NEEDS_FULL}")
+            if version <= self._version:
+                raise WeightError(f"version {version} is not newer than the current {self._version}")
+            full = self._blob
+            n = int.from_bytes(full[:8], "little")
+            old_crc = f'"crc32":"{meta.get("base_crc32")}"'.encode()
+            at = full.find(old_crc, 8, 8 + n)
+            new_crc = str(meta.get("full_crc32", ""))
+            if at < 0 or len(new_crc) != 8:
+                raise StaleBase(f"delta from crc {meta.get('base_crc32')} does not fit the copy held: {NEEDS_FULL}")
+            target = full
+            if self._readers.get(id(full)):  # being streamed: write the new version into other memory
+                target = self._spare if self._spare is not None and len(self._spare) == len(full) else None
+                self._spare = None
+                target = bytearray(full) if target is None else _copy_into(target, full)
+            try:
+                views = tensors_from_blob(target, verify=False)
+                apply_plan(views, plan_delta(views, changes))
+            except DeltaError as e:  # checked before writing: the copy held is unchanged
+                raise WeightError(f"weights delta refused: {e}") from None
+            at += len(b'"crc32":"')
+            target[at:at + 8] = new_crc.encode()
+            self._version, self._blob, self._delta = version, target, (version, int(base), delta)
+            self._published_at = time.time()
+            self._retire(full)
+            self._delta_check = "pending"
+            self._readers[id(target)] = self._readers.get(id(target), 0) + 1  # the check reads it: no write meanwhile
+        threading.Thread(target=self._check, args=(version, target, 8 + n, new_crc), daemon=True,
+                         name="weights-crc-check").start()
+        log.info("policy weights v%d published as a delta from v%s (%d tensors, %.1f MB)", version, base, count,
+                 len(delta) / 1e6)
+
+    def _check(self, version: int, blob: bytearray, start: int, want: str) -> None:
+        """The CRC of a copy rebuilt from a delta, off the publish's path: a copy that does not match the
+        trainer's (a bug, bad memory) makes the next delta a 409, so the trainer sends the full copy."""
+        got = f"{zlib.crc32(memoryview(blob)[start:]):08x}"
+        with self._lock:
+            if self._version == version:
+                self._delta_check = "ok" if got == want else "failed"
+        if got != want:
+            log.error("policy weights v%d rebuilt from a delta have crc %s, the trainer's have %s: asking for the "
+                      "full copy at the next publish", version, got, want)
+        self._reader_closed(blob)
 
     def _retire(self, blob: bytearray | None) -> None:  # under the lock
         if isinstance(blob, bytearray) and blob is not self._blob and not self._readers.get(id(blob)):
@@ -93,16 +172,24 @@ class WeightStore:
     def info(self) -> dict:
         with self._lock:
             return {"version": self._version, "bytes": len(self._blob) if self._blob is not None else 0,
-                    "published_at": self._published_at}
+                    "published_at": self._published_at,
+                    "delta_from": self._delta[1] if self._delta else None,
+                    "delta_bytes": len(self._delta[2]) if self._delta else 0, "delta_check": self._delta_check,
+                    "served_delta_bytes": self._served["delta"], "served_full_bytes": self._served["full"]}
 
-    def open_latest(self) -> tuple[int | None, BlobReader | None]:
-        """(version, reader) of the newest weights; (None, None) before the first publish."""
+    def open_latest(self, since: int | None = None) -> tuple[int | None, BlobReader | None, str]:
+        """(version, reader, "full" or "delta") of the newest weights; (None, None, "full") before the first
+        publish. The delta when the caller holds `since` and the last delta goes from there to the newest."""
         with self._lock:
             blob = self._blob
             if blob is None:
-                return None, None
+                return None, None, "full"
+            if since is not None and self._delta is not None and self._delta[:2] == (self._version, since):
+                self._served["delta"] += len(self._delta[2])
+                return self._version, BlobReader(self._delta[2]), "delta"  # small: no spare bookkeeping
             self._readers[id(blob)] = self._readers.get(id(blob), 0) + 1
-            return self._version, BlobReader(blob, on_close=self._reader_closed)
+            self._served["full"] += len(blob)
+            return self._version, BlobReader(blob, on_close=self._reader_closed), "full"
 
     def _reader_closed(self, blob: bytearray) -> None:
         with self._lock:
@@ -113,6 +200,11 @@ class WeightStore:
             self._readers.pop(id(blob), None)
             if self._spare is None:
                 self._retire(blob)
+
+
+def _copy_into(dst: bytearray, src: bytearray) -> bytearray:
+    dst[:] = src
+    return dst
 
 
 class BlobReader:

@@ -1,7 +1,7 @@
 """`launch.sh train` with one vLLM genonly worker on the tiny model (real ref server, real deepspeed ranks,
 real vLLM engine on CPU): runs to all_steps, trains only batches within max_staleness, logs the
 train/inference logprob mismatch (with the truncated-IS correction on), and the worker follows the policy
-in place."""
+in place, by deltas (sync_delta, issue 25) with the same mismatch as full copies."""
 from __future__ import annotations
 
 import subprocess
@@ -34,6 +34,12 @@ def test_launch_train_with_a_vllm_worker(tmp_path):
     fresh = [r["logp_mismatch_max"] for r in rows if r["staleness_max"] == 0]
     assert all(m < 1e-4 for m in fresh), fresh  # same weights: engine and trainer agree
     assert "generation engine: vllm" in worker_log and "policy weights v" in worker_log
+    # delta sync (default): every step's publish is a delta (the start's was the full copy), the worker
+    # applies deltas through vLLM's in-place reload, and the fresh-batch mismatch above is the full-sync one
+    assert all(r["sync_mb_up_delta"] > 0 and r["sync_mb_up_full"] == 0 for r in rows), rows
+    assert all(r["sync_mb"] >= r["sync_mb_up_delta"] for r in rows)
+    assert sum(r["sync_mb_down_delta"] for r in rows) > 0
+    assert "(delta, " in worker_log and "refetching the full copy" not in worker_log
     assert "Traceback" not in worker_log
     assert leftover_processes(f"127.0.0.1:{port}") == []
     print("mismatch mean/max per step:", [(round(r["logp_mismatch_mean"], 6), round(r["logp_mismatch_max"], 6),

@@ -42,3 +42,10 @@ def test_default_targets_match_the_trainer(probe):
 def test_one_member_of_gate_up_brings_the_other(probe):
     assert probe["sent_up_only"] == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     assert probe["diff_up_only"] < 1e-4, probe["diff_up_only"]
+
+
+def test_a_delta_of_one_fused_member_brings_the_others_from_the_full_copy(probe):
+    """Delta sync (issue 25) sends only the tensors that changed: q_proj alone would rebuild qkv_proj with k and
+    v from uninitialised memory, so the worker adds them from its full copy."""
+    assert probe["sent_delta"] == sorted(ATTN + f"{m}_proj.{p}" for m in "qkv" for p in ("weight", "bias"))
+    assert probe["diff_delta"] < 1e-4, probe["diff_delta"]

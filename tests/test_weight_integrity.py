@@ -113,7 +113,7 @@ def test_versions_only_move_forward(server, tiny_model_dir, caplog):
     sub.version = 499
     # the server says 500, but by the time we fetch a restarted server could hand out less: simulated here
     orig = sub.client.fetch_weights
-    sub.client.fetch_weights = lambda: (400, orig()[1])
+    sub.client.fetch_weights = lambda since=None: (400, orig()[1])
     with caplog.at_level(logging.WARNING):
         assert sub.follow(model) is None
     assert sub.version == 499 and "not newer" in caplog.text

@@ -92,7 +92,7 @@ def test_weight_store_spare_only_when_nobody_reads():
     store = WeightStore()
     b1 = blob(1)
     store.publish(1, b1)
-    version, reader = store.open_latest()
+    version, reader, _ = store.open_latest()
     assert version == 1 and bytes(reader.read()) == bytes(b1)
     store.publish(2, blob(2))
     assert store.buffer(len(b1)) is not b1  # v1 is still being read: never handed out for writing

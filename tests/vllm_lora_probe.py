@@ -80,6 +80,23 @@ def main() -> None:
         samples = engine.generate(prompts, 4, max_new_tokens=16)
         res[f"diff_{case}"] = max_diff(policy, samples)
         res[f"sent_{case}"] = [n for n in sent if n.startswith("model.layers.0.")]
+    # a full-weight delta sync in which only layer 0's q_proj changed: the worker's full copy supplies k and v
+    from types import SimpleNamespace
+
+    from common.modeling import load_model
+    from common.weight_delta import DELTA_FORMAT
+    policy = load_model(str(model_dir), dtype="float32")
+    full = {n: t.detach().clone() for n, t in policy.state_dict().items()}
+    engine.load_weights(full.items())  # the worker holds this version (the delta's base)
+    with torch.no_grad():
+        q = policy.model.layers[0].self_attn.q_proj.weight
+        q.add_(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)) * 0.5)
+    changed = {"model.layers.0.self_attn.q_proj.weight": q.detach().clone()}
+    full.update(changed)  # what HeldWeights holds once the delta is applied
+    held = SimpleNamespace(tensors=full)
+    policy_loader(engine, str(model_dir), held=lambda: held)(changed, {"format": DELTA_FORMAT})
+    res["diff_delta"] = max_diff(policy, engine.generate(prompts, 4, max_new_tokens=16))
+    res["sent_delta"] = [n for n in sent if n.startswith("model.layers.0.")]
     print(json.dumps(res))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from common.paths import local_model_dir
+from common.weight_delta import DELTA_FORMAT
 from trainer.lora import ADAPTER_FORMAT, LoraMerger
 
 log = logging.getLogger("trainer")
@@ -74,25 +75,36 @@ def layer_companions(merged: Iterable[str], fused: dict[str, list[str]], availab
     return sorted(n for n in available if n.rsplit(".", 1)[0] in modules and n not in merged)
 
 
-def policy_loader(engine, model_path: str):
+def policy_loader(engine, model_path: str, held=None):
     """The weight-sync `apply(tensors, metadata)` of a genonly worker: full weights go to the engine as they
-    are; an adapter blob is merged into W0 and sent with its layers' companions (see the module docstring)."""
+    are; an adapter blob is merged into W0 and sent with its layers' companions (see the module docstring);
+    a delta (only the tensors that changed) is sent with its layers' companions read from `held()`, the
+    worker's full copy (common/weight_delta.py HeldWeights), the delta already applied to it."""
     merger = LoraMerger()
     state: dict = {}
+
+    def fused() -> dict[str, list[str]]:
+        if "fused" not in state:
+            state["fused"] = engine.fused_modules()
+        return state["fused"]
 
     def base() -> BaseCheckpoint:
         if "ckpt" not in state:  # first adapter sync only: a full-weight run never reads the checkpoint
             state["ckpt"] = BaseCheckpoint(model_path)
-            state["fused"] = engine.fused_modules()
-            log.info("LoRA sync: W0 from %s; fused engine layers %s", state["ckpt"].dir, state["fused"] or "none")
+            log.info("LoRA sync: W0 from %s; fused engine layers %s", state["ckpt"].dir, fused() or "none")
         return state["ckpt"]
 
     def apply(tensors: dict, metadata: dict) -> None:
-        if metadata.get("format") != ADAPTER_FORMAT:
+        fmt = metadata.get("format")
+        if fmt == DELTA_FORMAT:
+            full = held().tensors
+            extra = layer_companions(tensors, fused(), full)
+            engine.load_weights([*tensors.items(), *((n, full[n]) for n in extra)])
+        elif fmt == ADAPTER_FORMAT:
+            ckpt = base()
+            engine.load_weights(merger.merged(tensors, metadata, ckpt.read,
+                                              lambda names: layer_companions(names, fused(), ckpt.where)))
+        else:
             engine.load_weights(tensors.items())
-            return
-        ckpt = base()
-        engine.load_weights(merger.merged(tensors, metadata, ckpt.read,
-                                          lambda names: layer_companions(names, state["fused"], ckpt.where)))
 
     return apply

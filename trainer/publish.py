@@ -1,6 +1,8 @@
 """Rank 0 publishes the live policy for the genonly workers (common/weight_sync.py: HTTP relay or sync_dir):
-every sync_steps steps, full weights or only the LoRA adapters, in worker_dtype, gathered first under
-ZeRO-3 (which needs every rank in the gather)."""
+every sync_steps steps, full weights, only what changed since the last publish (sync_delta,
+common/weight_delta.py) or only the LoRA adapters, in worker_dtype, gathered first under ZeRO-3 (which
+needs every rank in the gather). Metrics: sync_mb_up_{delta,full} (published) and sync_mb_down_{delta,full}
+(what the ref server sent to workers since the previous publish), sync_mb their sum."""
 from __future__ import annotations
 
 import logging
@@ -21,7 +23,10 @@ class Publisher:
         self.lora = is_lora(policy)
         self.syncer = None  # nobody to publish to: no workers, or workers that keep their weights
         if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
-            self.syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir)
+            self.syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir,
+                                     delta=cfg.sync_delta and not self.lora)
+        self.client = None if cfg.sync_dir else client
+        self.served: dict[str, float] | None = None  # the server's bytes sent to workers at the last publish
         # workers with an explicit dtype get the weights in it (bf16: half the bytes through the relay)
         self.dtype = None if cfg.worker_dtype == "auto" else pick_dtype(cfg.worker_dtype, torch.device("cpu"))
 
@@ -39,7 +44,23 @@ class Publisher:
                 res = self._rank0(version) if self.rank == 0 else (0.0, 0)
         else:
             res = self._rank0(version) if self.rank == 0 else (0.0, 0)
-        return {"sync_s": res[0], "sync_mb": res[1] / 1e6}
+        up = {f"sync_mb_up_{k}": res[1] / 1e6 if self.syncer.last_kind == k and self.rank == 0 else 0.0
+              for k in ("delta", "full")}
+        down = self._downloads() if self.rank == 0 else {"sync_mb_down_delta": 0.0, "sync_mb_down_full": 0.0}
+        return {"sync_s": res[0], "sync_mb": sum(up.values()) + sum(down.values()), **up, **down}
+
+    def _downloads(self) -> dict:
+        """MB the ref server sent to workers since the previous publish, delta and full (0 with sync_dir)."""
+        now = {"delta": 0.0, "full": 0.0}
+        if self.client is not None:
+            try:
+                info = self.client.weights_info()
+                now = {k: float(info.get(f"served_{k}_bytes", 0)) for k in now}
+            except RefServerError as e:  # metrics only: never fail a step for them
+                log.warning("weights download counters unavailable: %s", e.message)
+                now = dict(self.served or now)
+        before, self.served = self.served or now, now
+        return {f"sync_mb_down_{k}": max(now[k] - before[k], 0.0) / 1e6 for k in now}
 
     def _rank0(self, version: int) -> tuple[float, int]:
         try:

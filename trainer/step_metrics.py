@@ -18,7 +18,8 @@ MEAN_KEYS = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate",
              "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness",
              "logp_mismatch_mean", "tis_weight_mean"]
 SUM_KEYS = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
-            "sync_s", "sync_mb", "reward_timeouts"]
+            "sync_s", "sync_mb", "sync_mb_up_delta", "sync_mb_up_full", "sync_mb_down_delta", "sync_mb_down_full",
+            "reward_timeouts"]
 MAX_KEYS = ["staleness_max", "peak_mem_mb", "logp_mismatch_max"]
 
 

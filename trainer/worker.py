@@ -55,8 +55,10 @@ def genonly(cfg: GRPOConfig) -> None:
     scorer = RewardScorer.from_config(cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
-    syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir) if cfg.sync_steps else None
-    load_policy = policy_loader(engine, model_path)  # LoRA runs publish adapters only: merged into W0 here
+    syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
+              if cfg.sync_steps else None)
+    # LoRA runs publish adapters only (merged into W0 here); a delta brings only the tensors that changed
+    load_policy = policy_loader(engine, model_path, held=lambda: syncer.held)
 
     rounds = uploaded = skipped = timeouts = gen_tokens = 0
     gen_s = 0.0

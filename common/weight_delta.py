@@ -1,0 +1,254 @@
+"""Delta weight sync: send only the elements that changed since the last published version (issue 25).
+
+At RL learning rates most bf16 elements do not move from one step to the next (an Adam step of 1e-6 is
+below half a bf16 rounding step for all but the smallest weights), so rank 0 keeps the last published
+copy in the publish dtype and sends, per tensor, the cheapest of
+
+    <name>:blk + <name>:off + <name>:val   positions: per block of 65536 elements how many changed (I32),
+                              their offsets in the block (U16, block by block) and the new values
+    <name>:mask + <name>:val  a bitmask (U8, element i = bit i % 8 of byte i // 8) and the new values
+    <name>                    the whole tensor (when that is smaller still)
+
+and nothing for a tensor that did not change. Elements are compared as bit patterns (the tensors viewed
+as integers), so NaN, -0.0 and every other value round-trip exactly. The delta is one safetensors blob
+(common/weight_sync.py ParametersBody: streamed, CRC-32 of its own data in the header) whose
+`__metadata__` says format=weights_delta, base_version, base_crc32 and full_crc32: the CRC-32 of the full
+blob's data section the delta reconstructs. Whoever applies it (the ref server to its full copy, a
+worker to the copy it holds) checks everything before changing a byte, and the result against
+full_crc32 afterwards. Wire format: docs/protocol.md section 7.
+"""
+from __future__ import annotations
+
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+DELTA_FORMAT = "weights_delta"
+DELTA_MAX_SHARE = 1.0  # a delta over this share of the full weights goes as the full copy (whichever is smaller)
+BLOCK = 1 << 16  # positions are sent as 16-bit offsets within blocks of this many elements
+NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)  # set bits per mask byte
+
+
+class DeltaError(ValueError):
+    """A delta that does not fit the copy it is applied to (names, shapes, dtypes, positions): never applied."""
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers: equal bit patterns compare equal (NaN == NaN, -0.0 != 0.0)."""
+    return t.reshape(-1).view(_AS_INT[t.element_size()])
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def crc_of(tensors) -> str:
+    """CRC-32 of the tensors' bytes back to back: a full blob's data section when given in its order."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(tensor_bytes(t), crc)
+    return f"{crc:08x}"
+
+
+def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, scratch: np.ndarray | None = None
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """The cheapest encoding of `new` against `old` (same shape and dtype, contiguous, CPU); [] if equal.
+    `old` is then updated to `new`. scratch: a bool buffer of at least numel elements for the comparison
+    (fresh pages cost more than it). In numpy on integer views: its nonzero and gathers are 2-4x torch's."""
+    a, b = as_bits(new).numpy(), as_bits(old).numpy()
+    n, item = a.size, new.element_size()
+    changed = np.not_equal(a, b, out=None if scratch is None else scratch[:n])
+    k = int(np.count_nonzero(changed))
+    if k == 0:
+        return []
+    blocks = -(-n // BLOCK)
+    sizes = {"full": n * item, "mask": (n + 7) // 8 + k * item, "pos": 4 * blocks + k * (2 + item)}
+    kind = min(sizes, key=sizes.get)  # ties: full (first), then mask
+    if kind != "pos":  # many changed: sequential passes (fancy indexing costs ~10 ns an element)
+        vals = None if kind == "full" else a[changed]
+        old.copy_(new)
+        if kind == "full":
+            return [(name, old)]  # the kept copy: it does not change before the next publish
+        mask = np.packbits(changed, bitorder="little")
+        return [(f"{name}:mask", torch.from_numpy(mask)), (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
+    idx = np.flatnonzero(changed)  # ascending; few (under ~6 %)
+    vals = a[idx]
+    b[idx] = vals  # the kept copy follows: k writes instead of a copy of the whole tensor
+    counts = np.bincount(idx >> 16, minlength=blocks).astype(np.int32)  # idx ascending: block by block
+    offsets = (idx & 0xFFFF).astype(np.uint16)
+    return [(f"{name}:blk", torch.from_numpy(counts)), (f"{name}:off", torch.from_numpy(offsets)),
+            (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
+
+
+class DeltaEncoder:
+    """Rank 0's last published copy (publish dtype, CPU) and the deltas against it.
+
+    `snapshot(named)` takes a full copy (first publish, or after the server lost the chain);
+    `delta(named)` returns the changed tensors' encodings and moves the copy to the new weights.
+    Either way the copy ends equal to what was just published, and `crc` is its full blob CRC."""
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype
+        self.last: dict[str, torch.Tensor] = {}
+        self.crc: str | None = None
+        self.scratch: np.ndarray | None = None
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        out = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+        return t.to(device="cpu", dtype=out).contiguous()
+
+    def snapshot(self, named) -> list[tuple[str, torch.Tensor]]:
+        """Keep a copy of every tensor in the publish dtype; returns it (what a full publish sends)."""
+        self.last = {}
+        for name, t in named:
+            c = self._cast(t)
+            self.last[name] = c.clone() if c.data_ptr() == t.data_ptr() else c  # never alias a live parameter
+        self.crc = crc_of(self.last.values())
+        self.scratch = np.empty(max((t.numel() for t in self.last.values()), default=0), dtype=np.bool_)
+        return list(self.last.items())
+
+    def delta(self, named) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+        """(encoded tensors, metadata) of what changed since the copy; the copy becomes the new weights."""
+        if self.crc is None:
+            raise RuntimeError("DeltaEncoder.delta before a snapshot")
+        seen, out, crc = set(), [], None
+        base_crc = self.crc
+        with ThreadPoolExecutor(1) as pool:  # the CRC of tensor i runs while i+1 is compared (both drop the GIL)
+            for name, t in named:
+                old = self.last.get(name)
+                new = self._cast(t)
+                if old is None or old.shape != new.shape or old.dtype != new.dtype:
+                    raise DeltaError(f"{name}: not in the last published copy with this shape and dtype")
+                out += encode_tensor(name, new, old, self.scratch)  # and `old` becomes `new`
+                crc = pool.submit(_crc_after, crc, old)
+                seen.add(name)
+            crc = crc.result() if crc is not None else 0
+        if seen != set(self.last):
+            raise DeltaError(f"tensors missing from this publish: {sorted(set(self.last) - seen)[:5]}")
+        self.crc = f"{crc:08x}"
+        return out, {"format": DELTA_FORMAT, "base_crc32": base_crc, "full_crc32": self.crc}
+
+
+def _crc_after(prev, t: torch.Tensor) -> int:
+    """CRC-32 of t's bytes continuing the one `prev` (a future, or None) computes: chained in order."""
+    return zlib.crc32(tensor_bytes(t), prev.result() if prev is not None else 0)
+
+
+def _split(key: str) -> tuple[str, str]:
+    name, _, part = key.rpartition(":")
+    return (name, part) if name and part in ("blk", "off", "mask", "val") else (key, "full")
+
+
+def _positions(name: str, blk: torch.Tensor, off: torch.Tensor, n: int, nvals: int) -> torch.Tensor:
+    """Flat positions from per-block counts and in-block offsets, checked (counts, totals, range)."""
+    blocks = -(-n // BLOCK)
+    if blk.dtype != torch.int32 or blk.shape != (blocks,) or off.dtype != torch.uint16 or off.dim() != 1:
+        raise DeltaError(f"{name}: positions {blk.dtype} {tuple(blk.shape)} / {off.dtype} {tuple(off.shape)}, "
+                         f"want int32 ({blocks},) counts and uint16 offsets")
+    counts = blk.numpy()
+    if (counts < 0).any() or int(counts.sum(dtype=np.int64)) != len(off) or len(off) != nvals:
+        raise DeltaError(f"{name}: block counts sum to {int(counts.sum(dtype=np.int64))}, {len(off)} offsets "
+                         f"and {nvals} values sent")
+    pos = np.repeat(np.arange(blocks, dtype=np.int64) << 16, counts) | off.numpy().astype(np.int64)
+    if len(pos) and int(pos.max()) >= n:
+        raise DeltaError(f"{name}: a position is outside 0..{n - 1}")
+    return torch.from_numpy(pos)
+
+
+def plan_delta(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> list[tuple]:
+    """Check a decoded delta against the copy it updates; returns the steps `apply_plan` takes.
+
+    Everything a corrupt or foreign delta could get wrong is caught here, before any byte changes:
+    unknown names, shapes, dtypes, positions out of range, value counts that do not match."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, part = _split(key)
+        parts.setdefault(name, {})[part] = t
+    steps = []
+    for name, p in parts.items():
+        b = base.get(name)
+        if b is None:
+            raise DeltaError(f"delta names {name!r}, which the weights do not have")
+        n = b.numel()
+        kinds = sorted(p)
+        if kinds == ["full"]:
+            t = p["full"]
+            if tuple(t.shape) != tuple(b.shape) or t.dtype != b.dtype:
+                raise DeltaError(f"{name}: full tensor {t.dtype} {tuple(t.shape)}, weights {b.dtype} {tuple(b.shape)}")
+            steps.append((name, "full", t, None))
+            continue
+        if kinds not in (["blk", "off", "val"], ["mask", "val"]):
+            raise DeltaError(f"{name}: delta parts {kinds} (want blk+off+val, mask+val or the full tensor)")
+        val = p["val"]
+        if val.dim() != 1 or val.dtype != b.dtype:
+            raise DeltaError(f"{name}: values {val.dtype} {tuple(val.shape)}, weights are {b.dtype}")
+        if "blk" in p:
+            steps.append((name, "idx", _positions(name, p["blk"], p["off"], n, len(val)), val))
+        else:
+            mask = p["mask"]
+            if mask.dtype != torch.uint8 or mask.dim() != 1 or len(mask) != (n + 7) // 8:
+                raise DeltaError(f"{name}: bitmask {mask.dtype} {tuple(mask.shape)}, want {(n + 7) // 8} bytes")
+            m = mask.numpy()
+            if n % 8 and int(m[-1]) >> (n % 8):
+                raise DeltaError(f"{name}: bitmask has bits set past the tensor's {n} elements")
+            selected = int(_POPCOUNT[m].sum())
+            if selected != len(val):
+                raise DeltaError(f"{name}: bitmask selects {selected} elements, {len(val)} values sent")
+            steps.append((name, "mask", m, val))
+    return steps
+
+
+def apply_plan(base: dict[str, torch.Tensor], steps: list[tuple]) -> list[str]:
+    """Write a checked delta into `base` in place; returns the names of the tensors that changed."""
+    with torch.no_grad():
+        for name, kind, a, val in steps:
+            t = base[name]
+            if kind == "full":
+                t.copy_(a)
+                continue
+            bits, vals = as_bits(t).numpy(), as_bits(val).numpy()  # numpy: 2-5x torch's index_put here
+            if kind == "idx":
+                bits[a.numpy()] = vals
+            else:  # unpacked only now: n bytes, one tensor at a time
+                bits[np.unpackbits(a, count=bits.size, bitorder="little").view(np.bool_)] = vals
+    return [s[0] for s in steps]
+
+
+class HeldWeights:
+    """The full weights a follower last received (views into that blob, in its order), so a delta has
+    something to apply to: the ref server's copy, or a worker's copy next to its engine's."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int, crc: str, in_model: bool = False) -> None:
+        self.tensors, self.version, self.crc, self.in_model = tensors, version, crc, in_model
+
+    def adopt(self, model: torch.nn.Module) -> HeldWeights:
+        """The same weights as the model's own parameters (just loaded from this copy), when they are CPU
+        tensors of the same dtypes: deltas then apply in place there, and this copy's memory is freed."""
+        params = dict(model.named_parameters())
+        ok = set(params) == set(self.tensors) and all(p.device.type == "cpu" and p.dtype == self.tensors[n].dtype
+                                                      and p.is_contiguous() for n, p in params.items())
+        if not ok:
+            return self
+        return HeldWeights({n: params[n].data for n in self.tensors}, self.version, self.crc, in_model=True)
+
+    def apply(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int) -> list[str]:
+        """Apply a delta (already CRC-checked as a blob) in place; returns the changed names.
+
+        Raises DeltaError, before changing anything, for a delta on another base; after, when the result's
+        CRC is not the trainer's (the copy is then unusable: the caller drops it and fetches a full one)."""
+        base = metadata.get("base_version", "")
+        if not base.isdigit() or int(base) != self.version or metadata.get("base_crc32") != self.crc:
+            raise DeltaError(f"delta for v{version} applies to v{base} (crc {metadata.get('base_crc32')}); "
+                             f"this copy is v{self.version} (crc {self.crc})")
+        changed = apply_plan(self.tensors, plan_delta(self.tensors, tensors))
+        got = crc_of(self.tensors.values())
+        if got != metadata.get("full_crc32"):
+            raise DeltaError(f"weights rebuilt from the delta for v{version} have crc {got}, the trainer's "
+                             f"have {metadata.get('full_crc32')}")
+        self.version, self.crc = version, got
+        return changed
