@@ -18,7 +18,8 @@ def test_launch_train_with_a_vllm_worker(tmp_path):
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "1", "--gpus", "2",
            "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "0", "--all_steps", "5",
            "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3",
-           "--gen_backend", "vllm", "--vllm_dtype", "float32", "--tis_cap", "2.0"]
+           "--gen_backend", "vllm", "--vllm_dtype", "float32", "--vllm_importance_sampling_mode", "token_truncate",
+           "--vllm_importance_sampling_clip_max", "2.0"]
     # REPO first on the path: this checkout's code wins over an editable install of another one
     proc = subprocess.run(cmd, cwd=REPO, env={**env(), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
                           capture_output=True, text=True, timeout=600)
@@ -28,7 +29,7 @@ def test_launch_train_with_a_vllm_worker(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(r["staleness_max"] <= 2 for r in rows), [r["staleness_max"] for r in rows]
     assert all("logp_mismatch_mean" in r and "logp_mismatch_max" in r for r in rows)
-    assert all(0 < r["tis_weight_mean"] <= 2.0 for r in rows)  # truncated IS on: weights capped at tis_cap
+    assert all(0 < r["is_weight_mean"] <= 2.0 for r in rows)  # truncated IS on: weights capped at clip_max
     # get_wait 0: every batch came from the vLLM worker; float32 engine, so the mismatch is policy drift only
     assert all(0 <= r["logp_mismatch_mean"] < 1.0 for r in rows), [r["logp_mismatch_mean"] for r in rows]
     fresh = [r["logp_mismatch_max"] for r in rows if r["staleness_max"] == 0]

@@ -2,12 +2,14 @@
 
     loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) + beta * KL_k3(ref || policy)
 
-with r = exp(logp - gen_logp) per token (or the REINFORCE form exp(logp - logp.detach()) when
-there are no generation-time logprobs), aggregated over completion tokens only.
+with r = exp(logp - old_logp) per token, aggregated over completion tokens only. old_logp is π_old: the
+trainer's own first-pass logprobs by default (trainer/update.py), or the engine's (old_logps=engine); None
+gives the REINFORCE form exp(logp - logp.detach()) (value 1, the gradient of logp). Importance weights on the
+policy term (engine mismatch / staleness, trainer/offpolicy.py) come in as is_weights.
 
 Variants (each a config value):
 - importance_sampling_level="sequence": GSPO (Zheng et al. 2025, arXiv:2507.18071). One ratio per completion,
-  s_i = exp(mean_t(logp - gen_logp)) (the length-normalised sequence log-ratio), clipped per sequence with its own
+  s_i = exp(mean_t(logp - old_logp)) (the length-normalised sequence log-ratio), clipped per sequence with its own
   small epsilons (the paper uses 3e-4 / 4e-4); it is broadcast over the completion's tokens, so the aggregation
   and the per-token k3 KL work unchanged (as in TRL).
 - advantage_mode="reinforce_pp": REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262): the group mean is
@@ -83,7 +85,7 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: to
     """Scalar GRPO loss. logps/ref_logps/gen_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool.
 
     importance_sampling_level="sequence" (GSPO): pass the sequence epsilons as eps_low/eps_high.
-    is_weights (B, T), optional: per-token importance weights on the policy term (truncated IS, see tis_weights)."""
+    is_weights (B, T), optional: per-token importance weights on the policy term (trainer/offpolicy.py)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; use one of {AGGREGATIONS}")
     if importance_sampling_level not in IS_LEVELS:
@@ -143,13 +145,6 @@ def loss_stats(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: t
         out["clip_frac"] = 0.0
         out["ratio_mean"] = 1.0
     return out
-
-
-def tis_weights(old_logps: torch.Tensor, engine_logps: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (train/inference mismatch correction, as in verl/Yao et al. 2025):
-    min(exp(trainer old logp - engine logp), cap) per token, no gradient. Tokens the engine sampled more
-    often than the trainer's policy would are down-weighted; the cap bounds the variance."""
-    return torch.exp(old_logps.detach() - engine_logps).clamp(max=cap)
 
 
 @torch.no_grad()

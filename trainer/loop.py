@@ -1,9 +1,10 @@
 """The training loop on each DeepSpeed rank: one GRPO step per batch, metrics, eval, weight publishing.
 
-A step: BatchSource (trainer/batches.py) hands over scored groups -> train_step computes per-token
-logprobs (common/logprobs.py) and the GRPO loss (trainer/grpo.py) -> DeepSpeed backward + step ->
-metrics reduced over ranks (trainer/step_metrics.py) -> rank 0 publishes the weights for the genonly
-workers (trainer/publish.py over common/weight_sync.py).
+A step is one optimizer update (trainer/update.py): every mu-th step BatchSource (trainer/batches.py) hands
+over grad_accum training batches of scored groups -> train_update computes per-token logprobs
+(common/logprobs.py) and the GRPO loss (trainer/grpo.py, off-policy weights from trainer/offpolicy.py) ->
+DeepSpeed backward per batch + one update -> metrics reduced over ranks (trainer/step_metrics.py) -> rank 0
+publishes the weights for the genonly workers (trainer/publish.py over common/weight_sync.py).
 """
 from __future__ import annotations
 
@@ -17,15 +18,12 @@ import torch
 
 from common.config import GRPOConfig
 from common.knobs import to_dict
-from common.logprobs import sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
-from common.protocol import ScoredBatch
 from trainer import resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
 from trainer.engine import build_engine, init_deepspeed
-from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
 from trainer.publish import Publisher
 from trainer.reward_scoring import RewardScorer
@@ -41,62 +39,29 @@ from trainer.step_metrics import (
     model_summary,
     reduce_metrics,
 )
+from trainer.update import metric_keys, new_round, starts_round, train_update
 
 log = logging.getLogger("trainer")
 
 
-def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
-    """mu optimisation passes over one training batch; returns loss and diagnostics."""
-    device = next(engine.module.parameters()).device
-    mask = b.completion_mask().to(device)
-    if cfg.mask_truncated and "truncated" in b.extra:
-        keep = ~torch.tensor(b.extra["truncated"], dtype=torch.bool, device=device)
-        mask = mask & keep[:, None]
-    adv = b.advantages.to(device)
-    if cfg.advantage_mode == "reinforce_pp":  # group-centred at generation; normalised over the step's batch here
-        adv = reinforce_pp_advantages(adv, all_reduce=torch.distributed.all_reduce
-                                      if torch.distributed.is_initialized() else None)
-    gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
-    ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
-    level = cfg.importance_sampling_level
-    eps = dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high) if level == "sequence" else \
-        dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    stats: dict = {}
-    old = weights = None  # truncated IS: the trainer's own old logps (first pass) and the per-token weights
-    for _ in range(cfg.mu):
-        logps, ent = sequence_logprobs(engine.module, b.input_ids, b.prompt_lens, b.completion_lens,
-                                       chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
-        logps = logps.float()
-        if cfg.tis_cap is not None and gen is not None and old is None:
-            old = logps.detach()
-            weights = tis_weights(old, gen, cfg.tis_cap)
-        loss = grpo_loss(logps, ref, old if old is not None else gen, adv, mask, beta=cfg.beta,
-                         aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
-                         max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level,
-                         is_weights=weights, **eps)
-        if cfg.aggregation == "dapo":
-            loss = loss * dapo_scale(mask)
-        engine.backward(loss)
-        engine.step()
-        if not stats:  # diagnostics of the first pass: the policy that saw this batch
-            stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=level, **eps)
-            m = mask.float()
-            stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
-            stats["loss"] = float(loss.detach())
-            if gen is not None:  # train/inference mismatch (includes policy drift when the batch is stale)
-                stats.update(mismatch_stats(logps, gen, mask))
-            if weights is not None:
-                stats["tis_weight_mean"] = float((weights * m).sum() / m.sum().clamp(min=1))
-    return stats
+def round_info(infos: list[dict]) -> dict:
+    """BatchSource's counters summed over the batches fetched this step (none on a round's later passes)."""
+    out = {"wait_s": 0.0, "gen_s": 0.0, "rejected_batches": 0, "dropped_stale": 0, "lost_batches": 0}
+    own = RolloutStats()
+    for info in infos:
+        for k in out:
+            out[k] += info[k]
+        for k, v in vars(info["own_gen"]).items():
+            if isinstance(v, (int, float)):
+                setattr(own, k, getattr(own, k) + v)
+    return {**out, "own_gen": own}
 
 
-def dapo_scale(mask: torch.Tensor) -> float:
-    """TRL's dapo: token sum / the token count of the whole global batch. DeepSpeed averages gradients over
-    ranks, so a rank's token_mean (sum / local tokens) is scaled by local tokens * world / global tokens."""
-    local = mask.sum().to(torch.float64).cpu()
-    total = local.clone()
-    torch.distributed.all_reduce(total)
-    return float(local * torch.distributed.get_world_size() / total.clamp(min=1))
+def round_metrics(batches: list) -> dict:
+    """Reward metrics of the batches this step trained on, averaged over them."""
+    rows = [batch_metrics(b) for b in batches]
+    keys = set().union(*rows)
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples) -> dict:
@@ -190,29 +155,37 @@ def _train(cfg: GRPOConfig, started: list) -> None:
 
     keys = MEAN_KEYS + [f"reward/{name}" for name in scorer.names]
     keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
+    objective_mean, objective_sum = metric_keys(cfg)  # IS weights, masked shares, GSPO band, round pass
+    keys += objective_mean
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
     for step in range(start_step + 1, cfg.all_steps + 1):
         t0 = time.time()
-        batch, info = source.next(policy_version=step - 1)
+        if starts_round(step, start_step, cfg.mu):  # a new generation round: grad_accum batches for mu steps
+            got = [source.next(policy_version=step - 1) for _ in range(cfg.grad_accum)]
+            rnd = new_round([g[0] for g in got], cfg, next(engine.module.parameters()).device)
+            info = round_info([g[1] for g in got])
+        else:  # a later pass over the round's batches: nothing fetched this step
+            info = round_info([])
         t1 = time.time()
         watchdog.activity = f"training step {step}"
-        stats = train_step(engine, batch, cfg)
+        stats = train_update(engine, rnd, cfg)
         watchdog.stepped()
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         client.set_version(step)
         own: RolloutStats = info["own_gen"]
-        row = {**batch_metrics(batch), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
+        versions = [b.policy_version for b in rnd.batches]
+        row = {**round_metrics(rnd.batches), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
                "skipped_groups": own.skipped_no_spread, "skipped_long_prompts": own.skipped_long_prompt,
                "rejected_batches": info["rejected_batches"], "lost_batches": info["lost_batches"],
-               "staleness": (step - 1) - batch.policy_version,
-               "tokens_per_s": batch.num_completion_tokens() / max(time.time() - t1, 1e-9),
-               "step_s": time.time() - t0}
-        row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
+               "staleness": sum((step - 1) - v for v in versions) / len(versions),
+               "tokens_per_s": sum(b.num_completion_tokens() for b in rnd.batches) / max(time.time() - t1, 1e-9),
+               "step_s": time.time() - t0, "round_pass": rnd.passes}
+        row["staleness_max"] = max((step - 1) - v for v in versions)
         row["dropped_stale"] = info["dropped_stale"]
         row.update(memory_row(rank, world))
         if step == start_step + 1:
             row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
-        mine = [int(i) for i in batch.extra.get("example_index", [])]  # what this rank trained on
+        mine = [int(i) for b in rnd.batches for i in b.extra.get("example_index", [])]  # what this rank trained on
         trained: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(trained, mine)
         totals["skipped_groups"] += own.skipped_no_spread
@@ -222,7 +195,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             row.update(publisher.publish(step))
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         once = list(setup_row) if step == start_step + 1 else []
-        row = reduce_metrics(row, keys, SUM_KEYS + mem_keys(world) + once, MAX_KEYS)
+        row = reduce_metrics(row, keys, SUM_KEYS + objective_sum + mem_keys(world) + once, MAX_KEYS)
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             watchdog.activity = f"evaluating at step {step}"
             row.update(maybe_eval(step))
