@@ -56,6 +56,10 @@ class GRPOConfig:
     max_prompt_length: int = knob(512, "Prompts longer than this (tokens) are skipped and counted.")
     max_new_tokens: int = knob(512, "Maximum completion length.")
     temperature: float = knob(0.9, "Sampling temperature for rollouts.")
+    logp_temperature: float | None = knob(None, "Temperature of the training, reference and engine logprobs "
+                                                "(logits / T). null = the sampling temperature: logprobs of the "
+                                                "distribution the rollouts came from (TRL, verl). 1 = the raw "
+                                                "distribution (simple_GRPO). Other values are refused.")
     top_p: float = knob(1.0, "Nucleus sampling for rollouts.")
     beta: float = knob(0.04, "KL coefficient (k3 estimator against the reference model). 0 disables the ref "
                              "logprob computation on the server.")
@@ -269,6 +273,10 @@ class GRPOConfig:
                 raise ValueError(f"config: {msg}")
         return self
 
+    def logprob_temperature(self) -> float:
+        """The T every logprob of the objective is computed at (logp_temperature, null = temperature)."""
+        return self.temperature if self.logp_temperature is None else float(self.logp_temperature)
+
     def _check_objective(self) -> list[tuple[bool, str]]:
         if self.tis_cap is not None and self.tis_cap >= 1 and self.compute_gen_logps:  # the deprecated spelling
             import logging
@@ -293,6 +301,9 @@ class GRPOConfig:
             (self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
              "off_policy_mask_threshold must be >= 0 (or null = off)"),
             (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (self.logp_temperature in (None, 1, 1.0) or self.logp_temperature == self.temperature,
+             f"logp_temperature must be null (the sampling temperature) or 1 (the raw distribution): the engines "
+             f"return logprobs of one of those two, got {self.logp_temperature!r}"),
         ]
 
     def _check_data_and_rewards(self) -> list[tuple[bool, str]]:

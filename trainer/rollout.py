@@ -119,7 +119,9 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
-        extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts]}
+        extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],
+                 # what the ref server needs: the T of the logprobs, and whether to run the reference at all
+                 "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
         if cfg.overlong_buffer > 0:
             extra["overlong_penalty"] = penalty.tolist()
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
@@ -133,7 +135,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         elif cfg.compute_gen_logps:
             with torch.no_grad():
                 batch.gen_logps, _ = sequence_logprobs(engine.model, ids, plens, clens,
-                                                       chunk_tokens=cfg.logp_chunk_tokens)
+                                                       chunk_tokens=cfg.logp_chunk_tokens,
+                                                       temperature=cfg.logprob_temperature())
                 batch.gen_logps = batch.gen_logps.float().cpu()
         batches.append(batch)
     stats.seconds = time.time() - t0

@@ -117,7 +117,8 @@ def _micro_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
     eps = dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high) if level == "sequence" else \
         dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
     logps, ent = sequence_logprobs(engine.module, b.input_ids, b.prompt_lens, b.completion_lens,
-                                   chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True)
+                                   chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True,
+                                   temperature=cfg.logprob_temperature())
     logps = logps.float()
     if rnd.passes == 0:
         old, w, first = first_pass(logps, gen, mask, cfg, b.batch_id)
