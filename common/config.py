@@ -12,6 +12,11 @@ from typing import ClassVar
 
 from common.knobs import knob
 
+# TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
+LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
+              "dapo": ("clip", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "seq_mean"),
+              "luspo": ("clip", "luspo")}
+
 
 @dataclass
 class GRPOConfig:
@@ -74,7 +79,8 @@ class GRPOConfig:
                                        "or reinforce_pp (REINFORCE++-baseline, arXiv:2501.03262: r - group mean, "
                                        "normalised over the whole step batch).")
     aggregation: str = knob("seq_mean", "Loss aggregation: seq_mean (simple_GRPO), token_mean (= TRL bnpo), "
-                                        "dr_grpo or dapo (token sum / the global batch's token count).")
+                                        "dr_grpo, dapo (token sum / the global batch's token count) or luspo "
+                                        "(token sum per completion, mean over completions).")
     mu: int = knob(1, "Optimizer updates (steps) per generation round (TRL num_iterations): a round's batches are "
                       "trained for mu consecutive steps, clipped against their first pass.")
     mask_truncated: bool = knob(False, "Drop completions that hit max_new_tokens without EOS from the loss.")
@@ -179,6 +185,18 @@ class GRPOConfig:
     vllm_importance_sampling_clip_max: float | None = knob(3.0, "TRL name: upper bound of rho (TRL's "
                                                                 "vllm_importance_sampling_cap is an alias).")
     vllm_importance_sampling_clip_min: float | None = knob(None, "TRL name: lower bound of rho (null = none).")
+    loss_type: str | None = knob(None, "TRL's loss_type (objective + aggregation): grpo (clip, seq_mean), bnpo "
+                                       "(clip, token_mean), dr_grpo, dapo (clip, global token mean), cispo "
+                                       "(MiniMax-M1: -sg(min(r, eps_high)) A logp, dapo aggregation; eps_high is "
+                                       "the absolute cap, e.g. 5), sapo (soft gate, seq_mean), luspo (GSPO with "
+                                       "length scaling: use importance_sampling_level sequence). null = the clipped "
+                                       "objective with `aggregation`. Sets aggregation; a different explicit "
+                                       "aggregation is an error.")
+    sapo_temperature_pos: float = knob(1.0, "TRL name: SAPO gate temperature for positive advantages.")
+    sapo_temperature_neg: float = knob(1.05, "TRL name: SAPO gate temperature for negative advantages.")
+    top_entropy_quantile: float = knob(1.0, "TRL name: train the policy term only on the completion tokens in this "
+                                            "top quantile of entropy (per training batch; 0.2 = the 80/20 rule of "
+                                            "arXiv:2506.01939). 1 = all tokens.")
     off_policy_mask_threshold: float | None = knob(None, "TRL name (DeepSeek-V3.2 off-policy sequence masking): "
                                                          "drop completions with negative advantage whose mean "
                                                          "per-token KL(engine || policy) exceeds this. null = off.")
@@ -217,7 +235,7 @@ class GRPOConfig:
             (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
             (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"),
              f"unknown advantage_mode {self.advantage_mode!r}"),
-            (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo"),
+            (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo", "luspo"),
              f"unknown aggregation {self.aggregation!r}"),
             (self.lr_schedule in ("constant", "cosine"), f"unknown lr_schedule {self.lr_schedule!r}"),
             (self.beta >= 0, "beta must be >= 0"),
@@ -273,12 +291,9 @@ class GRPOConfig:
                 raise ValueError(f"config: {msg}")
         return self
 
-    def logprob_temperature(self) -> float:
-        """The T every logprob of the objective is computed at (logp_temperature, null = temperature)."""
-        return self.temperature if self.logp_temperature is None else float(self.logp_temperature)
-
-    def _check_objective(self) -> list[tuple[bool, str]]:
-        if self.tis_cap is not None and self.tis_cap >= 1 and self.compute_gen_logps:  # the deprecated spelling
+    def __post_init__(self) -> None:
+        """Derived settings, at construction: the deprecated tis_cap spelling and loss_type's aggregation."""
+        if self.tis_cap is not None and self.tis_cap >= 1 and self.compute_gen_logps:
             import logging
             logging.getLogger("config").warning(
                 "tis_cap is deprecated: using vllm_importance_sampling_mode token_truncate, clip_max %s",
@@ -286,6 +301,18 @@ class GRPOConfig:
             self.old_logps, self.vllm_importance_sampling_correction = "trainer", True
             self.vllm_importance_sampling_mode = "token_truncate"
             self.vllm_importance_sampling_clip_max, self.tis_cap = self.tis_cap, None
+        if self.loss_type in LOSS_TYPES and self.aggregation == "seq_mean":
+            self.aggregation = LOSS_TYPES[self.loss_type][1]
+
+    def objective(self) -> str:
+        """The policy term of the loss: clip (PPO/GRPO/GSPO), cispo or sapo (from loss_type)."""
+        return LOSS_TYPES[self.loss_type][0] if self.loss_type else "clip"
+
+    def logprob_temperature(self) -> float:
+        """The T every logprob of the objective is computed at (logp_temperature, null = temperature)."""
+        return self.temperature if self.logp_temperature is None else float(self.logp_temperature)
+
+    def _check_objective(self) -> list[tuple[bool, str]]:
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         return [
             (self.old_logps in ("trainer", "engine"), f"old_logps must be trainer or engine, got {self.old_logps!r}"),
@@ -301,6 +328,16 @@ class GRPOConfig:
             (self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
              "off_policy_mask_threshold must be >= 0 (or null = off)"),
             (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (self.loss_type is None or self.loss_type in LOSS_TYPES,
+             f"unknown loss_type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)} (or null)"),
+            (self.loss_type is None or self.aggregation in ("seq_mean", LOSS_TYPES.get(self.loss_type, ("", ""))[1]),
+             f"loss_type {self.loss_type} sets aggregation {LOSS_TYPES.get(self.loss_type, ('', ''))[1]}, but "
+             f"aggregation {self.aggregation} is given: give one of them"),
+            (self.loss_type != "cispo" or self.eps_high >= 1,
+             "loss_type cispo caps the IS weight at eps_high (TRL's epsilon_high, the absolute ε_max): set it "
+             f">= 1, e.g. 5.0 (got {self.eps_high})"),
+            (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo temperatures must be > 0"),
+            (0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
             (self.logp_temperature in (None, 1, 1.0) or self.logp_temperature == self.temperature,
              f"logp_temperature must be null (the sampling temperature) or 1 (the raw distribution): the engines "
              f"return logprobs of one of those two, got {self.logp_temperature!r}"),

@@ -1,8 +1,9 @@
 """TRL `GRPOConfig` names accepted as aliases of ours, in the JSON config and on the command line.
 
 Every alias maps to exactly one of our fields (some with a value translation); names TRL shares with us
-(`beta`, `temperature`, `seed`, ...) need no alias. A TRL name we cannot honour is refused by name, never
-ignored; giving an alias and our own name for the same knob in one place is an error.
+(`beta`, `temperature`, `seed`, `loss_type`, `top_entropy_quantile`, the `vllm_importance_sampling_*` fields,
+...) need no alias. A TRL name we cannot honour is refused by name, never ignored; giving an alias and our own
+name for the same knob in one place is an error.
 """
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import dataclasses
 import math
 from typing import Any
 
-# TRL loss_type -> our aggregation. TRL's bnpo normalises by the local batch's tokens = our token_mean.
-LOSS_TYPES = {"grpo": "seq_mean", "bnpo": "token_mean", "dr_grpo": "dr_grpo", "dapo": "dapo"}
 # TRL scale_rewards -> our advantage_mode (bools are TRL's older spelling).
 SCALE_REWARDS = {"group": "grpo", "true": "grpo", "batch": "grpo_batch_std", "none": "grpo_no_std",
                  "false": "grpo_no_std"}
@@ -35,8 +34,6 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
     "epsilon": ("eps_low", None, "lower clip; also eps_high unless epsilon_high/eps_high is given (as TRL)"),
     "epsilon_high": ("eps_high", None, "upper clip"),
     "num_iterations": ("mu", None, "optimizer updates per generation round"),
-    "loss_type": ("aggregation", _pick(LOSS_TYPES, "loss_type"),
-                  "grpo->seq_mean, bnpo->token_mean, dr_grpo->dr_grpo, dapo->dapo"),
     "scale_rewards": ("advantage_mode", _pick(SCALE_REWARDS, "scale_rewards"),
                       "group->grpo, batch->grpo_batch_std, none->grpo_no_std"),
     "mask_truncated_completions": ("mask_truncated", None, "drop truncated completions from the loss"),
@@ -64,7 +61,6 @@ REFUSED: dict[str, str] = {
     "gradient_accumulation_steps": "TRL's accumulation also sets the generation batch; use grad_accum knowingly",
     "num_train_epochs": "training length is all_steps (alias max_steps)",
     "delta": "two-sided clipping (delta) is not implemented",
-    "top_entropy_quantile": "entropy-masked tokens are not implemented",
     "sync_ref_model": "the reference model is frozen on the ref server",
     "ref_model_mixup_alpha": "the reference model is frozen on the ref server",
     "ref_model_sync_steps": "the reference model is frozen on the ref server",

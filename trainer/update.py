@@ -22,7 +22,7 @@ import torch
 from common.config import GRPOConfig
 from common.logprobs import sequence_logprobs
 from common.protocol import ProtocolError, ScoredBatch
-from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages
+from trainer.grpo import entropy_mask, grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages
 from trainer.offpolicy import importance_weights, in_band_share, off_policy_mask
 
 
@@ -34,6 +34,8 @@ def metric_keys(cfg: GRPOConfig) -> tuple[list[str], list[str]]:
         total += ["is_uncorrected_batches"]
     if cfg.off_policy_mask_threshold is not None:
         mean += ["off_policy_masked_share"]
+    if cfg.top_entropy_quantile < 1.0:
+        mean += ["entropy_kept_share"]
     if cfg.importance_sampling_level == "sequence":
         mean += ["gspo_in_band"] + (["gspo_in_band_engine"] if cfg.compute_gen_logps else [])
     if cfg.mu > 1:
@@ -133,13 +135,19 @@ def _micro_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
         keep, opsm["off_policy_masked_share"] = off_policy_mask(adv, logps, gen if gen is not None else old, mask,
                                                                 cfg.off_policy_mask_threshold)
         w = keep.expand_as(logps) if w is None else w * keep
+    if cfg.top_entropy_quantile < 1.0:  # only the high-entropy tokens of this batch train the policy term
+        em = entropy_mask(ent, mask, cfg.top_entropy_quantile)
+        w = em if w is None else w * em
+        opsm["entropy_kept_share"] = float(em.sum() / mask.sum().clamp(min=1))
+    objective = dict(objective=cfg.objective(), sapo_tau=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))
     loss = grpo_loss(logps, ref, old, adv, mask, beta=cfg.beta,
                      aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
-                     max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level, is_weights=w, **eps)
+                     max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level, is_weights=w, **eps,
+                     **objective)
     loss = loss * rnd.scales[i]
     engine.backward(loss)
     engine.step()
-    stats = loss_stats(logps, ref, old, adv, mask, importance_sampling_level=level, **eps)
+    stats = loss_stats(logps, ref, old, adv, mask, importance_sampling_level=level, objective=cfg.objective(), **eps)
     if level == "sequence":
         stats["gspo_in_band"] = in_band_share(logps, old, mask, **eps) if old is not None else 1.0
     m = mask.float()
