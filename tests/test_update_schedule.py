@@ -54,3 +54,26 @@ def test_grad_accum_2_mu_2_schedule(tiny_model_dir, tmp_path):
     assert rows[0]["is_weight_mean"] == rows[1]["is_weight_mean"]
     print("schedule:", [(r["step"], r["fetched"], r["global_steps"], round(r["lr"], 5), round(r["ratio_mean"], 4),
                          round(r["is_weight_mean"], 3), round(r["is_masked_share"], 3)) for r in rows])
+
+
+def test_no_engine_logprobs_still_clips_against_the_first_pass():
+    """compute_gen_logps false / a batch without engine logprobs (issue 24 item 4): π_old is the first pass, so
+    later mu passes are clipped, never silently unclipped; old_logps engine refuses such a batch by name."""
+    import pytest
+    import torch
+
+    from trainer.grpo import grpo_loss
+    from trainer.update import first_pass
+
+    logps = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for cfg in (GRPOConfig(compute_gen_logps=False), GRPOConfig()):
+        old, w, stats = first_pass(logps, None, mask, cfg, "b")
+        assert torch.equal(old, logps) and w is None
+        assert stats == ({} if not cfg.compute_gen_logps else {"is_uncorrected_batches": 1.0})
+        moved = (logps + 0.5).requires_grad_(True)  # a later pass: ratio e^0.5 > 1.2, positive advantage
+        grpo_loss(moved, None, old, torch.tensor([1.0]), mask, beta=0, eps_low=0.2, eps_high=0.2,
+                  aggregation="token_mean", max_new_tokens=2).backward()
+        assert torch.equal(moved.grad, torch.zeros(1, 2))  # clipped: no gradient past 1 + eps
+    with pytest.raises(ValueError, match="old_logps=engine.*batch b has none"):
+        first_pass(logps, None, mask, GRPOConfig(old_logps="engine"), "b")

@@ -25,6 +25,8 @@ from common.protocol import ProtocolError, ScoredBatch
 from trainer.grpo import entropy_mask, grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages
 from trainer.offpolicy import importance_weights, in_band_share, off_policy_mask
 
+COUNT_KEYS = {"is_uncorrected_batches"}  # summed over a step's batches, not averaged
+
 
 def metric_keys(cfg: GRPOConfig) -> tuple[list[str], list[str]]:
     """(mean, sum) metric keys this config's steps report, beyond the common ones (step_metrics.MEAN_KEYS)."""
@@ -106,14 +108,17 @@ def train_update(engine, rnd: Round, cfg: GRPOConfig) -> dict:
     """One optimizer update: one pass over the round's batches (DeepSpeed steps at the last micro-batch)."""
     rows = [_micro_step(engine, rnd, i, cfg) for i in range(len(rnd.batches))]
     rnd.passes += 1
-    keys = rows[0].keys()
-    return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    out = {}
+    for k in set().union(*rows):  # a key only some batches have (no engine logprobs) averages over those
+        vals = [r[k] for r in rows if k in r]
+        out[k] = sum(vals) if k in COUNT_KEYS else sum(vals) / len(vals)
+    return out
 
 
 def _micro_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
     b, mask, adv = rnd.batches[i], rnd.masks[i], rnd.advs[i]
     device = mask.device
-    gen = b.gen_logps.to(device) if b.gen_logps is not None else None
+    gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if cfg.beta > 0 else None
     level = cfg.importance_sampling_level
     eps = dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high) if level == "sequence" else \
