@@ -42,7 +42,7 @@ def test_variant_learns_toy_reward(variant, tiny_model_dir, tmp_path):
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == 20
     if "--beta" in variant:  # beta 0: every batch said needs_ref false, the server ran no reference forward
-        assert all(r["kl"] == 0.0 for r in rows)
+        assert all(r["kl"] == 0.0 for r in rows) and all(r["ref_skipped_batches"] >= 2 for r in rows)
         assert status["ref_forward"]["batches_ref_skipped"] == status["ref_forward"]["batches_scored"] > 0
         assert all(r["gspo_in_band"] == 1.0 for r in rows)  # π_old = the first pass: every completion in band
     if "--top_entropy_quantile" in variant:

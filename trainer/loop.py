@@ -164,6 +164,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             got = [source.next(policy_version=step - 1) for _ in range(cfg.grad_accum)]
             rnd = new_round([g[0] for g in got], cfg, next(engine.module.parameters()).device)
             info = round_info([g[1] for g in got])
+            info["ref_skipped_batches"] = sum(b.ref_logps is None for b in rnd.batches)
         else:  # a later pass over the round's batches: nothing fetched this step
             info = round_info([])
         t1 = time.time()
@@ -182,6 +183,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
                "step_s": time.time() - t0, "round_pass": rnd.passes}
         row["staleness_max"] = max((step - 1) - v for v in versions)
         row["dropped_stale"] = info["dropped_stale"]
+        row["ref_skipped_batches"] = info.get("ref_skipped_batches", 0)
         row.update(memory_row(rank, world))
         if step == start_step + 1:
             row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row

@@ -42,6 +42,8 @@ def metric_keys(cfg: GRPOConfig) -> tuple[list[str], list[str]]:
         mean += ["gspo_in_band"] + (["gspo_in_band_engine"] if cfg.compute_gen_logps else [])
     if cfg.mu > 1:
         mean += ["round_pass"]
+    if cfg.beta == 0:
+        total += ["ref_skipped_batches"]  # fetched batches the ref server served without a reference forward
     return mean, total
 
 
