@@ -12,6 +12,11 @@ from typing import ClassVar
 
 from common.knobs import knob
 
+# TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
+LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
+              "dapo": ("clip", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "seq_mean"),
+              "luspo": ("clip", "luspo")}
+
 
 @dataclass
 class GRPOConfig:
@@ -61,20 +66,28 @@ class GRPOConfig:
     max_prompt_length: int = knob(512, "Prompts longer than this (tokens) are skipped and counted.")
     max_new_tokens: int = knob(512, "Maximum completion length.")
     temperature: float = knob(0.9, "Sampling temperature for rollouts.")
+    logp_temperature: float | None = knob(None, "Temperature of the training, reference and engine logprobs "
+                                                "(logits / T). null = the sampling temperature: logprobs of the "
+                                                "distribution the rollouts came from (TRL, verl). 1 = the raw "
+                                                "distribution (simple_GRPO). Other values are refused.")
     top_p: float = knob(1.0, "Nucleus sampling for rollouts.")
     beta: float = knob(0.04, "KL coefficient (k3 estimator against the reference model). 0 disables the ref "
                              "logprob computation on the server.")
     eps_low: float = knob(0.2, "Lower clip epsilon of the policy ratio.")
     eps_high: float = knob(0.2, "Upper clip epsilon of the policy ratio (raise for DAPO-style clip-higher).")
-    compute_gen_logps: bool = knob(True, "Upload generation-time logprobs and use the clipped ratio; False = "
-                                         "REINFORCE form exp(logp - logp.detach()) * A.")
+    compute_gen_logps: bool = knob(True, "Upload the engine's generation-time logprobs (used by the importance-"
+                                         "sampling correction, or as π_old with old_logps engine). False: none "
+                                         "are computed; π_old is the trainer's first pass (ratio 1, then clipped "
+                                         "over mu passes), no correction.")
     advantage_mode: str = knob("grpo", "grpo (r-mean)/std, grpo_no_std (r-mean), grpo_batch_std (r - group mean) "
                                        "/ std of the generation round's rewards (TRL scale_rewards=batch), raw (r) "
                                        "or reinforce_pp (REINFORCE++-baseline, arXiv:2501.03262: r - group mean, "
                                        "normalised over the whole step batch).")
     aggregation: str = knob("seq_mean", "Loss aggregation: seq_mean (simple_GRPO), token_mean (= TRL bnpo), "
-                                        "dr_grpo or dapo (token sum / the global batch's token count).")
-    mu: int = knob(1, "Optimisation passes per training batch.")
+                                        "dr_grpo, dapo (token sum / the global batch's token count) or luspo "
+                                        "(token sum per completion, mean over completions).")
+    mu: int = knob(1, "Optimizer updates (steps) per generation round (TRL num_iterations): a round's batches are "
+                      "trained for mu consecutive steps, clipped against their first pass.")
     mask_truncated: bool = knob(False, "Drop completions that hit max_new_tokens without EOS from the loss.")
     # --- optimisation ---------------------------------------------------------------
     lr: float = knob(1e-6, "Peak learning rate (AdamW).")
@@ -82,7 +95,8 @@ class GRPOConfig:
     lr_schedule: str = knob("constant", "constant or cosine (both with linear warmup).")
     warmup_steps: int = knob(0, "Linear warmup steps.")
     grad_clip: float = knob(1.0, "Gradient norm clip.")
-    grad_accum: int = knob(1, "Gradient accumulation steps (DeepSpeed).")
+    grad_accum: int = knob(1, "Training batches (each train_batch_groups groups) whose gradients make one optimizer "
+                              "update: a step fetches grad_accum batches per rank (DeepSpeed accumulation).")
     micro_batch_size: int = knob(0, "Rows (completions) per forward/backward on a rank: the training batch is split "
                                     "into micro-batches whose gradients are accumulated into ONE optimizer update per "
                                     "step, with the same gradient as the whole batch for every aggregation "
@@ -98,7 +112,8 @@ class GRPOConfig:
     logp_chunk_tokens: int = knob(1024, "Positions per chunk in the per-token logprob computation "
                                         "(bounds the B x chunk x V logits held at once).")
     # --- run ------------------------------------------------------------------------
-    all_steps: int = knob(1000, "Training steps (one training batch each).")
+    all_steps: int = knob(1000, "Training steps = optimizer updates (the LR schedule, versions, staleness, "
+                                "publishes, metrics rows and checkpoints count them).")
     save_steps: int = knob(200, "Save an HF checkpoint every N steps (and at the end).")
     eval_steps: int = knob(0, "Evaluate every N steps (0 = never during training).")
     eval_before: bool = knob(False, "Evaluate the base model before training.")
@@ -160,11 +175,41 @@ class GRPOConfig:
     vllm_cpu_threads_bind: str = knob("nobind", "VLLM_CPU_OMP_THREADS_BIND on CPU (unless set): 'nobind' lets "
                                                 "the OS place threads, right when other processes share cores; "
                                                 "'auto' or a core list like '0-1' pins them.")
-    tis_cap: float | None = knob(None, "Truncated importance sampling: weight each token's policy loss by "
-                                       "min(exp(trainer old logp - engine logp), tis_cap) and take the PPO ratio "
-                                       "against the trainer's own old logp (null = off). Corrects bf16/vLLM "
-                                       "train-inference mismatch; costs no forward pass (old logp = the first "
-                                       "pass's), one (B, T) tensor per batch.")
+    tis_cap: float | None = knob(None, "Deprecated: --tis_cap C = vllm_importance_sampling_mode token_truncate "
+                                       "with vllm_importance_sampling_clip_max C (the former truncated IS).")
+    # --- the objective: π_old, off-policy correction, loss family (issue 24) ----------
+    old_logps: str = knob("trainer", "π_old of the clipped ratio. trainer: the trainer's own first-pass logprobs of "
+                                     "the batch (TRL, GSPO paper: ratio 1 on the first pass, later mu passes clip "
+                                     "against it), the engine's logprobs used only for the importance-sampling "
+                                     "correction below. engine: the former objective, ratio against the sampling "
+                                     "engine's logprobs (stale, bf16), no correction; needs compute_gen_logps.")
+    vllm_importance_sampling_correction: bool = knob(True, "TRL name. With old_logps trainer: weight each token's "
+                                                           "policy term by rho = exp(π_old logp - engine logp), "
+                                                           "correcting engine mismatch and staleness (any engine, "
+                                                           "HF or vLLM), where the batch has engine logprobs.")
+    vllm_importance_sampling_mode: str = knob("sequence_mask", "TRL name: token_truncate, token_mask, "
+                                                               "sequence_truncate or sequence_mask. token_*: rho per "
+                                                               "token; sequence_*: exp(sum of the completion's log "
+                                                               "ratios) on all its tokens. *_truncate clamps rho to "
+                                                               "[clip_min, clip_max]; *_mask zeroes it outside.")
+    vllm_importance_sampling_clip_max: float | None = knob(3.0, "TRL name: upper bound of rho (TRL's "
+                                                                "vllm_importance_sampling_cap is an alias).")
+    vllm_importance_sampling_clip_min: float | None = knob(None, "TRL name: lower bound of rho (null = none).")
+    loss_type: str | None = knob(None, "TRL's loss_type (objective + aggregation): grpo (clip, seq_mean), bnpo "
+                                       "(clip, token_mean), dr_grpo, dapo (clip, global token mean), cispo "
+                                       "(MiniMax-M1: -sg(min(r, eps_high)) A logp, dapo aggregation; eps_high is "
+                                       "the absolute cap, e.g. 5), sapo (soft gate, seq_mean), luspo (GSPO with "
+                                       "length scaling: use importance_sampling_level sequence). null = the clipped "
+                                       "objective with `aggregation`. Sets aggregation; a different explicit "
+                                       "aggregation is an error.")
+    sapo_temperature_pos: float = knob(1.0, "TRL name: SAPO gate temperature for positive advantages.")
+    sapo_temperature_neg: float = knob(1.05, "TRL name: SAPO gate temperature for negative advantages.")
+    top_entropy_quantile: float = knob(1.0, "TRL name: train the policy term only on the completion tokens in this "
+                                            "top quantile of entropy (per training batch; 0.2 = the 80/20 rule of "
+                                            "arXiv:2506.01939). 1 = all tokens.")
+    off_policy_mask_threshold: float | None = knob(None, "TRL name (DeepSeek-V3.2 off-policy sequence masking): "
+                                                         "drop completions with negative advantage whose mean "
+                                                         "per-token KL(engine || policy) exceeds this. null = off.")
     # --- LoRA and GRPO variants (issue 14) -------------------------------------------
     lora_r: int = knob(0, "LoRA rank (peft). 0 = full fine-tuning. > 0: only the adapters train; workers get "
                           "adapter-only weight syncs; checkpoints are adapters plus a merged model at the end.")
@@ -200,7 +245,7 @@ class GRPOConfig:
             (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
             (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"),
              f"unknown advantage_mode {self.advantage_mode!r}"),
-            (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo"),
+            (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo", "luspo"),
              f"unknown aggregation {self.aggregation!r}"),
             (self.lr_schedule in ("constant", "cosine"), f"unknown lr_schedule {self.lr_schedule!r}"),
             (self.beta >= 0, "beta must be >= 0"),
@@ -230,6 +275,7 @@ class GRPOConfig:
             (self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 (or null = off)"),
             (self.tis_cap is None or self.compute_gen_logps, "tis_cap needs compute_gen_logps (engine logprobs)"),
         ]
+        checks += self._check_objective()
         checks += [  # --- LoRA and GRPO variants (issue 14) ---
             (self.lora_r >= 0, "lora_r must be >= 0 (0 = full fine-tuning)"),
             (self.lora_r == 0 or self.lora_alpha > 0, "lora_alpha must be > 0"),
@@ -255,6 +301,58 @@ class GRPOConfig:
             if not ok:
                 raise ValueError(f"config: {msg}")
         return self
+
+    def __post_init__(self) -> None:
+        """Derived settings, at construction: the deprecated tis_cap spelling and loss_type's aggregation."""
+        if self.tis_cap is not None and self.tis_cap >= 1 and self.compute_gen_logps:
+            import logging
+            logging.getLogger("config").warning(
+                "tis_cap is deprecated: using vllm_importance_sampling_mode token_truncate, clip_max %s",
+                self.tis_cap)
+            self.old_logps, self.vllm_importance_sampling_correction = "trainer", True
+            self.vllm_importance_sampling_mode = "token_truncate"
+            self.vllm_importance_sampling_clip_max, self.tis_cap = self.tis_cap, None
+        if self.loss_type in LOSS_TYPES and self.aggregation == "seq_mean":
+            self.aggregation = LOSS_TYPES[self.loss_type][1]
+
+    def objective(self) -> str:
+        """The policy term of the loss: clip (PPO/GRPO/GSPO), cispo or sapo (from loss_type)."""
+        return LOSS_TYPES[self.loss_type][0] if self.loss_type else "clip"
+
+    def logprob_temperature(self) -> float:
+        """The T every logprob of the objective is computed at (logp_temperature, null = temperature)."""
+        return self.temperature if self.logp_temperature is None else float(self.logp_temperature)
+
+    def _check_objective(self) -> list[tuple[bool, str]]:
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        return [
+            (self.old_logps in ("trainer", "engine"), f"old_logps must be trainer or engine, got {self.old_logps!r}"),
+            (self.old_logps == "trainer" or self.compute_gen_logps,
+             "old_logps engine takes π_old from the engine's logprobs: it needs compute_gen_logps true"),
+            (self.vllm_importance_sampling_mode in ("token_truncate", "token_mask", "sequence_truncate",
+                                                    "sequence_mask"),
+             f"unknown vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}; use token_truncate, "
+             f"token_mask, sequence_truncate or sequence_mask"),
+            (hi is None or hi > 0, "vllm_importance_sampling_clip_max must be > 0 (or null)"),
+            (lo is None or lo >= 0, "vllm_importance_sampling_clip_min must be >= 0 (or null)"),
+            (lo is None or hi is None or lo < hi, "vllm_importance_sampling_clip_min must be < clip_max"),
+            (self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+             "off_policy_mask_threshold must be >= 0 (or null = off)"),
+            (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (self.loss_type is None or self.loss_type in LOSS_TYPES,
+             f"unknown loss_type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)} (or null)"),
+            (self.loss_type is None or self.aggregation in ("seq_mean", LOSS_TYPES.get(self.loss_type, ("", ""))[1]),
+             f"loss_type {self.loss_type} sets aggregation {LOSS_TYPES.get(self.loss_type, ('', ''))[1]}, but "
+             f"aggregation {self.aggregation} is given: give one of them"),
+            (self.loss_type != "cispo" or self.eps_high >= 1,
+             "loss_type cispo caps the IS weight at eps_high (TRL's epsilon_high, the absolute ε_max): set it "
+             f">= 1, e.g. 5.0 (got {self.eps_high})"),
+            (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo temperatures must be > 0"),
+            (0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
+            (self.logp_temperature in (None, 1, 1.0) or self.logp_temperature == self.temperature,
+             f"logp_temperature must be null (the sampling temperature) or 1 (the raw distribution): the engines "
+             f"return logprobs of one of those two, got {self.logp_temperature!r}"),
+        ]
 
     def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
         n_fns = len(self.reward_fns) if isinstance(self.reward_fns, list) else len(str(self.reward_fns).split(","))

@@ -5,6 +5,10 @@ We run the decoder body once, pick the hidden states that predict completion tok
 push them through the LM head a chunk of positions at a time: logp = logit[target] -
 logsumexp(logits). Only one chunk of float32 logits exists at a time; under autograd each
 chunk is checkpointed, so backward recomputes it instead of keeping every chunk alive.
+
+The logits are those the model's own forward returns (its final-logit processing, common/final_logits.py,
+e.g. Gemma-2 soft-capping), divided by `temperature`: logprobs of the distribution the rollouts were sampled
+from (TRL, verl) at the sampling temperature, of the raw distribution at 1 (simple_GRPO).
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from common.final_logits import LogitFn, final_logit_fn
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -70,18 +76,20 @@ def chunk_count(rows: int, width: int, chunk_tokens: int) -> int:
 
 
 def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
-                         chunk_tokens: int = 256, with_entropy: bool = False, min_chunks: int = 0
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         chunk_tokens: int = 256, with_entropy: bool = False, min_chunks: int = 0,
+                         logit_fn: LogitFn | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden (B, T, H) predicting targets (B, T) -> logps (B, T) float32 [, entropy (B, T)].
 
     min_chunks: call the head at least this often, with empty chunks past T. Under ZeRO-3 every head call is a
-    collective, so ranks whose longest completions differ pass the count they agreed on (the maximum)."""
+    collective, so ranks whose longest completions differ pass the count they agreed on (the maximum).
+    logit_fn: applied to each chunk of head outputs (final-logit processing, temperature)."""
+    post = logit_fn or (lambda x: x)
     B, T, _ = hidden.shape
     step = max(1, chunk_tokens // max(B, 1))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
 
     def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return logprobs_from_logits(lm_head(h), t)
+        return logprobs_from_logits(post(lm_head(h)), t)
 
     if grad and _frozen_zero3(lm_head):
         # A frozen head under ZeRO-3 (LoRA) is gathered only while its forward runs, so the checkpoint's
@@ -89,7 +97,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
         weight, bias = _gathered_copy(lm_head, hidden)
 
         def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # noqa: F811
-            return logprobs_from_logits(torch.nn.functional.linear(h, weight, bias), t)
+            return logprobs_from_logits(post(torch.nn.functional.linear(h, weight, bias)), t)
 
     out, ents = [], []
     starts = list(range(0, T, step))
@@ -99,20 +107,33 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
         out.append(checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t))
         if with_entropy:
             with torch.no_grad():
-                ents.append(_entropy_from_logits(lm_head(h.detach())))
+                ents.append(_entropy_from_logits(post(lm_head(h.detach()).float())))
     return torch.cat(out, dim=1), (torch.cat(ents, dim=1) if with_entropy else None)
+
+
+def logit_fn_for(model: torch.nn.Module, temperature: float = 1.0) -> LogitFn | None:
+    """The model's final-logit processing followed by the division by `temperature` (None: neither)."""
+    final = final_logit_fn(model)
+    if temperature <= 0:
+        raise ValueError(f"logprob temperature must be > 0, got {temperature}")
+    if temperature == 1.0:
+        return final
+    if final is None:
+        return lambda x: x / temperature
+    return lambda x: final(x) / temperature
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
                       completion_lens: torch.Tensor, chunk_tokens: int = 256, with_entropy: bool = False,
-                      min_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM).
+                      min_chunks: int = 0, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM) at `temperature`.
 
     input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).
     Returns (B, T) float32 with T = max(completion_lens), zeros past each row's length.
     """
     if hasattr(model, "get_base_model"):  # a peft (LoRA) model: its adapters live inside the base model's layers
         model = model.get_base_model()
+    logit_fn = logit_fn_for(model, temperature)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     prompt_lens, completion_lens = prompt_lens.to(device), completion_lens.to(device)
@@ -124,7 +145,7 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
     h = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # state before each token
     targets = input_ids.gather(1, pos)
     logps, ent = logprobs_from_hidden(h, model.get_output_embeddings(), targets, chunk_tokens, with_entropy,
-                                      min_chunks)
+                                      min_chunks, logit_fn)
     logps = logps.masked_fill(~valid, 0.0)
     if ent is not None:
         ent = ent.masked_fill(~valid, 0.0)

@@ -23,6 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
+from common.batch_extra import ExtraError, check_extra
+
 PROTOCOL_VERSION = 1
 CONTENT_TYPE = "application/vnd.grpo.safetensors"
 
@@ -289,6 +291,10 @@ def validate_batch(b: RolloutBatch, vocab_size: int | None = None, max_seq_len: 
             raise ProtocolError("'rewards' must be B finite values")
     if not isinstance(b.policy_version, int) or b.policy_version < 0:
         raise ProtocolError("policy_version must be a non-negative integer")
+    try:
+        check_extra(b.extra, B)
+    except ExtraError as e:
+        raise ProtocolError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------

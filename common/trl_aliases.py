@@ -1,8 +1,9 @@
 """TRL `GRPOConfig` names accepted as aliases of ours, in the JSON config and on the command line.
 
 Every alias maps to exactly one of our fields (some with a value translation); names TRL shares with us
-(`beta`, `temperature`, `seed`, ...) need no alias. A TRL name we cannot honour is refused by name, never
-ignored; giving an alias and our own name for the same knob in one place is an error.
+(`beta`, `temperature`, `seed`, `loss_type`, `top_entropy_quantile`, the `vllm_importance_sampling_*` fields,
+...) need no alias. A TRL name we cannot honour is refused by name, never ignored; giving an alias and our own
+name for the same knob in one place is an error.
 """
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import dataclasses
 import math
 from typing import Any
 
-# TRL loss_type -> our aggregation. TRL's bnpo normalises by the local batch's tokens = our token_mean.
-LOSS_TYPES = {"grpo": "seq_mean", "bnpo": "token_mean", "dr_grpo": "dr_grpo", "dapo": "dapo"}
 # TRL scale_rewards -> our advantage_mode (bools are TRL's older spelling).
 SCALE_REWARDS = {"group": "grpo", "true": "grpo", "batch": "grpo_batch_std", "none": "grpo_no_std",
                  "false": "grpo_no_std"}
@@ -34,17 +33,16 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
     "learning_rate": ("lr", None, "peak learning rate"),
     "epsilon": ("eps_low", None, "lower clip; also eps_high unless epsilon_high/eps_high is given (as TRL)"),
     "epsilon_high": ("eps_high", None, "upper clip"),
-    "num_iterations": ("mu", None, "optimisation passes per batch"),
-    "loss_type": ("aggregation", _pick(LOSS_TYPES, "loss_type"),
-                  "grpo->seq_mean, bnpo->token_mean, dr_grpo->dr_grpo, dapo->dapo"),
+    "num_iterations": ("mu", None, "optimizer updates per generation round"),
     "scale_rewards": ("advantage_mode", _pick(SCALE_REWARDS, "scale_rewards"),
                       "group->grpo, batch->grpo_batch_std, none->grpo_no_std"),
     "mask_truncated_completions": ("mask_truncated", None, "drop truncated completions from the loss"),
     "max_grad_norm": ("grad_clip", None, "gradient norm clip"),
-    "warmup_ratio": ("warmup_steps", None, "warmup_steps = ceil(ratio * all_steps * mu) optimizer steps"),
+    "warmup_ratio": ("warmup_steps", None, "warmup_steps = ceil(ratio * all_steps) optimizer steps"),
     "lr_scheduler_type": ("lr_schedule", _pick(SCHEDULERS, "lr_scheduler_type"),
                           "constant, constant_with_warmup->constant, cosine (linear etc. refused)"),
-    "max_steps": ("all_steps", None, "training steps"),
+    "max_steps": ("all_steps", None, "training steps (optimizer updates)"),
+    "vllm_importance_sampling_cap": ("vllm_importance_sampling_clip_max", None, "TRL's deprecated name of clip_max"),
     "per_device_train_batch_size": ("micro_batch_size", None, "completions per forward/backward on a device; "
                                     "the batch itself stays num_pre_Q x Q_batch_size x train_batch_groups"),
     "logging_steps": ("log_every", None, "metrics row every N steps"),
@@ -58,14 +56,12 @@ REFUSED: dict[str, str] = {
     **{n: "vLLM is configured with gen_backend and its own fields, not TRL's vllm_* options" for n in (
         "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
         "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl",
-        "vllm_guided_decoding_regex", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_cap")},
+        "vllm_guided_decoding_regex", "vllm_enable_sleep_mode")},
     "generation_batch_size": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
     "steps_per_generation": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
     "gradient_accumulation_steps": "TRL's accumulation also sets the generation batch; use grad_accum knowingly",
     "num_train_epochs": "training length is all_steps (alias max_steps)",
     "delta": "two-sided clipping (delta) is not implemented",
-    "top_entropy_quantile": "entropy-masked tokens are not implemented",
     "sync_ref_model": "the reference model is frozen on the ref server",
     "ref_model_mixup_alpha": "the reference model is frozen on the ref server",
     "ref_model_sync_steps": "the reference model is frozen on the ref server",
@@ -106,8 +102,7 @@ def resolve(values: dict, defaults: dict, field_names: set[str], source: str) ->
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
                 raise ValueError(f"{source}: warmup_ratio must be a number in [0, 1], got {value!r}")
             steps = out.get("all_steps", out.get("max_steps", defaults["all_steps"]))
-            mu = out.get("mu", out.get("num_iterations", defaults["mu"]))
-            value = math.ceil(float(value) * int(steps) * int(mu))
+            value = math.ceil(float(value) * int(steps))  # a step is one optimizer update, as TRL's
         out[target] = conv(value) if conv is not None and value is not None else value
     if "epsilon" in values and "eps_high" not in values and "epsilon_high" not in values:
         out["eps_high"] = out["eps_low"]  # TRL: epsilon_high defaults to epsilon

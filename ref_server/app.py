@@ -64,6 +64,7 @@ class ServerState:
             "queues": {"input": {"depth": depths["input"], "oldest_age_s": ages["input"]},
                        "output": {"depth": depths["output"], "oldest_age_s": ages["output"]},
                        "scoring": depths["scoring"]},
+            "ref_forward": {"batches_scored": self.metrics.scored, "batches_ref_skipped": self.metrics.ref_skipped},
             "weights": {"version": w["version"], "bytes": w["bytes"],
                         "age_s": None if w["published_at"] is None else round(time.time() - w["published_at"], 1)},
             "placement": self.placement,

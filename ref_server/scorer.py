@@ -45,6 +45,7 @@ class ServerMetrics:
         self.tokens_scored = 0         # completion tokens whose logprob was computed
         self.tokens_forward = 0        # real (unpadded) tokens through the model
         self.forwards = 0
+        self.ref_skipped = 0           # batches passed through without a reference forward (needs_ref false)
         self.busy_s = 0.0
         self.last_latency_s = 0.0
         self.registry = r = CollectorRegistry()  # private: several servers may live in one process (tests)
@@ -52,6 +53,8 @@ class ServerMetrics:
         self.p_rejected = Counter("grpo_ref_uploads_rejected", "Uploads refused, by reason.", ["reason"], registry=r)
         self.p_scored = Counter("grpo_ref_batches_scored", "Batches scored.", registry=r)
         self.p_served = Counter("grpo_ref_batches_served", "Scored batches handed out by /get.", registry=r)
+        self.p_skipped = Counter("grpo_ref_batches_ref_skipped", "Batches that needed no reference logprobs "
+                                 "(beta = 0): queued and served without a forward.", registry=r)
         self.p_errors = Counter("grpo_ref_scoring_errors", "Batches whose scoring failed.", registry=r)
         self.p_tokens = Counter("grpo_ref_tokens_scored", "Completion tokens scored.", registry=r)
         self.p_fwd_tokens = Counter("grpo_ref_forward_tokens", "Real tokens through the model.", registry=r)
@@ -93,6 +96,13 @@ class ServerMetrics:
         self.p_fwd_tokens.inc(fwd_tokens)
         self.p_latency.observe(seconds)
 
+    def on_ref_skipped(self, batches: int) -> None:
+        with self.lock:
+            self.scored += batches
+            self.ref_skipped += batches
+        self.p_scored.inc(batches)
+        self.p_skipped.inc(batches)
+
     def on_error(self, batches: int) -> None:
         with self.lock:
             self.errors += batches
@@ -105,7 +115,8 @@ class ServerMetrics:
                 "uploads_accepted": self.accepted, "uploads_rejected": dict(self.rejected),
                 "batches_scored": self.scored, "batches_served": self.served, "scoring_errors": self.errors,
                 "tokens_scored": self.tokens_scored, "forward_tokens": self.tokens_forward,
-                "forwards": self.forwards, "scoring_busy_s": round(self.busy_s, 4),
+                "forwards": self.forwards, "batches_ref_skipped": self.ref_skipped,
+                "scoring_busy_s": round(self.busy_s, 4),
                 "scoring_tokens_per_s": round(self.tokens_per_s(), 2),
                 "last_scoring_latency_s": round(self.last_latency_s, 4),
                 "mean_scoring_latency_s": round(self.busy_s / self.forwards, 4) if self.forwards else 0.0,
@@ -118,6 +129,12 @@ class _Scored:
     batch_id: str
     body: bytes
     queued_at: float = 0.0  # when it entered the output queue (GET /status shows the oldest's age)
+
+
+def score_key(b: RolloutBatch) -> tuple[bool, float]:
+    """Batches scored in one forward must agree on it: whether they need ref logprobs (extra['needs_ref'],
+    default true) and the temperature of those logprobs (extra['logp_temperature'], default 1 = raw)."""
+    return bool(b.extra.get("needs_ref", True)), float(b.extra.get("logp_temperature", 1.0))
 
 
 def _padded_tokens(group: list[RolloutBatch]) -> int:
@@ -218,7 +235,8 @@ class Scorer:
                 return None
             room = self.max_output_queue - len(self.outq)
             group = [self.inq.popleft()]
-            while self.inq and len(group) < room and _padded_tokens(group + [self.inq[0]]) <= self.budget:
+            while (self.inq and len(group) < room and score_key(self.inq[0]) == score_key(group[0])
+                   and _padded_tokens(group + [self.inq[0]]) <= self.budget):
                 group.append(self.inq.popleft())
             self.busy = True
             return group
@@ -248,6 +266,11 @@ class Scorer:
             return [s for b in group for s in self._score_group([b])]
 
     def _score(self, group: list[RolloutBatch]) -> list[_Scored]:
+        needs_ref, temperature = score_key(group[0])
+        if not needs_ref:  # beta = 0: the server is still the queue, but no forward is spent on it
+            out = [_Scored(b.batch_id, encode_scored(ScoredBatch.from_rollout(b, None)), time.time()) for b in group]
+            self.metrics.on_ref_skipped(len(group))
+            return out
         t0 = time.perf_counter()
         L = max(int(b.input_ids.shape[1]) for b in group)
         # Right-pad every row to the longest; masks come from the lengths, so the pad id is irrelevant.
@@ -259,7 +282,7 @@ class Scorer:
         parts = []
         for s in range(0, ids.shape[0], rows):
             lp, _ = sequence_logprobs(self.model, ids[s:s + rows], pl[s:s + rows], cl[s:s + rows],
-                                      chunk_tokens=self.chunk_tokens)
+                                      chunk_tokens=self.chunk_tokens, temperature=temperature)
             parts.append(torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1])))
         logps = torch.cat(parts)
         out, row = [], 0

@@ -135,6 +135,10 @@ def format_table(status: dict) -> str:
     lines.append("queues: " + ", ".join(f"{name} {v['depth']} (oldest {_ago(v['oldest_age_s'])})"
                                         for name, v in q.items() if isinstance(v, dict))
                  + (", scoring now" if q.get("scoring") else ""))
+    rf = status.get("ref_forward", {})
+    if rf.get("batches_ref_skipped"):  # beta = 0 producers: no reference forward for their batches
+        lines.append(f"reference forward skipped for {rf['batches_ref_skipped']} of {rf['batches_scored']} batches "
+                     f"(needs_ref false: beta = 0)")
     cols = ("id", "role", "addr", "host", "version", "silent_s", "last_upload_ago_s", "last_get_ago_s", "uploaded",
             "taken", "skipped_groups", "dropped_stale", "state")
     heads = ("id", "role", "address", "host", "ver", "silent", "last upload", "last get", "uploaded", "taken",

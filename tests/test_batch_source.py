@@ -53,7 +53,8 @@ class Sampler:
 def test_uploads_taken_by_another_rank_cost_no_wait(tiny_model_dir, own_uploads):
     from trainer.batches import BatchSource
 
-    cfg = load_config(GRPOConfig, ["--num_gen_workers", "0", "--max_new_tokens", "8", "--train_batch_groups", "1"])
+    cfg = load_config(GRPOConfig, ["--num_gen_workers", "0", "--max_new_tokens", "8", "--train_batch_groups", "1",
+                                   "--temperature", "1.0"])  # make_batch sends no logp_temperature: T 1
     with start_ref_server(tiny_model_dir) as srv:
         client = RecordingClient(srv.url)
         src = BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
@@ -76,7 +77,7 @@ def test_uploads_lost_with_the_server_are_counted_and_made_anew(own_uploads):
     """Unit level: uploads in flight when the server went away are counted as lost and generated anew."""
     from trainer.batches import BatchSource
 
-    cfg = load_config(GRPOConfig, ["--num_gen_workers", "0", "--max_new_tokens", "8"])
+    cfg = load_config(GRPOConfig, ["--num_gen_workers", "0", "--max_new_tokens", "8", "--temperature", "1.0"])
 
     class FlakyClient:
         urls = ["http://127.0.0.1:1"]

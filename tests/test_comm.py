@@ -15,8 +15,9 @@ import torch.distributed as dist
 from conftest import REPO, find_free_port
 
 from trainer import comm
-from trainer.loop import _is_dist_error, dapo_scale
+from trainer.loop import _is_dist_error
 from trainer.step_metrics import reduce_metrics
+from trainer.update import dapo_scales
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_cpu_group_reduces_in_place_on_cpu(group):
     assert comm.comm_device() == torch.device("cpu")
     row = reduce_metrics({"a": 2.0, "b": 3.0, "c": 5.0}, ["a"], ["b"], ["c"])
     assert row == {"a": 2.0, "b": 3.0, "c": 5.0}
-    assert dapo_scale(torch.ones(2, 3, dtype=torch.bool)) == 1.0
+    assert dapo_scales([torch.ones(2, 3, dtype=torch.bool)]) == [1.0]
     assert comm.all_reduce_int(7) == 7
 
 

@@ -25,7 +25,7 @@ def _dapo_rank(rank: int, world: int, port: int, shards, out) -> None:
     import torch.distributed as dist
 
     from trainer.grpo import grpo_loss
-    from trainer.loop import dapo_scale
+    from trainer.update import dapo_scales
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x, adv, mask_np = shards[rank]
@@ -33,7 +33,7 @@ def _dapo_rank(rank: int, world: int, port: int, shards, out) -> None:
     logps = w * torch.tensor(x)
     mask = torch.tensor(mask_np)
     loss = grpo_loss(logps, None, logps.detach().clone(), torch.tensor(adv), mask, beta=0.0, eps_low=0.2,
-                     eps_high=0.2, aggregation="token_mean", max_new_tokens=8) * dapo_scale(mask)
+                     eps_high=0.2, aggregation="token_mean", max_new_tokens=8) * dapo_scales([mask])[0]
     loss.backward()
     grad, lossv = w.grad.clone(), loss.detach().clone()
     for t in (grad, lossv):  # what DeepSpeed does with gradients: the mean over ranks

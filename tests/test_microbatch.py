@@ -12,8 +12,9 @@ from common.modeling import load_model, resolve_model_path
 from common.protocol import ScoredBatch
 from trainer import microbatch
 from trainer.engine import ds_config_for
-from trainer.grpo import grpo_loss, tis_weights
-from trainer.loop import train_step
+from trainer.grpo import grpo_loss
+from trainer.offpolicy import importance_weights
+from trainer.update import train_step
 
 ROWS = 8
 
@@ -46,8 +47,10 @@ def reference_grads(model, b: ScoredBatch, cfg: GRPOConfig) -> dict:
     seq = cfg.importance_sampling_level == "sequence"
     gen = b.gen_logps.double()
     weights = None
-    if cfg.tis_cap is not None:  # truncated IS: ratios against the trainer's own old logps, engine-weighted
-        weights, gen = tis_weights(logps.detach(), gen, cfg.tis_cap), logps.detach()
+    if cfg.old_logps == "trainer":  # π_old = the trainer's own first-pass logps, IS weights against the engine's
+        weights, _ = importance_weights(logps.detach(), gen, mask, cfg.vllm_importance_sampling_mode,
+                                        cfg.vllm_importance_sampling_clip_max)
+        gen = logps.detach()
     loss = grpo_loss(logps, b.ref_logps.double(), gen, b.advantages.double(), mask, beta=cfg.beta, is_weights=weights,
                      eps_low=cfg.gspo_eps_low if seq else cfg.eps_low,
                      eps_high=cfg.gspo_eps_high if seq else cfg.eps_high,
@@ -80,17 +83,23 @@ def engine():
     mp.undo()
 
 
-def config(aggregation: str, level: str, tis_cap: float | None = None) -> GRPOConfig:
+def config(aggregation: str, level: str, is_mode: str | None = None) -> GRPOConfig:
+    """is_mode None: π_old = the engine's logps (old_logps engine, the ratio is not 1); else π_old = the trainer's
+    first pass with that importance-sampling correction against the engine's logps (clip_max 1.5)."""
     return GRPOConfig(model=resolve_model_path("tiny"), num_pre_Q=ROWS, micro_batch_size=3, aggregation=aggregation,
                       beta=0.04, importance_sampling_level=level, gspo_eps_low=0.01, gspo_eps_high=0.01,
-                      max_new_tokens=16, logp_chunk_tokens=4, grad_clip=1e9, tis_cap=tis_cap).validate()
+                      max_new_tokens=16, logp_chunk_tokens=4, grad_clip=1e9, temperature=1.0,
+                      old_logps="engine" if is_mode is None else "trainer",
+                      vllm_importance_sampling_mode=is_mode or "sequence_mask",
+                      vllm_importance_sampling_clip_max=1.5).validate()
 
 
-@pytest.mark.parametrize("aggregation,level,tis_cap", [
+@pytest.mark.parametrize("aggregation,level,is_mode", [
     ("seq_mean", "token", None), ("token_mean", "token", None), ("dr_grpo", "token", None), ("dapo", "token", None),
-    ("seq_mean", "sequence", None), ("token_mean", "sequence", None), ("token_mean", "token", 1.5)])
-def test_accumulated_micro_batches_give_the_whole_batch_gradient(engine, aggregation, level, tis_cap):
-    cfg = config(aggregation, level, tis_cap)
+    ("seq_mean", "sequence", None), ("token_mean", "sequence", None), ("luspo", "sequence", None),
+    ("token_mean", "token", "token_truncate"), ("seq_mean", "token", "sequence_mask")])
+def test_accumulated_micro_batches_give_the_whole_batch_gradient(engine, aggregation, level, is_mode):
+    cfg = config(aggregation, level, is_mode)
     ref_model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
     ref_model.load_state_dict(engine.module.state_dict())  # the engine's current weights (earlier cases stepped)
     b = make_batch(ref_model.config.vocab_size)

@@ -90,12 +90,12 @@ def ref_model(tiny_model_dir):
     return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
-def direct_ref_logps(model, b: RolloutBatch) -> torch.Tensor:
-    """Independent reference: full-vocab log_softmax in float64 over a plain forward, gathered."""
+def direct_ref_logps(model, b: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Independent reference: full-vocab log_softmax(logits / T) in float64 over a plain forward, gathered."""
     L = b.input_ids.shape[1]
     mask = (torch.arange(L)[None, :] < (b.prompt_lens + b.completion_lens)[:, None]).long()
     with torch.no_grad():
-        logp = model(input_ids=b.input_ids, attention_mask=mask).logits.double().log_softmax(-1)
+        logp = (model(input_ids=b.input_ids, attention_mask=mask).logits.double() / temperature).log_softmax(-1)
     out = torch.zeros(b.num_rows, b.max_completion_len, dtype=torch.float64)
     for i in range(b.num_rows):
         p, c = int(b.prompt_lens[i]), int(b.completion_lens[i])
@@ -112,6 +112,30 @@ def test_health_and_metrics(server, client):
     assert {"input", "output"} <= set(h["queues"]) and h["uptime_s"] >= 0
     assert "grpo_ref_uploads_accepted_total" in requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
     assert "batches_scored" in client.stats()
+
+
+def test_ref_logprobs_at_the_batch_temperature_and_skipped_when_not_needed(server, client, ref_model):
+    """extra logp_temperature: ref logprobs of logits / T; needs_ref false (beta = 0): no forward, counted."""
+    hot = make_batch([4, 6], [5, 3], seed=11, producer_id="t", extra={"logp_temperature": 0.7})
+    skip = make_batch([3], [4], seed=12, producer_id="t", extra={"needs_ref": False})
+    before = requests.get(server.url + "/stats", headers=AUTH, timeout=10).json()
+    for b in (hot, skip):
+        assert client.upload(b) == b.batch_id
+    got = {}
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        s = client.get(timeout=5)
+        if s is not None:
+            got[s.batch_id] = s
+    diff = (got[hot.batch_id].ref_logps.double() - direct_ref_logps(ref_model, hot, 0.7)).abs().max().item()
+    assert diff <= 1e-5, diff
+    assert (got[hot.batch_id].ref_logps.double() - direct_ref_logps(ref_model, hot)).abs().max().item() > 1e-3
+    assert got[skip.batch_id].ref_logps is None
+    after = requests.get(server.url + "/stats", headers=AUTH, timeout=10).json()
+    assert after["batches_ref_skipped"] == before["batches_ref_skipped"] + 1
+    assert after["forwards"] == before["forwards"] + 1  # only the batch that needs ref logprobs was forwarded
+    st = requests.get(server.url + "/status", headers=AUTH, timeout=10).json()
+    assert st["ref_forward"]["batches_ref_skipped"] == after["batches_ref_skipped"]
 
 
 def test_ref_logprobs_match_direct_forward(client, ref_model):
@@ -183,6 +207,9 @@ BAD_UPLOADS = {
     "float token ids": (_bad(input_ids=torch.ones(2, 8)), "dtype"),
     "unknown tensor": (_bad(weights=torch.ones(3)), "unknown tensor"),
     "positive gen logps": (_bad(gen_logps=torch.ones(2, 5)), "positive"),
+    "truncated list of the wrong length": (_bad(extra='{"truncated": [true]}'), "truncated"),
+    "truncated not booleans": (_bad(extra='{"truncated": [1, 0]}'), "truncated"),
+    "bad logp_temperature": (_bad(extra='{"logp_temperature": 0}'), "logp_temperature"),
     "pickled dict": (pickle.dumps({"input_ids": [[1, 2, 3]], "prompt_lens": [1]}), ""),
     "pickled tensor": (pickle.dumps(torch.ones(2, 3)), ""),
 }

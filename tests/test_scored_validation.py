@@ -15,7 +15,8 @@ from common.protocol import ProtocolError, ScoredBatch, decode_scored, encode_ro
 
 def _cfg(**kw) -> GRPOConfig:
     args = []
-    for k, v in {"max_new_tokens": 8, "beta": 0.04, "num_gen_workers": 1, "get_wait": 0, **kw}.items():
+    for k, v in {"max_new_tokens": 8, "beta": 0.04, "num_gen_workers": 1, "get_wait": 0, "temperature": 1.0,
+                 **kw}.items():
         args += [f"--{k}", str(v)]
     return load_config(GRPOConfig, args)
 
@@ -61,7 +62,7 @@ def test_decode_scored_rejects_a_rollout_message():
 def test_check_scored_rejects_what_this_trainer_cannot_use():
     from trainer.batches import check_scored
 
-    cfg = _cfg()
+    cfg = _cfg(temperature=1.0)
     ok = decode_scored(encode_scored(_scored()))
     check_scored(ok, cfg, VOCAB)
     beyond = _scored()
@@ -73,9 +74,21 @@ def test_check_scored_rejects_what_this_trainer_cannot_use():
     no_ref = decode_scored(encode_scored(_scored(ref_logps=None)))
     with pytest.raises(ProtocolError, match="has no ref_logps but beta=0.04"):
         check_scored(no_ref, cfg, VOCAB)
-    check_scored(no_ref, _cfg(beta=0), VOCAB)  # beta 0 needs no reference
+    check_scored(no_ref, _cfg(beta=0, temperature=1.0), VOCAB)  # beta 0 needs no reference
     with pytest.raises(ProtocolError, match="longer than max_new_tokens"):
-        check_scored(ok, _cfg(max_new_tokens=4), VOCAB)
+        check_scored(ok, _cfg(max_new_tokens=4, temperature=1.0), VOCAB)
+    # logprobs at another temperature than this trainer's (issue 24): no extra key = T 1 (raw distribution)
+    with pytest.raises(ProtocolError, match="temperature 1.0, this trainer computes its own at 0.9"):
+        check_scored(ok, _cfg(temperature=0.9), VOCAB)
+    check_scored(ok, _cfg(temperature=0.9, logp_temperature=1.0), VOCAB)  # simple_GRPO's T = 1
+    hot = decode_scored(encode_scored(_scored(extra={"logp_temperature": 0.9})))
+    check_scored(hot, _cfg(temperature=0.9), VOCAB)
+    # a truncated list that does not fit the batch: refused at decode, and by the trainer that reads it
+    short = _scored(extra={"truncated": [True]})
+    with pytest.raises(ProtocolError, match="truncated"):
+        decode_scored(encode_scored(short))
+    with pytest.raises(ProtocolError, match="truncated"):
+        check_scored(short, _cfg(temperature=1.0, mask_truncated=True), VOCAB)
 
 
 def test_batch_source_skips_a_bad_scored_batch_and_counts_it():

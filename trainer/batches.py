@@ -12,6 +12,7 @@ from trainer.comm import all_reduce_int
 from trainer.engines.hf import HFEngine
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
+from trainer.update import truncated_mask
 
 log = logging.getLogger("trainer")
 
@@ -24,6 +25,13 @@ def check_scored(b: ScoredBatch, cfg: GRPOConfig, vocab_size: int) -> None:
         raise ProtocolError(f"scored batch {b.batch_id} has token ids beyond the policy vocab ({vocab_size})")
     if int(b.completion_lens.max()) > cfg.max_new_tokens:
         raise ProtocolError(f"scored batch {b.batch_id} has completions longer than max_new_tokens")
+    t = float(b.extra.get("logp_temperature", 1.0))  # its ref (and engine) logprobs are at this T
+    if (cfg.beta > 0 or b.gen_logps is not None) and abs(t - cfg.logprob_temperature()) > 1e-9:
+        raise ProtocolError(f"scored batch {b.batch_id} has logprobs at temperature {t}, this trainer computes "
+                            f"its own at {cfg.logprob_temperature()} (temperature / logp_temperature differ "
+                            f"between producer and trainer)")
+    if cfg.mask_truncated and "truncated" in b.extra:
+        truncated_mask(b)  # one bool per completion (checked at decode too; here for what this trainer reads)
 
 
 def usable_version(batch_version: int, current: int, max_staleness: int) -> bool:

@@ -45,11 +45,13 @@ def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
 
 
 def lr_lambda(cfg: GRPOConfig):
+    """LR factor of optimizer update `step` (0-based; DeepSpeed steps the scheduler once per update, at the
+    accumulation boundary). The horizon is all_steps: one step = one update (trainer/update.py)."""
     def f(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         if cfg.lr_schedule == "cosine":
-            total = max(1, cfg.all_steps * cfg.mu - cfg.warmup_steps)
+            total = max(1, cfg.all_steps - cfg.warmup_steps)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup_steps) / total)))
         return 1.0
     return f

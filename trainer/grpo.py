@@ -2,16 +2,24 @@
 
     loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) + beta * KL_k3(ref || policy)
 
-with r = exp(logp - gen_logp) per token (or the REINFORCE form exp(logp - logp.detach()) when
-there are no generation-time logprobs), aggregated over completion tokens only.
+with r = exp(logp - old_logp) per token, aggregated over completion tokens only. old_logp is π_old: the
+trainer's own first-pass logprobs by default (trainer/update.py), or the engine's (old_logps=engine); None
+gives the REINFORCE form exp(logp - logp.detach()) (value 1, the gradient of logp). Importance weights on the
+policy term (engine mismatch / staleness, trainer/offpolicy.py) come in as is_weights.
 
 Variants (each a config value):
 - importance_sampling_level="sequence": GSPO (Zheng et al. 2025, arXiv:2507.18071). One ratio per completion,
-  s_i = exp(mean_t(logp - gen_logp)) (the length-normalised sequence log-ratio), clipped per sequence with its own
+  s_i = exp(mean_t(logp - old_logp)) (the length-normalised sequence log-ratio), clipped per sequence with its own
   small epsilons (the paper uses 3e-4 / 4e-4); it is broadcast over the completion's tokens, so the aggregation
   and the per-token k3 KL work unchanged (as in TRL).
 - advantage_mode="reinforce_pp": REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262): the group mean is
   subtracted at generation time, the result is normalised over the whole training batch (all ranks) at train time.
+- objective="cispo": CISPO (MiniMax-M1, arXiv:2506.13585): -sg(min(r, eps_high)) * A * logp, the clipped IS
+  weight without a gradient, so no token loses its gradient (eps_high is the absolute cap here, as TRL's).
+- objective="sapo": SAPO (soft adaptive policy optimisation): -sigmoid(tau * (r - 1)) * 4 / tau * A, a smooth gate
+  instead of the hard clip, tau = sapo_tau_pos for A > 0 and sapo_tau_neg otherwise (TRL's formula).
+- aggregation="luspo": LUSPO (GSPO with length scaling): each completion's loss is summed over its tokens, then
+  averaged over completions (TRL: (per_token_loss * len).mean() with a sequence-level ratio).
 - overlong shaping: DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), a linear reward
   penalty for completions that enter the last `overlong_buffer` tokens before max_new_tokens.
 """
@@ -19,8 +27,9 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS = ("seq_mean", "token_mean", "dr_grpo")
+AGGREGATIONS = ("seq_mean", "token_mean", "dr_grpo", "luspo")
 IS_LEVELS = ("token", "sequence")
+OBJECTIVES = ("clip", "cispo", "sapo")
 
 
 def group_advantages(rewards: torch.Tensor, mode: str = "grpo", eps: float = 1e-4) -> torch.Tensor:
@@ -76,26 +85,34 @@ def k3_kl(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: torch.Tensor | None,
+def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, old_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, eps_low: float, eps_high: float,
               aggregation: str, max_new_tokens: int, importance_sampling_level: str = "token",
-              is_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Scalar GRPO loss. logps/ref_logps/gen_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool.
+              is_weights: torch.Tensor | None = None, objective: str = "clip",
+              sapo_tau: tuple[float, float] = (1.0, 1.05)) -> torch.Tensor:
+    """Scalar GRPO loss. logps/ref_logps/old_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool.
 
     importance_sampling_level="sequence" (GSPO): pass the sequence epsilons as eps_low/eps_high.
-    is_weights (B, T), optional: per-token importance weights on the policy term (truncated IS, see tis_weights)."""
+    is_weights (B, T), optional: per-token weights on the policy term (off-policy correction, entropy mask).
+    sapo_tau: (positive-advantage, negative-advantage) temperatures of objective sapo."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; use one of {AGGREGATIONS}")
     if importance_sampling_level not in IS_LEVELS:
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; use one of {IS_LEVELS}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; use one of {OBJECTIVES}")
     A = advantages.to(logps.dtype)[:, None]
-    log_ratio = _log_ratio(logps, gen_logps, mask, importance_sampling_level)
-    if gen_logps is not None:
-        ratio = torch.exp(log_ratio)
-        per_token = torch.min(ratio * A, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
+    ratio = torch.exp(_log_ratio(logps, old_logps, mask, importance_sampling_level))
+    if objective == "cispo":  # the weight carries no gradient: the gradient is that of logp, never zeroed
+        per_token = -torch.clamp(ratio, max=eps_high).detach() * A * logps
+    elif objective == "sapo":
+        pos, neg = (torch.tensor(t, dtype=logps.dtype, device=logps.device) for t in sapo_tau)
+        tau = torch.where(A > 0, pos, neg)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A
+    elif old_logps is not None:
+        per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
     else:
-        per_token = torch.exp(log_ratio) * A  # value 1, gradient = grad(logp) * A (mean logp for sequence)
-    per_token = -per_token
+        per_token = -ratio * A  # value 1, gradient = grad(logp) * A (mean logp for sequence)
     if is_weights is not None:
         per_token = per_token * is_weights.detach().to(per_token.dtype)
     if beta != 0:
@@ -107,14 +124,26 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: to
         return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
     if aggregation == "token_mean":  # every token of the batch weighs the same (DAPO)
         return (per_token * m).sum() / m.sum().clamp(min=1)
+    if aggregation == "luspo":  # each completion weighs its length (LUSPO)
+        return (per_token * m).sum(1).mean()
     # dr_grpo: token sum over a constant length, so long completions are not down-weighted
     return (per_token * m).sum() / (per_token.shape[0] * max_new_tokens)
 
 
-def _log_ratio(logps: torch.Tensor, gen_logps: torch.Tensor | None, mask: torch.Tensor, level: str) -> torch.Tensor:
+def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """TRL's top_entropy_quantile: 1 on the completion tokens whose entropy is at or above the (1 - quantile)
+    quantile of this batch's completion-token entropies, 0 elsewhere (the 80/20 'forking tokens' rule)."""
+    vals = entropy.detach()[mask.bool()].float()
+    if quantile >= 1.0 or vals.numel() == 0:
+        return mask.to(entropy.dtype)
+    cut = torch.quantile(vals, 1.0 - quantile)
+    return ((entropy.detach() >= cut) & mask.bool()).to(entropy.dtype)
+
+
+def _log_ratio(logps: torch.Tensor, old_logps: torch.Tensor | None, mask: torch.Tensor, level: str) -> torch.Tensor:
     """(B, T) log importance ratios: per token, or GSPO's masked token mean broadcast over the sequence.
-    Without gen_logps the REINFORCE form: log-ratio 0 whose gradient is that of logp (or of its mean)."""
-    base = logps.detach() if gen_logps is None else gen_logps
+    Without old_logps the REINFORCE form: log-ratio 0 whose gradient is that of logp (or of its mean)."""
+    base = logps.detach() if old_logps is None else old_logps
     d = logps - base
     if level == "token":
         return d
@@ -124,32 +153,30 @@ def _log_ratio(logps: torch.Tensor, gen_logps: torch.Tensor | None, mask: torch.
 
 
 @torch.no_grad()
-def loss_stats(logps: torch.Tensor, ref_logps: torch.Tensor | None, gen_logps: torch.Tensor | None,
+def loss_stats(logps: torch.Tensor, ref_logps: torch.Tensor | None, old_logps: torch.Tensor | None,
                advantages: torch.Tensor, mask: torch.Tensor, *, eps_low: float, eps_high: float,
-               importance_sampling_level: str = "token") -> dict:
-    """Diagnostics over masked tokens: mean k3 KL to the reference and the fraction of clipped ratios
-    (with sequence-level ratios a clipped completion counts all its tokens)."""
+               importance_sampling_level: str = "token", objective: str = "clip") -> dict:
+    """Diagnostics over masked tokens: mean k3 KL to the reference and the fraction of clipped ratios against
+    the π_old given (old_logps; with sequence-level ratios a clipped completion counts all its tokens).
+    cispo: the share of positive-advantage tokens whose weight hit the cap (TRL's cispo_clip_ratio); sapo: 0."""
     m = mask.bool()
     n = m.sum().clamp(min=1)
     out = {"kl": float((k3_kl(ref_logps, logps) * m).sum() / n) if ref_logps is not None else 0.0}
-    if gen_logps is not None:
-        ratio = torch.exp(_log_ratio(logps, gen_logps, m, importance_sampling_level))
+    if old_logps is not None:
+        ratio = torch.exp(_log_ratio(logps, old_logps, m, importance_sampling_level))
         A = advantages[:, None].expand_as(ratio)
         # A token is clipped when the clipped branch is the active (smaller) one and has no gradient.
         clipped = ((ratio > 1 + eps_high) & (A > 0)) | ((ratio < 1 - eps_low) & (A < 0))
+        if objective == "cispo":
+            clipped = (ratio > eps_high) & (A > 0)
+        elif objective == "sapo":
+            clipped = torch.zeros_like(clipped)
         out["clip_frac"] = float((clipped & m).sum() / n)
         out["ratio_mean"] = float((ratio * m).sum() / n)
     else:
         out["clip_frac"] = 0.0
         out["ratio_mean"] = 1.0
     return out
-
-
-def tis_weights(old_logps: torch.Tensor, engine_logps: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (train/inference mismatch correction, as in verl/Yao et al. 2025):
-    min(exp(trainer old logp - engine logp), cap) per token, no gradient. Tokens the engine sampled more
-    often than the trainer's policy would are down-weighted; the cap bounds the variance."""
-    return torch.exp(old_logps.detach() - engine_logps).clamp(max=cap)
 
 
 @torch.no_grad()

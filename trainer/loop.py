@@ -1,9 +1,10 @@
 """The training loop on each DeepSpeed rank: one GRPO step per batch, metrics, eval, weight publishing.
 
-A step: BatchSource (trainer/batches.py) hands over scored groups -> train_step computes per-token
-logprobs (common/logprobs.py) and the GRPO loss (trainer/grpo.py) -> DeepSpeed backward + step ->
-metrics reduced over ranks (trainer/step_metrics.py) -> rank 0 publishes the weights for the genonly
-workers (trainer/publish.py over common/weight_sync.py).
+A step is one optimizer update (trainer/update.py): every mu-th step BatchSource (trainer/batches.py) hands
+over grad_accum training batches of scored groups -> train_update computes per-token logprobs
+(common/logprobs.py) and the GRPO loss (trainer/grpo.py, off-policy weights from trainer/offpolicy.py) ->
+DeepSpeed backward per batch + one update -> metrics reduced over ranks (trainer/step_metrics.py) -> rank 0
+publishes the weights for the genonly workers (trainer/publish.py over common/weight_sync.py).
 """
 from __future__ import annotations
 
@@ -17,17 +18,13 @@ import torch
 
 from common.config import GRPOConfig
 from common.knobs import to_dict
-from common.logprobs import chunk_count, sequence_logprobs
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
-from common.protocol import ScoredBatch
-from trainer import comm, microbatch, nodes, resume
+from trainer import comm, nodes, resume
 from trainer.batches import BatchSource
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
 from trainer.engine import build_engine, init_deepspeed
-from trainer.grpo import grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages, tis_weights
 from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
-from trainer.microbatch import micro_batches_per_step, rows_per_step
 from trainer.publish import Publisher
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import RolloutStats
@@ -42,99 +39,29 @@ from trainer.step_metrics import (
     model_summary,
     reduce_metrics,
 )
+from trainer.update import metric_keys, new_round, starts_round, train_update
 
 log = logging.getLogger("trainer")
 
 
-def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
-    """mu optimisation passes over one training batch, each in micro-batches of micro_batch_size rows whose
-    gradients DeepSpeed accumulates into one optimizer update (trainer/microbatch.py); returns loss and
-    diagnostics."""
-    device = next(engine.module.parameters()).device
-    mask = b.completion_mask().to(device)
-    if cfg.mask_truncated and "truncated" in b.extra:
-        keep = ~torch.tensor(b.extra["truncated"], dtype=torch.bool, device=device)
-        mask = mask & keep[:, None]
-    adv = b.advantages.to(device)
-    if cfg.advantage_mode == "reinforce_pp":  # group-centred at generation; normalised over the step's batch here
-        adv = reinforce_pp_advantages(adv, all_reduce=comm.all_reduce if torch.distributed.is_initialized() else None)
-    gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
-    ref = b.ref_logps.to(device) if (cfg.beta > 0) else None
-    micros = microbatch.split(b, mask, adv, gen, ref, cfg.micro_batch_size or b.num_rows, cfg.aggregation)
-    if len(micros) != micro_batches_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches
-        raise ValueError(f"training batch of {b.num_rows} rows makes {len(micros)} micro-batches of "
-                         f"micro_batch_size={cfg.micro_batch_size}; train_batch_groups x num_pre_Q = "
-                         f"{rows_per_step(cfg)} rows make {micro_batches_per_step(cfg)}")
-    scale = dapo_scale(mask) if cfg.aggregation == "dapo" else 1.0  # the whole rank batch's share, once
-    stats: dict = {}
-    olds: list = [None] * len(micros)  # truncated IS: the trainer's own old logps (first pass) per micro-batch
-    for _ in range(cfg.mu):
-        seen = []
-        for i, mb in enumerate(micros):
-            logps, ent = sequence_logprobs(engine.module, mb.input_ids, mb.prompt_lens, mb.completion_lens,
-                                           chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True,
-                                           min_chunks=agreed_chunks(engine.module, mb, cfg))
-            logps = logps.float()
-            if cfg.tis_cap is not None and mb.gen is not None and olds[i] is None:
-                olds[i] = logps.detach()
-            loss = micro_loss(logps, mb, olds[i], cfg) * (scale * mb.weight)
-            engine.backward(loss * microbatch.backward_scale(len(micros)))
-            engine.step()  # an optimizer update only after the step's last micro-batch (engine.py)
-            seen.append((logps.detach(), ent, float(loss.detach())))
-        if not stats:  # diagnostics of the first pass: the policy that saw this batch
-            stats = step_stats(seen, micros, olds, b, mask, adv, gen, ref, cfg)
-    return stats
+def round_info(infos: list[dict]) -> dict:
+    """BatchSource's counters summed over the batches fetched this step (none on a round's later passes)."""
+    out = {"wait_s": 0.0, "gen_s": 0.0, "rejected_batches": 0, "dropped_stale": 0, "lost_batches": 0}
+    own = RolloutStats()
+    for info in infos:
+        for k in out:
+            out[k] += info[k]
+        for k, v in vars(info["own_gen"]).items():
+            if isinstance(v, (int, float)):
+                setattr(own, k, getattr(own, k) + v)
+    return {**out, "own_gen": own}
 
 
-def agreed_chunks(model, mb: microbatch.Micro, cfg: GRPOConfig) -> int:
-    """Under ZeRO-3 each LM-head call gathers the head from every rank: all ranks make as many calls as the
-    rank with the longest completions (common/logprobs.py pads with empty chunks). 0 otherwise."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
-        return 0
-    return comm.all_reduce_int(chunk_count(*mb.mask.shape, cfg.logp_chunk_tokens), "max")
-
-
-def micro_loss(logps: torch.Tensor, mb: microbatch.Micro, old: torch.Tensor | None, cfg: GRPOConfig) -> torch.Tensor:
-    """The GRPO loss of one micro-batch, normalised within it (the caller weights it into the batch's loss)."""
-    level = cfg.importance_sampling_level
-    weights = tis_weights(old, mb.gen, cfg.tis_cap) if old is not None else None
-    return grpo_loss(logps, mb.ref, old if old is not None else mb.gen, mb.adv, mb.mask, beta=cfg.beta,
-                     aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
-                     max_new_tokens=cfg.max_new_tokens, importance_sampling_level=level, is_weights=weights,
-                     **_eps(cfg))
-
-
-def _eps(cfg: GRPOConfig) -> dict:
-    if cfg.importance_sampling_level == "sequence":
-        return dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high)
-    return dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-
-
-def step_stats(seen: list, micros: list, olds: list, b: ScoredBatch, mask, adv, gen, ref, cfg: GRPOConfig) -> dict:
-    """Whole-batch diagnostics from the first pass's micro-batches: KL, clipping, entropy, loss, mismatch."""
-    B, T = mask.shape
-    logps = microbatch.join([s[0] for s in seen], micros, B, T)
-    ent = microbatch.join([s[1] for s in seen], micros, B, T)
-    stats = loss_stats(logps, ref, gen, adv, mask, importance_sampling_level=cfg.importance_sampling_level,
-                       **_eps(cfg))
-    m = mask.float()
-    stats["entropy"] = float((ent * m).sum() / m.sum().clamp(min=1))
-    stats["loss"] = sum(s[2] for s in seen)  # the weighted micro losses add up to the batch's loss
-    if gen is not None:  # train/inference mismatch (includes policy drift when the batch is stale)
-        stats.update(mismatch_stats(logps, gen, mask))
-    if all(o is not None for o in olds):
-        weights = tis_weights(microbatch.join(olds, micros, B, T), gen, cfg.tis_cap)
-        stats["tis_weight_mean"] = float((weights * m).sum() / m.sum().clamp(min=1))
-    return stats
-
-
-def dapo_scale(mask: torch.Tensor) -> float:
-    """TRL's dapo: token sum / the token count of the whole global batch. DeepSpeed averages gradients over
-    ranks, so a rank's token_mean (sum / local tokens) is scaled by local tokens * world / global tokens."""
-    local = mask.sum().to(torch.float64).cpu()
-    total = local.clone()
-    comm.all_reduce(total)  # on the group's device (NCCL: CUDA), see trainer/comm.py
-    return float(local * torch.distributed.get_world_size() / total.clamp(min=1))
+def round_metrics(batches: list) -> dict:
+    """Reward metrics of the batches this step trained on, averaged over them."""
+    rows = [batch_metrics(b) for b in batches]
+    keys = set().union(*rows)
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> dict:
@@ -239,29 +166,39 @@ def _train(cfg: GRPOConfig, started: list) -> None:
 
     keys = MEAN_KEYS + [f"reward/{name}" for name in scorer.names]
     keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
+    objective_mean, objective_sum = metric_keys(cfg)  # IS weights, masked shares, GSPO band, round pass
+    keys += objective_mean
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
     for step in range(start_step + 1, cfg.all_steps + 1):
         t0 = time.time()
-        batch, info = source.next(policy_version=step - 1)
+        if starts_round(step, start_step, cfg.mu):  # a new generation round: grad_accum batches for mu steps
+            got = [source.next(policy_version=step - 1) for _ in range(cfg.grad_accum)]
+            rnd = new_round([g[0] for g in got], cfg, next(engine.module.parameters()).device)
+            info = round_info([g[1] for g in got])
+            info["ref_skipped_batches"] = sum(b.ref_logps is None for b in rnd.batches)
+        else:  # a later pass over the round's batches: nothing fetched this step
+            info = round_info([])
         t1 = time.time()
         watchdog.activity = f"training step {step}"
-        stats = train_step(engine, batch, cfg)
+        stats = train_update(engine, rnd, cfg)
         watchdog.stepped()
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         client.set_version(step)
         own: RolloutStats = info["own_gen"]
-        row = {**batch_metrics(batch), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
+        versions = [b.policy_version for b in rnd.batches]
+        row = {**round_metrics(rnd.batches), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
                "skipped_groups": own.skipped_no_spread, "skipped_long_prompts": own.skipped_long_prompt,
                "rejected_batches": info["rejected_batches"], "lost_batches": info["lost_batches"],
-               "staleness": (step - 1) - batch.policy_version,
-               "tokens_per_s": batch.num_completion_tokens() / max(time.time() - t1, 1e-9),
-               "step_s": time.time() - t0}
-        row["staleness_max"] = row["staleness"]  # one batch per rank per step: its staleness
+               "staleness": sum((step - 1) - v for v in versions) / len(versions),
+               "tokens_per_s": sum(b.num_completion_tokens() for b in rnd.batches) / max(time.time() - t1, 1e-9),
+               "step_s": time.time() - t0, "round_pass": rnd.passes}
+        row["staleness_max"] = max((step - 1) - v for v in versions)
         row["dropped_stale"] = info["dropped_stale"]
+        row["ref_skipped_batches"] = info.get("ref_skipped_batches", 0)
         row.update(memory_row(rank, world))
         if step == start_step + 1:
             row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
-        mine = [int(i) for i in batch.extra.get("example_index", [])]  # what this rank trained on
+        mine = [int(i) for b in rnd.batches for i in b.extra.get("example_index", [])]  # what this rank trained on
         trained: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(trained, mine)
         totals["skipped_groups"] += own.skipped_no_spread
@@ -271,7 +208,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             row.update(publisher.publish(step))
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         once = list(setup_row) if step == start_step + 1 else []
-        row = reduce_metrics(row, keys, SUM_KEYS + mem_keys(world) + once, MAX_KEYS)
+        row = reduce_metrics(row, keys, SUM_KEYS + objective_sum + mem_keys(world) + once, MAX_KEYS)
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             watchdog.activity = f"evaluating at step {step}"
             row.update(maybe_eval(step))

@@ -93,7 +93,8 @@ def policy_logps(batches: list[RolloutBatch], engine: GenEngine, cfg, synced: bo
             (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
         chunks = chunk_count(ids.shape[0], int(clens.max()), cfg.logp_chunk_tokens)
         logps, _ = sequence_logprobs(engine.model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens,
-                                     min_chunks=all_reduce_int(chunks, "max") if synced else 0)
+                                     min_chunks=all_reduce_int(chunks, "max") if synced else 0,
+                                     temperature=cfg.logprob_temperature())
         if b is not None:
             b.gen_logps = logps.float().cpu()
 
@@ -138,7 +139,9 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
-        extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts]}
+        extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],
+                 # what the ref server needs: the T of the logprobs, and whether to run the reference at all
+                 "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
         if cfg.overlong_buffer > 0:
             extra["overlong_penalty"] = penalty.tolist()
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)

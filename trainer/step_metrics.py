@@ -16,7 +16,7 @@ log = logging.getLogger("trainer")
 # averaged over ranks / summed (counts; figures only rank 0 has) / maximum
 MEAN_KEYS = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate", "kl", "clip_frac", "ratio_mean",
              "entropy", "completion_len", "tokens_per_s", "wait_s", "gen_s", "step_s", "staleness",
-             "logp_mismatch_mean", "tis_weight_mean"]
+             "logp_mismatch_mean"]
 SUM_KEYS = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
             "sync_s", "sync_mb", "sync_mb_up_delta", "sync_mb_up_full", "sync_mb_down_delta", "sync_mb_down_full",
             "reward_timeouts"]

@@ -4,8 +4,10 @@ in place between rounds.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so `reload_weights` can take an
 iterator of our tensors directly: no restart, no second copy beyond the fetched blob. vLLM's default of
 applying the checkpoint's generation_config is switched off (generation_config="vllm"), so sampling is
-exactly our temperature/top_p/top_k. logprobs_mode="raw_logprobs" makes the returned logprobs those of the
-model's raw distribution, the quantity the trainer recomputes.
+exactly our temperature/top_p/top_k. The returned logprobs are of the distribution the trainer recomputes
+(cfg.logprob_temperature()): logprobs_mode="processed_logprobs" (after the temperature; with top_p < 1 or
+top_k > 0 also renormalised over the kept tokens, which the trainer does not do: the logp_mismatch metric
+shows it) at the sampling temperature, "raw_logprobs" at T = 1.
 """
 from __future__ import annotations
 
@@ -77,6 +79,12 @@ def import_vllm():
     return LLM, SamplingParams, TokensPrompt
 
 
+def logprobs_mode(cfg) -> str:
+    """vLLM's logprobs of the distribution at cfg.logprob_temperature(): raw at T = 1, processed (logits / the
+    sampling temperature) when that is the logprob temperature."""
+    return "raw_logprobs" if cfg.logprob_temperature() == 1.0 else "processed_logprobs"
+
+
 class VLLMEngine(GenEngine):
     def __init__(self, llm, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
                  tied: bool = False):
@@ -107,7 +115,7 @@ class VLLMEngine(GenEngine):
         try:
             llm = LLM(model=model_path, tokenizer=model_path, dtype=cfg.vllm_dtype, enforce_eager=cfg.vllm_eager,
                       max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                      logprobs_mode="raw_logprobs", generation_config="vllm", seed=cfg.seed + cfg.worker_id,
+                      logprobs_mode=logprobs_mode(cfg), generation_config="vllm", seed=cfg.seed + cfg.worker_id,
                       enable_prefix_caching=False)
         except Exception as e:  # vLLM raises many types; name the model and the fix, keep the cause
             cause = " ".join(str(e).split())  # vLLM's message may list every supported architecture

@@ -1,0 +1,43 @@
+"""The `extra` metadata keys of a batch that code reads, checked where a batch is decoded (a bad upload is a
+400 to its producer, a bad scored batch is rejected by the trainer) and before encoding.
+
+Per-completion lists must have one entry per row: `truncated` (bools; mask_truncated reads it),
+`overlong_penalty` (numbers) and each `components` list (numbers or null). `logp_temperature` (a number > 0)
+is the temperature of the batch's logprobs, which the ref server uses for ref_logps; `needs_ref` (bool)
+false tells the ref server to skip the reference forward (beta = 0).
+"""
+from __future__ import annotations
+
+import math
+
+
+class ExtraError(ValueError):
+    """extra does not fit its batch (common/protocol.py turns it into a ProtocolError)."""
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_extra(extra: dict, rows: int) -> None:
+    def per_row(key: str, values, ok, what: str) -> None:
+        if not isinstance(values, list) or len(values) != rows:
+            n = len(values) if isinstance(values, list) else type(values).__name__
+            raise ExtraError(f"extra[{key!r}] must be a list of {rows} {what} (one per completion), got {n}")
+        if not all(ok(v) for v in values):
+            raise ExtraError(f"extra[{key!r}] must hold {what}")
+
+    if "truncated" in extra:
+        per_row("truncated", extra["truncated"], lambda v: isinstance(v, bool), "booleans")
+    if "overlong_penalty" in extra:
+        per_row("overlong_penalty", extra["overlong_penalty"], _number, "numbers")
+    if "components" in extra:
+        comps = extra["components"]
+        if not isinstance(comps, dict):
+            raise ExtraError("extra['components'] must be an object {reward name: [value per completion]}")
+        for name, vals in comps.items():
+            per_row(f"components.{name}", vals, lambda v: v is None or _number(v), "numbers or null")
+    if "logp_temperature" in extra and not (_number(extra["logp_temperature"]) and extra["logp_temperature"] > 0):
+        raise ExtraError(f"extra['logp_temperature'] must be a number > 0, got {extra['logp_temperature']!r}")
+    if "needs_ref" in extra and not isinstance(extra["needs_ref"], bool):
+        raise ExtraError(f"extra['needs_ref'] must be true or false, got {extra['needs_ref']!r}")

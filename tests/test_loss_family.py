@@ -1,0 +1,156 @@
+"""TRL 1.16's loss family (issue 24): loss_type bnpo, cispo, sapo, luspo and top_entropy_quantile, each against a
+float64 re-derivation of the loss and of its gradient (loops over tokens, no torch), as tests/test_grpo.py does."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import GRPOConfig
+from common.knobs import load_config
+from trainer.grpo import entropy_mask, grpo_loss
+
+
+def data(seed=0, B=4, T=6):
+    g = np.random.default_rng(seed)
+    logps = -g.uniform(0.1, 3, (B, T))
+    old = logps + g.normal(0, 0.3, (B, T))  # far enough for clips and gates to act
+    ref = logps + g.normal(0, 0.1, (B, T))
+    adv = np.array([1.3, -0.7, 0.4, -1.1])
+    mask = np.ones((B, T), bool)
+    mask[1, 4:] = False
+    mask[3, 2:] = False
+    return logps, old, ref, adv, mask
+
+
+def ref_term(objective, lp, old_lp, a, eps_low, eps_high, tau):
+    """The policy term of one token in float64 (the sequence ratio is handled by the caller)."""
+    r = math.exp(lp - old_lp)
+    if objective == "cispo":
+        return -min(r, eps_high) * a * lp
+    if objective == "sapo":
+        t = tau[0] if a > 0 else tau[1]
+        return -(1 / (1 + math.exp(-t * (r - 1)))) * 4 / t * a
+    return -min(r * a, min(max(r, 1 - eps_low), 1 + eps_high) * a)
+
+
+def ref_loss(logps, old, ref, adv, mask, *, objective, aggregation, level, beta, eps_low, eps_high,
+             tau=(1.0, 1.05), weights=None):
+    B, T = logps.shape
+    rows = []
+    for i in range(B):
+        idx = [t for t in range(T) if mask[i, t]]
+        if level == "sequence":  # GSPO: one ratio exp(mean(logp - old)) for the whole completion
+            s = sum(logps[i, t] - old[i, t] for t in idx) / len(idx)
+        terms = []
+        for t in idx:
+            lp, o = (logps[i, t], old[i, t]) if level == "token" else (s + old[i, t], old[i, t])
+            term = ref_term(objective, lp, o, adv[i], eps_low, eps_high, tau)
+            if objective == "cispo" and level == "sequence":
+                term = -min(math.exp(s), eps_high) * adv[i] * logps[i, t]
+            term *= 1.0 if weights is None else weights[i, t]
+            d = ref[i, t] - logps[i, t]
+            terms.append(term + beta * (math.exp(d) - d - 1))
+        rows.append(terms)
+    if aggregation == "seq_mean":
+        return float(np.mean([sum(r) / len(r) for r in rows]))
+    if aggregation == "token_mean":
+        return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if aggregation == "luspo":
+        return float(np.mean([sum(r) for r in rows]))
+    raise ValueError(aggregation)
+
+
+def cispo_grad(logps, old, adv, mask, eps_high, aggregation, weights=None):
+    """d loss / d logp for CISPO (the weight min(r, eps_high) is a constant): -w_it * A_i / normaliser."""
+    g = np.zeros_like(logps)
+    n_tok = mask.sum()
+    for i in range(logps.shape[0]):
+        n_i = mask[i].sum()
+        for t in range(logps.shape[1]):
+            if mask[i, t]:
+                c = -min(math.exp(logps[i, t] - old[i, t]), eps_high) * adv[i]
+                c *= 1.0 if weights is None else weights[i, t]
+                g[i, t] = c / (n_i * logps.shape[0]) if aggregation == "seq_mean" else c / n_tok
+    return g
+
+
+CASES = [  # (objective, aggregation, level, eps_low, eps_high): what each TRL loss_type runs
+    ("clip", "token_mean", "token", 0.2, 0.28),     # bnpo
+    ("cispo", "token_mean", "token", 0.2, 1.1),     # cispo (dapo aggregation = token_mean on one rank)
+    ("sapo", "seq_mean", "token", 0.2, 0.2),        # sapo
+    ("sapo", "seq_mean", "sequence", 3e-4, 4e-4),   # sapo with a sequence ratio
+    ("clip", "luspo", "sequence", 3e-3, 4e-3),      # luspo
+]
+
+
+@pytest.mark.parametrize("objective, aggregation, level, eps_low, eps_high", CASES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradient_match_float64(objective, aggregation, level, eps_low, eps_high, beta):
+    logps, old, ref, adv, mask = data()
+    t = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
+    w = np.random.default_rng(5).uniform(0.5, 1.5, logps.shape)  # IS-style weights on the policy term
+    kw = dict(objective=objective, aggregation=aggregation, level=level, beta=beta, eps_low=eps_low,
+              eps_high=eps_high, weights=w)
+    x = t(logps).requires_grad_(True)
+    got = grpo_loss(x, t(ref), t(old), t(adv), torch.tensor(mask), beta=beta, eps_low=eps_low, eps_high=eps_high,
+                    aggregation=aggregation, max_new_tokens=6, importance_sampling_level=level, is_weights=t(w),
+                    objective=objective, sapo_tau=(1.0, 1.05))
+    want = ref_loss(logps, old, ref, adv, mask, **kw)
+    assert abs(got.item() - want) < 1e-10, (got.item(), want)
+    got.backward()
+    if objective == "cispo":
+        g = cispo_grad(logps, old, adv, mask, eps_high, aggregation, w)
+        if beta:  # plus the KL term's own gradient: d/dlogp beta*(e^d - d - 1), d = ref - logp
+            d = ref - logps
+            kl = beta * (1 - np.exp(d)) * mask
+            g = g + (kl / mask.sum(1, keepdims=True) / 4 if aggregation == "seq_mean" else kl / mask.sum())
+        np.testing.assert_allclose(x.grad.numpy(), g, atol=1e-10)
+        return
+    h = 1e-6
+    for (i, j) in [(0, 0), (0, 5), (1, 2), (2, 3), (3, 1)]:
+        up, dn = logps.copy(), logps.copy()
+        up[i, j] += h
+        dn[i, j] -= h
+        fd = (ref_loss(up, old, ref, adv, mask, **kw) - ref_loss(dn, old, ref, adv, mask, **kw)) / (2 * h)
+        assert abs(float(x.grad[i, j]) - fd) < 1e-7, (i, j, float(x.grad[i, j]), fd)
+    assert float(x.grad[3, 4]) == 0.0  # padding
+
+
+def test_sapo_gate_is_the_policy_gradient_at_ratio_one():
+    logps = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    for a in (1.0, -1.0):
+        logps.grad = None
+        grpo_loss(logps, None, logps.detach(), torch.tensor([a], dtype=torch.float64), torch.ones(1, 2, dtype=bool),
+                  beta=0, eps_low=0.2, eps_high=0.2, aggregation="token_mean", max_new_tokens=2,
+                  objective="sapo").backward()
+        assert torch.allclose(logps.grad, torch.full((1, 2), -a / 2, dtype=torch.float64))
+
+
+def test_entropy_mask_keeps_the_top_quantile_of_completion_tokens():
+    ent = torch.tensor([[0.1, 0.9, 0.5, 9.0], [0.3, 0.7, 0.2, 0.8]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True]])  # 9.0 is padding
+    m = entropy_mask(ent, mask, 0.5)
+    vals = np.array([0.1, 0.9, 0.5, 0.3, 0.7, 0.2, 0.8])
+    cut = np.quantile(vals, 0.5)  # torch.quantile's default interpolation is numpy's linear
+    want = (ent.numpy() >= cut) & mask.numpy()
+    assert (m.numpy().astype(bool) == want).all() and m.sum() == 4
+    assert torch.equal(entropy_mask(ent, mask, 1.0), mask.float())
+
+
+def test_loss_type_sets_objective_and_aggregation():
+    for lt, objective, agg in [("grpo", "clip", "seq_mean"), ("bnpo", "clip", "token_mean"), ("dapo", "clip", "dapo"),
+                               ("dr_grpo", "clip", "dr_grpo"), ("sapo", "sapo", "seq_mean"),
+                               ("luspo", "clip", "luspo")]:
+        c = load_config(GRPOConfig, ["--loss_type", lt])
+        assert (c.objective(), c.aggregation) == (objective, agg), lt
+    c = load_config(GRPOConfig, ["--loss_type", "cispo", "--epsilon_high", "5.0"])  # TRL's names
+    assert (c.objective(), c.aggregation, c.eps_high) == ("cispo", "dapo", 5.0)
+    with pytest.raises(ValueError, match="epsilon_high"):
+        load_config(GRPOConfig, ["--loss_type", "cispo"])  # eps_high 0.2 would cap every weight at 0.2
+    with pytest.raises(ValueError, match="give one of them"):
+        load_config(GRPOConfig, ["--loss_type", "bnpo", "--aggregation", "dr_grpo"])
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        load_config(GRPOConfig, ["--loss_type", "gmpo"])
