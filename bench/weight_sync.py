@@ -126,7 +126,7 @@ def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: 
     split = f"{t1 - t0:.2f}+{t2 - t1:.2f}"
     if delta and pub.last_kind == "full":
         split += ", sent in full: over DELTA_MAX_SHARE"
-    return t2 - t0, pub.delta_bytes if delta else nbytes, split
+    return t2 - t0, pub.delta_bytes if pub.last_kind == "delta" else nbytes, split
 
 
 def delta_study(a) -> None:

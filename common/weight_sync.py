@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common.weight_delta import DELTA_FORMAT, DELTA_MAX_SHARE, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
+from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
 
 log = logging.getLogger(__name__)
 
@@ -223,9 +223,8 @@ class WeightSync:
             return ParametersBody(None, named=self.encoder.snapshot(model.named_parameters()),
                                   crc=self.encoder.crc), "full"
         tensors, meta = self.encoder.delta(model.named_parameters())
-        full = sum(t.numel() * t.element_size() for t in self.encoder.last.values())
-        self.delta_bytes = sum(t.numel() * t.element_size() for _, t in tensors)  # data; the header is small
-        if self.delta_bytes > DELTA_MAX_SHARE * full:  # most of it changed: the full copy costs everyone less
+        self.delta_bytes = self.encoder.delta_bytes  # data; the header is small
+        if self.encoder.gave_up:  # over DELTA_MAX_SHARE: the full copy costs everyone less
             return ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc), "full"
         return ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)}), "delta"
 

@@ -11,10 +11,18 @@ import requests
 import torch
 from conftest import start_ref_server
 
+from common import weight_delta
 from common.client import RefClient, RefServerError
 from common.modeling import load_model
 from common.weight_delta import DeltaEncoder, DeltaError, HeldWeights, as_bits, crc_of
 from common.weight_sync import ParametersBody, WeightSync, blob_metadata, tensors_from_blob, verify_blob
+
+
+@pytest.fixture(autouse=True)
+def every_encoding(monkeypatch):
+    """train_step changes 1 to 100 % of each tensor so that every encoding is used: a delta that size would go
+    in full (DELTA_MAX_SHARE); here it goes as a delta whatever its size (test_large_change_goes_in_full)."""
+    monkeypatch.setattr(weight_delta, "DELTA_MAX_SHARE", 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +232,22 @@ def test_server_copy_that_fails_its_crc_asks_for_the_full_copy():
         store.publish(4, delta(4))
     store.publish(4, bytearray(b"".join(ParametersBody(None, named=list(enc.last.items()), crc=enc.crc))))
     assert store.info()["delta_check"] is None and store.info()["version"] == 4
+
+
+def test_large_change_goes_in_full(monkeypatch):
+    """A delta estimated over DELTA_MAX_SHARE of the weights is not encoded: the full copy goes (encoding and
+    applying a bitmask delta costs more than a copy); a small one goes as a delta, its estimate close."""
+    monkeypatch.setattr(weight_delta, "DELTA_MAX_SHARE", 0.15)
+    g = torch.Generator().manual_seed(0)
+    weights = {"a": torch.randn(300_000, generator=g).bfloat16(), "b": torch.randn(70_001, generator=g).bfloat16()}
+    enc = DeltaEncoder()
+    enc.snapshot(weights.items())
+    for share_changed, full in ((0.01, False), (0.5, True), (0.0, False)):
+        for t in weights.values():
+            moved = torch.rand(t.numel(), generator=g) < share_changed
+            t[moved] = t[moved] * 1.5 + 0.25
+        tensors, _ = enc.delta(weights.items())
+        assert enc.gave_up == full and (tensors == []) == (full or share_changed == 0)
+        assert all(torch.equal(as_bits(enc.last[n]), as_bits(t)) for n, t in weights.items())  # the copy follows
+        if not full:
+            assert abs(enc.estimate - enc.delta_bytes / 740_002) < 0.01
