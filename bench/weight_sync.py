@@ -9,7 +9,7 @@ DeepSpeed trains bf16: the module's parameters are bf16 (what rank 0 publishes),
 the AdamW step (synthetic loss: next-token cross-entropy on random tokens) and is rounded into them. After
 each step, in one run against one real ref server process on 127.0.0.1:
 - delta: rank 0 publishes only what changed (common/weight_delta.py), a bf16 worker model fetches and
-  applies it (server and worker rebuild the full weights and check their CRC);
+  applies it (server and worker rebuild the full weights and check their checksum);
 - full (today's path, `--sync_delta false`): the same weights published in full, fetched and applied.
 After each sync the worker's parameters are checked bit-identical to the trainer's. Printed per step:
 the delta's bytes as a share of the full weights (a delta larger than the full copy would go as the full

@@ -44,7 +44,7 @@ class GRPOConfig:
                               "(0 = never: workers keep their initial weights, as in simple_GRPO).")
     sync_delta: bool = knob(True, "Weight sync sends only what changed since the last version (per tensor: "
                                   "changed positions + values, a bitmask + values, or the whole tensor, whichever "
-                                  "is smallest; bit-exact, CRC-checked); workers one version behind fetch the "
+                                  "is smallest; bit-exact, checksum-checked); workers one version behind fetch the "
                                   "delta, others the full copy. false = full copies every time. HTTP only "
                                   "(sync_dir always writes full copies); LoRA runs send adapters as before.")
     sync_dir: str | None = knob(None, "Publish weights through this shared directory instead of the ref "

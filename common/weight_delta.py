@@ -11,19 +11,20 @@ copy in the publish dtype and sends, per tensor, the cheapest of
 
 and nothing for a tensor that did not change. Elements are compared as bit patterns (the tensors viewed
 as integers), so NaN, -0.0 and every other value round-trip exactly. The delta is one safetensors blob
-(common/weight_sync.py ParametersBody: streamed, CRC-32 of its own data in the header) whose
-`__metadata__` says format=weights_delta, base_version, base_crc32 and full_crc32: the CRC-32 of the full
+(common/weight_sync.py ParametersBody: streamed, xxh3 checksum of its own data in the header) whose
+`__metadata__` says format=weights_delta, base_version, base_xxh3 and full_xxh3: the xxh3 checksum of the full
 blob's data section the delta reconstructs. Whoever applies it (the ref server to its full copy, a
 worker to the copy it holds) checks everything before changing a byte, and the result against
-full_crc32 afterwards. Wire format: docs/protocol.md section 7.
+full_xxh3 afterwards. Wire format: docs/protocol.md section 7.
 """
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from common.checksum import hasher
 
 DELTA_FORMAT = "weights_delta"
 # a delta over this share of the weights goes as the full copy: encoding and applying a bitmask delta costs
@@ -49,12 +50,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def crc_of(tensors) -> str:
-    """CRC-32 of the tensors' bytes back to back: a full blob's data section when given in its order."""
-    crc = 0
+def checksum_of(tensors) -> str:
+    """The xxh3 checksum of the tensors' bytes back to back: a full blob's data section when given in its order."""
+    h = hasher()
     for t in tensors:
-        crc = zlib.crc32(tensor_bytes(t), crc)
-    return f"{crc:08x}"
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
 
 
 def _changes_from_words(a: np.ndarray, b: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +130,7 @@ class DeltaEncoder:
 
     `snapshot(named)` takes a full copy (first publish, or after the server lost the chain);
     `delta(named)` returns the changed tensors' encodings and moves the copy to the new weights.
-    Either way the copy ends equal to what was just published, and `crc` is its full blob CRC."""
+    Either way the copy ends equal to what was just published, and `crc` is its full blob checksum."""
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
@@ -151,7 +152,7 @@ class DeltaEncoder:
         for name, t in named:
             c = self._cast(t)
             self.last[name] = c.clone() if c.data_ptr() == t.data_ptr() else c  # never alias a live parameter
-        self.crc = crc_of(self.last.values())
+        self.crc = checksum_of(self.last.values())
         self.scratch = np.empty(max((t.numel() for t in self.last.values()), default=0), dtype=np.bool_)
         return list(self.last.items())
 
@@ -159,14 +160,14 @@ class DeltaEncoder:
         """(encoded tensors, metadata) of what changed since the copy; the copy becomes the new weights."""
         if self.crc is None:
             raise RuntimeError("DeltaEncoder.delta before a snapshot")
-        seen, out, crc = set(), [], None
+        seen, out, h = set(), [], hasher()
         named = list(named)
         base_crc, self.delta_bytes = self.crc, 0
         # most of it changed: the full copy is cheaper for everyone (a bitmask delta costs more to encode and
         # apply than a copy), decided from a sample before any encoding
         self.estimate = self.estimate_share(named)
         self.gave_up = self.estimate > DELTA_MAX_SHARE
-        with ThreadPoolExecutor(1) as pool:  # the CRC of tensor i runs while i+1 is compared (both drop the GIL)
+        with ThreadPoolExecutor(1) as pool:  # the checksum of tensor i runs while i+1 is compared (both drop the GIL)
             for name, t in named:
                 old = self.last.get(name)
                 new = self._cast(t)
@@ -178,15 +179,16 @@ class DeltaEncoder:
                     enc = encode_tensor(name, new, old, self.scratch)  # and `old` becomes `new`
                     out += enc
                     self.delta_bytes += sum(x.numel() * x.element_size() for _, x in enc)
-                crc = pool.submit(_crc_after, crc, old)
+                done = pool.submit(h.update, tensor_bytes(old))  # one thread: in order
                 seen.add(name)
-            crc = crc.result() if crc is not None else 0
+            if seen:
+                done.result()
         if self.gave_up:
             out = []
         if seen != set(self.last):
             raise DeltaError(f"tensors missing from this publish: {sorted(set(self.last) - seen)[:5]}")
-        self.crc = f"{crc:08x}"
-        return out, {"format": DELTA_FORMAT, "base_crc32": base_crc, "full_crc32": self.crc}
+        self.crc = h.hexdigest()
+        return out, {"format": DELTA_FORMAT, "base_xxh3": base_crc, "full_xxh3": self.crc}
 
 
     def estimate_share(self, named) -> float:
@@ -212,11 +214,6 @@ class DeltaEncoder:
             est += min(n * item, (n + 7) / 8 + changed * item, 4 * -(-n // BLOCK) + changed * (2 + item))
             total += n * item
         return est / max(total, 1)
-
-
-def _crc_after(prev, t: torch.Tensor) -> int:
-    """CRC-32 of t's bytes continuing the one `prev` (a future, or None) computes: chained in order."""
-    return zlib.crc32(tensor_bytes(t), prev.result() if prev is not None else 0)
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -317,18 +314,18 @@ class HeldWeights:
         return HeldWeights({n: params[n].data for n in self.tensors}, self.version, self.crc, in_model=True)
 
     def apply(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int) -> list[str]:
-        """Apply a delta (already CRC-checked as a blob) in place; returns the changed names.
+        """Apply a delta (already checksum-checked as a blob) in place; returns the changed names.
 
         Raises DeltaError, before changing anything, for a delta on another base; after, when the result's
-        CRC is not the trainer's (the copy is then unusable: the caller drops it and fetches a full one)."""
+        checksum is not the trainer's (the copy is then unusable: the caller drops it and fetches a full one)."""
         base = metadata.get("base_version", "")
-        if not base.isdigit() or int(base) != self.version or metadata.get("base_crc32") != self.crc:
-            raise DeltaError(f"delta for v{version} applies to v{base} (crc {metadata.get('base_crc32')}); "
-                             f"this copy is v{self.version} (crc {self.crc})")
+        if not base.isdigit() or int(base) != self.version or metadata.get("base_xxh3") != self.crc:
+            raise DeltaError(f"delta for v{version} applies to v{base} (xxh3 {metadata.get('base_xxh3')}); "
+                             f"this copy is v{self.version} (xxh3 {self.crc})")
         changed = apply_plan(self.tensors, plan_delta(self.tensors, tensors))
-        got = crc_of(self.tensors.values())
-        if got != metadata.get("full_crc32"):
-            raise DeltaError(f"weights rebuilt from the delta for v{version} have crc {got}, the trainer's "
-                             f"have {metadata.get('full_crc32')}")
+        got = checksum_of(self.tensors.values())
+        if got != metadata.get("full_xxh3"):
+            raise DeltaError(f"weights rebuilt from the delta for v{version} have xxh3 {got}, the trainer's "
+                             f"have {metadata.get('full_xxh3')}")
         self.version, self.crc = version, got
         return changed

@@ -8,8 +8,8 @@ Weights travel as safetensors (named parameters, tied weights once), never pickl
 copies the fetched tensors into its live parameters in place and drops the blob, so it holds
 two full copies only during the swap.
 
-Integrity: every blob carries the CRC-32 of its data section in the safetensors header
-(`__metadata__["crc32"]`); a worker verifies it before loading anything, retries a download that
+Integrity: every blob carries the XXH3-64 checksum (common/checksum.py) of its data section in the safetensors header
+(`__metadata__["xxh3"]`); a worker verifies it before loading anything, retries a download that
 broke, stalled or fails the check (keeping its current weights meanwhile), and only ever moves to
 a newer version.
 """
@@ -19,11 +19,11 @@ import json
 import logging
 import os
 import time
-import zlib
 from pathlib import Path
 
 import torch
 
+from common.checksum import KEY, checksum, hasher
 from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class ParametersBody:
         """dtype: send floating parameters in this dtype (e.g. bfloat16 for bf16 workers: half the bytes);
         each is cast while it is sent, one at a time, so no cast copy of the whole model is held.
         named: (name, tensor) pairs to send instead of every parameter (LoRA adapters only, trainer/lora.py),
-        described by `metadata` (the safetensors header's __metadata__). crc: the data's CRC-32 when the caller
+        described by `metadata` (the safetensors header's __metadata__). crc: the data's checksum when the caller
         already has it (common/weight_delta.py DeltaEncoder), saving a pass."""
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.items, offset = [], 0
@@ -59,11 +59,11 @@ class ParametersBody:
             self.items.append((t, out))
             offset += nbytes
         if crc is None:
-            crc = 0
-            for piece in self._pieces():  # one pass before sending (~4 GB/s): the header carries the checksum
-                crc = zlib.crc32(piece, crc)
-            crc = f"{crc:08x}"
-        header["__metadata__"] = {"format": "pt", **header.get("__metadata__", {}), "crc32": crc}
+            h = hasher()
+            for piece in self._pieces():  # one pass before sending (~15 GB/s): the header carries the checksum
+                h.update(piece)
+            crc = h.hexdigest()
+        header["__metadata__"] = {"format": "pt", **header.get("__metadata__", {}), KEY: crc}
         h = json.dumps(header, separators=(",", ":")).encode()
         h += b" " * (-len(h) % 8)
         self.head = len(h).to_bytes(8, "little") + h
@@ -96,7 +96,7 @@ class IntegrityError(ValueError):
 
 
 def verify_blob(buf: bytes | bytearray) -> dict:
-    """Check a blob's framing and its CRC-32 (from the header) against its data; returns the header."""
+    """Check a blob's framing and its xxh3 checksum (from the header) against its data; returns the header."""
     if len(buf) < 8:
         raise IntegrityError(f"weights blob of {len(buf)} bytes is too short")
     n = int.from_bytes(bytes(buf[:8]), "little")
@@ -106,16 +106,16 @@ def verify_blob(buf: bytes | bytearray) -> dict:
         header = json.loads(bytes(buf[8:8 + n]))
     except (UnicodeDecodeError, ValueError) as e:
         raise IntegrityError(f"weights blob: header is not JSON ({e})") from None
-    want = (header.get("__metadata__") or {}).get("crc32") if isinstance(header, dict) else None
+    want = (header.get("__metadata__") or {}).get(KEY) if isinstance(header, dict) else None
     if not want:
-        raise IntegrityError("weights blob carries no crc32 checksum in its header")
+        raise IntegrityError("weights blob carries no xxh3 checksum in its header")
     data_len = len(buf) - 8 - n
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     if end != data_len:
         raise IntegrityError(f"weights blob: data section has {data_len} bytes, the header describes {end}")
-    got = f"{zlib.crc32(memoryview(buf)[8 + n:]):08x}"
+    got = checksum(memoryview(buf)[8 + n:])
     if got != want:
-        raise IntegrityError(f"weights blob: crc32 {got} does not match the header's {want} (corrupted)")
+        raise IntegrityError(f"weights blob: xxh3 {got} does not match the header's {want} (corrupted)")
     return header
 
 
@@ -334,7 +334,7 @@ class WeightSync:
                 return self.follow(model, apply, retries, backoff)
             tensors = {name: self.held.tensors[name] for name in changed}
         else:  # a full copy (kept for deltas) or an adapter (LoRA: never delta'd)
-            self.held = (HeldWeights(tensors, version, metadata["crc32"])
+            self.held = (HeldWeights(tensors, version, metadata[KEY])
                          if self.delta and metadata.get("format") == "pt" else None)
         if (self.held is not None and self.held.in_model) or (self.last_kind == "delta" and not tensors):
             pass  # the delta went straight into the model's parameters, or nothing changed
