@@ -66,10 +66,9 @@ def _changes_from_words(a: np.ndarray, b: np.ndarray, words: np.ndarray) -> tupl
     m = a.size - a.size % lanes
     aw, bw = a[:m].view(np.int64), b[:m].view(np.int64)
     new_words = aw[words]
-    rows, cols = np.nonzero((new_words != bw[words]).reshape(-1, 1) if lanes == 1 else
-                            new_words.view(a.dtype).reshape(-1, lanes) != bw[words].view(a.dtype).reshape(-1, lanes))
-    idx = words[rows] * lanes + cols  # rows ascending, lanes ascending within: positions ascending
-    vals = new_words.view(a.dtype).reshape(-1, lanes)[rows, cols]
+    lane = np.flatnonzero(new_words.view(a.dtype) != bw[words].view(a.dtype))  # flat: 4x faster than 2-D nonzero
+    idx = words[lane // lanes] * lanes + lane % lanes  # words ascending, lanes ascending within: ascending
+    vals = new_words.view(a.dtype)[lane]
     bw[words] = new_words
     if m < a.size:  # the last few elements
         tail = np.flatnonzero(a[m:] != b[m:]) + m
