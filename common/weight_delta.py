@@ -129,16 +129,18 @@ class DeltaEncoder:
 
     `snapshot(named)` takes a full copy (first publish, or after the server lost the chain);
     `delta(named)` returns the changed tensors' encodings and moves the copy to the new weights.
-    Either way the copy ends equal to what was just published, and `crc` is its full blob checksum."""
+    Either way the copy ends equal to what was just published, and `crc` is its full blob checksum (xxh3)."""
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, max_share: float | None = None) -> None:
         self.dtype = dtype
+        self.max_share = max_share  # None: DELTA_MAX_SHARE
         self.last: dict[str, torch.Tensor] = {}
         self.crc: str | None = None
         self.scratch: np.ndarray | None = None
-        self.delta_bytes = 0  # the last delta's data bytes (of the tensors encoded when it gave up)
+        self.delta_bytes = 0  # the last delta's data bytes (0 when it went in full)
         self.gave_up = False  # the last delta would be over DELTA_MAX_SHARE: the full copy goes instead
         self.estimate = 0.0  # the last delta's estimated share (estimate_share)
+        self._samples: dict[int, torch.Tensor] = {}  # numel -> the positions estimate_share compares
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -165,7 +167,7 @@ class DeltaEncoder:
         # most of it changed: the full copy is cheaper for everyone (a bitmask delta costs more to encode and
         # apply than a copy), decided from a sample before any encoding
         self.estimate = self.estimate_share(named)
-        self.gave_up = self.estimate > DELTA_MAX_SHARE
+        self.gave_up = self.estimate > (DELTA_MAX_SHARE if self.max_share is None else self.max_share)
         with ThreadPoolExecutor(1) as pool:  # the checksum of tensor i runs while i+1 is compared (both drop the GIL)
             for name, t in named:
                 old = self.last.get(name)
@@ -189,30 +191,34 @@ class DeltaEncoder:
         self.crc = h.hexdigest()
         return out, {"format": DELTA_FORMAT, "base_xxh3": base_crc, "full_xxh3": self.crc}
 
-
     def estimate_share(self, named) -> float:
-        """The delta's size as a share of the weights, estimated from SAMPLE_CHUNKS chunks of SAMPLE_LEN
-        elements per tensor (whole small tensors): a few MB read instead of the whole weights."""
+        """The delta's size as a share of the weights, estimated from SAMPLE_CHUNKS evenly spaced chunks of
+        SAMPLE_LEN elements per tensor (small tensors whole): a few MB read instead of the whole weights,
+        gathered in one indexing op and one transfer per tensor (the policy may live on a GPU)."""
         est, total = 0.0, 0
         for name, t in named:
             old = self.last.get(name)
-            if old is None:
+            if old is None or old.numel() != t.numel():
                 continue  # delta() says which
             n, item = old.numel(), old.element_size()
-            flat, cur = t.detach().reshape(-1), old.reshape(-1)
-            starts = (range(0, n, SAMPLE_LEN) if n <= SAMPLE_CHUNKS * SAMPLE_LEN else
-                      range(0, n - SAMPLE_LEN + 1, (n - SAMPLE_LEN) // (SAMPLE_CHUNKS - 1) or 1))
-            k = m = 0
-            for s in starts:
-                new = self._cast(flat[s:s + SAMPLE_LEN])
-                if new.dtype != old.dtype:
-                    break  # delta() says which
-                k += int(np.count_nonzero(as_bits(new).numpy() != as_bits(cur[s:s + SAMPLE_LEN]).numpy()))
-                m += new.numel()
-            changed = k * n / max(m, 1)
+            idx = self._samples.get(n)
+            if idx is None:  # the same few sizes in every layer: built once
+                idx = self._samples[n] = _sample_positions(n)
+            new = self._cast(t.detach().reshape(-1)[idx.to(t.device)])
+            if new.dtype != old.dtype:
+                continue  # delta() says which
+            k = int(np.count_nonzero(as_bits(new).numpy() != as_bits(old.reshape(-1)[idx]).numpy()))
+            changed = k * n / len(idx)
             est += min(n * item, (n + 7) / 8 + changed * item, 4 * -(-n // BLOCK) + changed * (2 + item))
             total += n * item
         return est / max(total, 1)
+
+
+def _sample_positions(n: int) -> torch.Tensor:
+    if n <= SAMPLE_CHUNKS * SAMPLE_LEN:
+        return torch.arange(n)
+    starts = torch.linspace(0, n - SAMPLE_LEN, SAMPLE_CHUNKS).long()
+    return (starts[:, None] + torch.arange(SAMPLE_LEN)).reshape(-1)
 
 
 def _split(key: str) -> tuple[str, str]:

@@ -175,7 +175,8 @@ class WeightSync:
     since its last publish and the follower asks for only what changed since the version it holds
     (common/weight_delta.py); either falls back to a full copy, and says so, when the chain is broken."""
 
-    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None, delta: bool = False):
+    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None, delta: bool = False,
+                 delta_max_share: float | None = None):
         if (client is None) == (sync_dir is None):
             raise ValueError("WeightSync needs exactly one of client (HTTP) or sync_dir (shared directory)")
         self.client = client
@@ -183,10 +184,13 @@ class WeightSync:
         self.adapter_loader = adapter_loader
         self.dir = Path(sync_dir) if sync_dir else None
         self.delta = delta and client is not None
+        if delta_max_share is not None and not 0 <= delta_max_share:
+            raise ValueError(f"sync_delta_max_share must be >= 0 (a share of the full weights), got {delta_max_share}")
+        self.delta_max_share = delta_max_share  # None: common/weight_delta.py DELTA_MAX_SHARE
         self.encoder: DeltaEncoder | None = None  # publisher: the last published copy
         self.held: HeldWeights | None = None  # follower: the full weights last received, for deltas
         self.last_kind = "full"  # what the last publish or follow moved: "full" or "delta"
-        self.delta_bytes = 0  # the size of the last delta encoded (sent in full when over DELTA_MAX_SHARE)
+        self.delta_bytes = 0  # the size of the last delta encoded (0 when it went in full: over delta_max_share)
         self.version: int | None = None  # the version this process's model holds
         self.bytes_moved = 0
         self.seconds = 0.0
@@ -219,12 +223,12 @@ class WeightSync:
 
     def _delta_body(self, model, dtype) -> tuple[ParametersBody, str]:
         if self.encoder is None or self.encoder.dtype != dtype or self.version is None:
-            self.encoder = DeltaEncoder(dtype)
+            self.encoder = DeltaEncoder(dtype, self.delta_max_share)
             return ParametersBody(None, named=self.encoder.snapshot(model.named_parameters()),
                                   crc=self.encoder.crc), "full"
         tensors, meta = self.encoder.delta(model.named_parameters())
         self.delta_bytes = self.encoder.delta_bytes  # data; the header is small
-        if self.encoder.gave_up:  # over DELTA_MAX_SHARE: the full copy costs everyone less
+        if self.encoder.gave_up:  # over delta_max_share: the full copy costs everyone less
             return ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc), "full"
         return ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)}), "delta"
 
