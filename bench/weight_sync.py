@@ -9,15 +9,15 @@ DeepSpeed trains bf16: the module's parameters are bf16 (what rank 0 publishes),
 the AdamW step (synthetic loss: next-token cross-entropy on random tokens) and is rounded into them. After
 each step, in one run against one real ref server process on 127.0.0.1:
 - delta: rank 0 publishes only what changed (common/weight_delta.py), a bf16 worker model fetches and
-  applies it (server and worker rebuild the full weights and check their CRC);
+  applies it (server and worker rebuild the full weights and check their checksum);
 - full (today's path, `--sync_delta false`): the same weights published in full, fetched and applied.
 After each sync the worker's parameters are checked bit-identical to the trainer's. Printed per step:
-the delta's bytes as a share of the full weights (a delta larger than the full copy would go as the full
-copy, common/weight_delta.py DELTA_MAX_SHARE), and both wall times (publish + fetch + apply, split
+the bytes published as a share of the full weights (a delta estimated over DELTA_MAX_SHARE of them goes
+as the full copy, common/weight_delta.py: share 1), and both wall times (publish + fetch + apply, split
 publish+follow).
 Last line JSON: delta_share_lr1e-6 / -5 / -4 (the largest share over the steps at that lr) and
-sync_speedup (full seconds / delta seconds, summed over the steps at lr 1e-6; the other lrs' on the
-line before). Memory: ~11 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy).
+sync_speedup (full seconds / delta seconds, summed over the steps at lr 1e-6; the other lrs' as
+sync_speedup_lr1e-5 / -4). Memory: ~11 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy).
 
 --relay_vs_file: the older comparison (bench/weight_sync_file.py): full sync through the relay vs
 writing and reading the same bytes through a local file.
@@ -126,7 +126,7 @@ def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: 
     split = f"{t1 - t0:.2f}+{t2 - t1:.2f}"
     if delta and pub.last_kind == "full":
         split += ", sent in full: over DELTA_MAX_SHARE"
-    return t2 - t0, pub.delta_bytes if delta else nbytes, split
+    return t2 - t0, pub.delta_bytes if pub.last_kind == "delta" else nbytes, split
 
 
 def delta_study(a) -> None:
@@ -171,6 +171,7 @@ def delta_study(a) -> None:
     print("sync speedup per lr: " + ", ".join(f"{lr:g}: {v:.2f}x" for lr, v in speed.items()))
     out = {f"delta_share_lr{lr:.0e}".replace("e-0", "e-"): round(max(shares[lr]), 5) for lr in lrs}
     out["sync_speedup"] = round(speed[lrs[0]], 3)
+    out.update({f"sync_speedup_lr{lr:.0e}".replace("e-0", "e-"): round(speed[lr], 3) for lr in lrs[1:]})
     print(json.dumps(out))
 
 

@@ -11,22 +11,26 @@ copy in the publish dtype and sends, per tensor, the cheapest of
 
 and nothing for a tensor that did not change. Elements are compared as bit patterns (the tensors viewed
 as integers), so NaN, -0.0 and every other value round-trip exactly. The delta is one safetensors blob
-(common/weight_sync.py ParametersBody: streamed, CRC-32 of its own data in the header) whose
-`__metadata__` says format=weights_delta, base_version, base_crc32 and full_crc32: the CRC-32 of the full
+(common/weight_sync.py ParametersBody: streamed, xxh3 checksum of its own data in the header) whose
+`__metadata__` says format=weights_delta, base_version, base_xxh3 and full_xxh3: the xxh3 checksum of the full
 blob's data section the delta reconstructs. Whoever applies it (the ref server to its full copy, a
 worker to the copy it holds) checks everything before changing a byte, and the result against
-full_crc32 afterwards. Wire format: docs/protocol.md section 7.
+full_xxh3 afterwards. Wire format: docs/protocol.md section 7.
 """
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from common.checksum import hasher
+
 DELTA_FORMAT = "weights_delta"
-DELTA_MAX_SHARE = 1.0  # a delta over this share of the full weights goes as the full copy (whichever is smaller)
+# a delta over this share of the weights goes as the full copy: encoding and applying a bitmask delta costs
+# more than a copy, which outweighs the bytes saved (bench/weight_sync.py)
+DELTA_MAX_SHARE = 0.15
+SAMPLE_CHUNKS, SAMPLE_LEN = 64, 1024  # the sample that decides between a delta and the full copy
 BLOCK = 1 << 16  # positions are sent as 16-bit offsets within blocks of this many elements
 NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -46,39 +50,75 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def crc_of(tensors) -> str:
-    """CRC-32 of the tensors' bytes back to back: a full blob's data section when given in its order."""
-    crc = 0
+def checksum_of(tensors) -> str:
+    """The xxh3 checksum of the tensors' bytes back to back: a full blob's data section when given in its order."""
+    h = hasher()
     for t in tensors:
-        crc = zlib.crc32(tensor_bytes(t), crc)
-    return f"{crc:08x}"
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def _changes_from_words(a: np.ndarray, b: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ascending flat positions where a != b, a's values there), given the changed 8-byte words of their
+    prefix (`words`: flatnonzero of the int64 comparison); b becomes a there. Only those words are read
+    and written (gathered as int64), not every element."""
+    lanes = 8 // a.itemsize
+    m = a.size - a.size % lanes
+    aw, bw = a[:m].view(np.int64), b[:m].view(np.int64)
+    new_words = aw[words]
+    lane = np.flatnonzero(new_words.view(a.dtype) != bw[words].view(a.dtype))  # flat: 4x faster than 2-D nonzero
+    idx = words[lane // lanes] * lanes + lane % lanes  # words ascending, lanes ascending within: ascending
+    vals = new_words.view(a.dtype)[lane]
+    bw[words] = new_words
+    if m < a.size:  # the last few elements
+        tail = np.flatnonzero(a[m:] != b[m:]) + m
+        idx, vals = np.concatenate([idx, tail]), np.concatenate([vals, a[tail]])
+        b[tail] = a[tail]
+    return idx, vals
 
 
 def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, scratch: np.ndarray | None = None
                   ) -> list[tuple[str, torch.Tensor]]:
     """The cheapest encoding of `new` against `old` (same shape and dtype, contiguous, CPU); [] if equal.
     `old` is then updated to `new`. scratch: a bool buffer of at least numel elements for the comparison
-    (fresh pages cost more than it). In numpy on integer views: its nonzero and gathers are 2-4x torch's."""
+    (fresh pages cost more than it). In numpy on integer views: its nonzero and gathers are 2-4x torch's.
+    Elements are first compared 8 bytes at a time (4 bf16 per compare: as fast as one element at a time,
+    and its nonzero has a quarter of the entries); positions come from the changed words only."""
     a, b = as_bits(new).numpy(), as_bits(old).numpy()
     n, item = a.size, new.element_size()
-    changed = np.not_equal(a, b, out=None if scratch is None else scratch[:n])
-    k = int(np.count_nonzero(changed))
+    lanes = 8 // item
+    m = n - n % lanes
+    blocks = -(-n // BLOCK)
+    out = None if scratch is None else scratch[:m // lanes]
+    words_changed = np.not_equal(a[:m].view(np.int64), b[:m].view(np.int64), out=out)
+    kw = int(np.count_nonzero(words_changed))
+    idx = None
+    if kw * 2 < n // 16:  # at most lanes*kw changed elements, likely under the ~6 % where positions win
+        idx, vals = _changes_from_words(a, b, np.flatnonzero(words_changed))  # b is now a
+        k = len(idx)
+    else:  # at least kw changed: no positions, a bitmask or the whole tensor
+        changed = np.not_equal(a, b, out=None if scratch is None else scratch[:n])
+        k = int(np.count_nonzero(changed))
     if k == 0:
         return []
-    blocks = -(-n // BLOCK)
     sizes = {"full": n * item, "mask": (n + 7) // 8 + k * item, "pos": 4 * blocks + k * (2 + item)}
     kind = min(sizes, key=sizes.get)  # ties: full (first), then mask
+    if kind == "pos" and idx is None:
+        idx = np.flatnonzero(changed)
+        vals = a[idx]
+        b[idx] = vals  # the kept copy follows: k writes instead of a copy of the whole tensor
     if kind != "pos":  # many changed: sequential passes (fancy indexing costs ~10 ns an element)
+        if kind == "mask" and idx is not None:  # positions found, yet the bitmask is smaller (rare)
+            changed = np.zeros(n, dtype=np.bool_)
+            changed[idx] = True
         vals = None if kind == "full" else a[changed]
         old.copy_(new)
         if kind == "full":
             return [(name, old)]  # the kept copy: it does not change before the next publish
         mask = np.packbits(changed, bitorder="little")
         return [(f"{name}:mask", torch.from_numpy(mask)), (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
-    idx = np.flatnonzero(changed)  # ascending; few (under ~6 %)
-    vals = a[idx]
-    b[idx] = vals  # the kept copy follows: k writes instead of a copy of the whole tensor
-    counts = np.bincount(idx >> 16, minlength=blocks).astype(np.int32)  # idx ascending: block by block
+    # idx ascending: per block, how many fall in it (a search per block: cheaper than a pass over idx)
+    counts = np.diff(np.searchsorted(idx, np.arange(blocks + 1, dtype=np.int64) << 16)).astype(np.int32)
     offsets = (idx & 0xFFFF).astype(np.uint16)
     return [(f"{name}:blk", torch.from_numpy(counts)), (f"{name}:off", torch.from_numpy(offsets)),
             (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
@@ -89,13 +129,18 @@ class DeltaEncoder:
 
     `snapshot(named)` takes a full copy (first publish, or after the server lost the chain);
     `delta(named)` returns the changed tensors' encodings and moves the copy to the new weights.
-    Either way the copy ends equal to what was just published, and `crc` is its full blob CRC."""
+    Either way the copy ends equal to what was just published, and `crc` is its full blob checksum (xxh3)."""
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, max_share: float | None = None) -> None:
         self.dtype = dtype
+        self.max_share = max_share  # None: DELTA_MAX_SHARE
         self.last: dict[str, torch.Tensor] = {}
         self.crc: str | None = None
         self.scratch: np.ndarray | None = None
+        self.delta_bytes = 0  # the last delta's data bytes (0 when it went in full)
+        self.gave_up = False  # the last delta would be over DELTA_MAX_SHARE: the full copy goes instead
+        self.estimate = 0.0  # the last delta's estimated share (estimate_share)
+        self._samples: dict[int, torch.Tensor] = {}  # numel -> the positions estimate_share compares
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -108,7 +153,7 @@ class DeltaEncoder:
         for name, t in named:
             c = self._cast(t)
             self.last[name] = c.clone() if c.data_ptr() == t.data_ptr() else c  # never alias a live parameter
-        self.crc = crc_of(self.last.values())
+        self.crc = checksum_of(self.last.values())
         self.scratch = np.empty(max((t.numel() for t in self.last.values()), default=0), dtype=np.bool_)
         return list(self.last.items())
 
@@ -116,27 +161,64 @@ class DeltaEncoder:
         """(encoded tensors, metadata) of what changed since the copy; the copy becomes the new weights."""
         if self.crc is None:
             raise RuntimeError("DeltaEncoder.delta before a snapshot")
-        seen, out, crc = set(), [], None
-        base_crc = self.crc
-        with ThreadPoolExecutor(1) as pool:  # the CRC of tensor i runs while i+1 is compared (both drop the GIL)
+        seen, out, h = set(), [], hasher()
+        named = list(named)
+        base_crc, self.delta_bytes = self.crc, 0
+        # most of it changed: the full copy is cheaper for everyone (a bitmask delta costs more to encode and
+        # apply than a copy), decided from a sample before any encoding
+        self.estimate = self.estimate_share(named)
+        self.gave_up = self.estimate > (DELTA_MAX_SHARE if self.max_share is None else self.max_share)
+        with ThreadPoolExecutor(1) as pool:  # the checksum of tensor i runs while i+1 is compared (both drop the GIL)
             for name, t in named:
                 old = self.last.get(name)
                 new = self._cast(t)
                 if old is None or old.shape != new.shape or old.dtype != new.dtype:
                     raise DeltaError(f"{name}: not in the last published copy with this shape and dtype")
-                out += encode_tensor(name, new, old, self.scratch)  # and `old` becomes `new`
-                crc = pool.submit(_crc_after, crc, old)
+                if self.gave_up:  # going in full: no encoding, the copy just follows
+                    old.copy_(new)
+                else:
+                    enc = encode_tensor(name, new, old, self.scratch)  # and `old` becomes `new`
+                    out += enc
+                    self.delta_bytes += sum(x.numel() * x.element_size() for _, x in enc)
+                done = pool.submit(h.update, tensor_bytes(old))  # one thread: in order
                 seen.add(name)
-            crc = crc.result() if crc is not None else 0
+            if seen:
+                done.result()
+        if self.gave_up:
+            out = []
         if seen != set(self.last):
             raise DeltaError(f"tensors missing from this publish: {sorted(set(self.last) - seen)[:5]}")
-        self.crc = f"{crc:08x}"
-        return out, {"format": DELTA_FORMAT, "base_crc32": base_crc, "full_crc32": self.crc}
+        self.crc = h.hexdigest()
+        return out, {"format": DELTA_FORMAT, "base_xxh3": base_crc, "full_xxh3": self.crc}
+
+    def estimate_share(self, named) -> float:
+        """The delta's size as a share of the weights, estimated from SAMPLE_CHUNKS evenly spaced chunks of
+        SAMPLE_LEN elements per tensor (small tensors whole): a few MB read instead of the whole weights,
+        gathered in one indexing op and one transfer per tensor (the policy may live on a GPU)."""
+        est, total = 0.0, 0
+        for name, t in named:
+            old = self.last.get(name)
+            if old is None or old.numel() != t.numel():
+                continue  # delta() says which
+            n, item = old.numel(), old.element_size()
+            idx = self._samples.get(n)
+            if idx is None:  # the same few sizes in every layer: built once
+                idx = self._samples[n] = _sample_positions(n)
+            new = self._cast(t.detach().reshape(-1)[idx.to(t.device)])
+            if new.dtype != old.dtype:
+                continue  # delta() says which
+            k = int(np.count_nonzero(as_bits(new).numpy() != as_bits(old.reshape(-1)[idx]).numpy()))
+            changed = k * n / len(idx)
+            est += min(n * item, (n + 7) / 8 + changed * item, 4 * -(-n // BLOCK) + changed * (2 + item))
+            total += n * item
+        return est / max(total, 1)
 
 
-def _crc_after(prev, t: torch.Tensor) -> int:
-    """CRC-32 of t's bytes continuing the one `prev` (a future, or None) computes: chained in order."""
-    return zlib.crc32(tensor_bytes(t), prev.result() if prev is not None else 0)
+def _sample_positions(n: int) -> torch.Tensor:
+    if n <= SAMPLE_CHUNKS * SAMPLE_LEN:
+        return torch.arange(n)
+    starts = torch.linspace(0, n - SAMPLE_LEN, SAMPLE_CHUNKS).long()
+    return (starts[:, None] + torch.arange(SAMPLE_LEN)).reshape(-1)
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -237,18 +319,18 @@ class HeldWeights:
         return HeldWeights({n: params[n].data for n in self.tensors}, self.version, self.crc, in_model=True)
 
     def apply(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int) -> list[str]:
-        """Apply a delta (already CRC-checked as a blob) in place; returns the changed names.
+        """Apply a delta (already checksum-checked as a blob) in place; returns the changed names.
 
         Raises DeltaError, before changing anything, for a delta on another base; after, when the result's
-        CRC is not the trainer's (the copy is then unusable: the caller drops it and fetches a full one)."""
+        checksum is not the trainer's (the copy is then unusable: the caller drops it and fetches a full one)."""
         base = metadata.get("base_version", "")
-        if not base.isdigit() or int(base) != self.version or metadata.get("base_crc32") != self.crc:
-            raise DeltaError(f"delta for v{version} applies to v{base} (crc {metadata.get('base_crc32')}); "
-                             f"this copy is v{self.version} (crc {self.crc})")
+        if not base.isdigit() or int(base) != self.version or metadata.get("base_xxh3") != self.crc:
+            raise DeltaError(f"delta for v{version} applies to v{base} (xxh3 {metadata.get('base_xxh3')}); "
+                             f"this copy is v{self.version} (xxh3 {self.crc})")
         changed = apply_plan(self.tensors, plan_delta(self.tensors, tensors))
-        got = crc_of(self.tensors.values())
-        if got != metadata.get("full_crc32"):
-            raise DeltaError(f"weights rebuilt from the delta for v{version} have crc {got}, the trainer's "
-                             f"have {metadata.get('full_crc32')}")
+        got = checksum_of(self.tensors.values())
+        if got != metadata.get("full_xxh3"):
+            raise DeltaError(f"weights rebuilt from the delta for v{version} have xxh3 {got}, the trainer's "
+                             f"have {metadata.get('full_xxh3')}")
         self.version, self.crc = version, got
         return changed

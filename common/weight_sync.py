@@ -8,8 +8,8 @@ Weights travel as safetensors (named parameters, tied weights once), never pickl
 copies the fetched tensors into its live parameters in place and drops the blob, so it holds
 two full copies only during the swap.
 
-Integrity: every blob carries the CRC-32 of its data section in the safetensors header
-(`__metadata__["crc32"]`); a worker verifies it before loading anything, retries a download that
+Integrity: every blob carries the XXH3-64 checksum (common/checksum.py) of its data section in the safetensors header
+(`__metadata__["xxh3"]`); a worker verifies it before loading anything, retries a download that
 broke, stalled or fails the check (keeping its current weights meanwhile), and only ever moves to
 a newer version.
 """
@@ -19,12 +19,12 @@ import json
 import logging
 import os
 import time
-import zlib
 from pathlib import Path
 
 import torch
 
-from common.weight_delta import DELTA_FORMAT, DELTA_MAX_SHARE, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
+from common.checksum import KEY, checksum, hasher
+from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaEncoder, DeltaError, HeldWeights
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ParametersBody:
         """dtype: send floating parameters in this dtype (e.g. bfloat16 for bf16 workers: half the bytes);
         each is cast while it is sent, one at a time, so no cast copy of the whole model is held.
         named: (name, tensor) pairs to send instead of every parameter (LoRA adapters only, trainer/lora.py),
-        described by `metadata` (the safetensors header's __metadata__). crc: the data's CRC-32 when the caller
+        described by `metadata` (the safetensors header's __metadata__). crc: the data's checksum when the caller
         already has it (common/weight_delta.py DeltaEncoder), saving a pass."""
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.items, offset = [], 0
@@ -59,11 +59,11 @@ class ParametersBody:
             self.items.append((t, out))
             offset += nbytes
         if crc is None:
-            crc = 0
-            for piece in self._pieces():  # one pass before sending (~4 GB/s): the header carries the checksum
-                crc = zlib.crc32(piece, crc)
-            crc = f"{crc:08x}"
-        header["__metadata__"] = {"format": "pt", **header.get("__metadata__", {}), "crc32": crc}
+            h = hasher()
+            for piece in self._pieces():  # one pass before sending (~15 GB/s): the header carries the checksum
+                h.update(piece)
+            crc = h.hexdigest()
+        header["__metadata__"] = {"format": "pt", **header.get("__metadata__", {}), KEY: crc}
         h = json.dumps(header, separators=(",", ":")).encode()
         h += b" " * (-len(h) % 8)
         self.head = len(h).to_bytes(8, "little") + h
@@ -96,7 +96,7 @@ class IntegrityError(ValueError):
 
 
 def verify_blob(buf: bytes | bytearray) -> dict:
-    """Check a blob's framing and its CRC-32 (from the header) against its data; returns the header."""
+    """Check a blob's framing and its xxh3 checksum (from the header) against its data; returns the header."""
     if len(buf) < 8:
         raise IntegrityError(f"weights blob of {len(buf)} bytes is too short")
     n = int.from_bytes(bytes(buf[:8]), "little")
@@ -106,16 +106,16 @@ def verify_blob(buf: bytes | bytearray) -> dict:
         header = json.loads(bytes(buf[8:8 + n]))
     except (UnicodeDecodeError, ValueError) as e:
         raise IntegrityError(f"weights blob: header is not JSON ({e})") from None
-    want = (header.get("__metadata__") or {}).get("crc32") if isinstance(header, dict) else None
+    want = (header.get("__metadata__") or {}).get(KEY) if isinstance(header, dict) else None
     if not want:
-        raise IntegrityError("weights blob carries no crc32 checksum in its header")
+        raise IntegrityError("weights blob carries no xxh3 checksum in its header")
     data_len = len(buf) - 8 - n
     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     if end != data_len:
         raise IntegrityError(f"weights blob: data section has {data_len} bytes, the header describes {end}")
-    got = f"{zlib.crc32(memoryview(buf)[8 + n:]):08x}"
+    got = checksum(memoryview(buf)[8 + n:])
     if got != want:
-        raise IntegrityError(f"weights blob: crc32 {got} does not match the header's {want} (corrupted)")
+        raise IntegrityError(f"weights blob: xxh3 {got} does not match the header's {want} (corrupted)")
     return header
 
 
@@ -175,7 +175,8 @@ class WeightSync:
     since its last publish and the follower asks for only what changed since the version it holds
     (common/weight_delta.py); either falls back to a full copy, and says so, when the chain is broken."""
 
-    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None, delta: bool = False):
+    def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None, delta: bool = False,
+                 delta_max_share: float | None = None):
         if (client is None) == (sync_dir is None):
             raise ValueError("WeightSync needs exactly one of client (HTTP) or sync_dir (shared directory)")
         self.client = client
@@ -183,10 +184,13 @@ class WeightSync:
         self.adapter_loader = adapter_loader
         self.dir = Path(sync_dir) if sync_dir else None
         self.delta = delta and client is not None
+        if delta_max_share is not None and not 0 <= delta_max_share:
+            raise ValueError(f"sync_delta_max_share must be >= 0 (a share of the full weights), got {delta_max_share}")
+        self.delta_max_share = delta_max_share  # None: common/weight_delta.py DELTA_MAX_SHARE
         self.encoder: DeltaEncoder | None = None  # publisher: the last published copy
         self.held: HeldWeights | None = None  # follower: the full weights last received, for deltas
         self.last_kind = "full"  # what the last publish or follow moved: "full" or "delta"
-        self.delta_bytes = 0  # the size of the last delta encoded (sent in full when over DELTA_MAX_SHARE)
+        self.delta_bytes = 0  # the size of the last delta encoded (0 when it went in full: over delta_max_share)
         self.version: int | None = None  # the version this process's model holds
         self.bytes_moved = 0
         self.seconds = 0.0
@@ -219,13 +223,12 @@ class WeightSync:
 
     def _delta_body(self, model, dtype) -> tuple[ParametersBody, str]:
         if self.encoder is None or self.encoder.dtype != dtype or self.version is None:
-            self.encoder = DeltaEncoder(dtype)
+            self.encoder = DeltaEncoder(dtype, self.delta_max_share)
             return ParametersBody(None, named=self.encoder.snapshot(model.named_parameters()),
                                   crc=self.encoder.crc), "full"
         tensors, meta = self.encoder.delta(model.named_parameters())
-        full = sum(t.numel() * t.element_size() for t in self.encoder.last.values())
-        self.delta_bytes = sum(t.numel() * t.element_size() for _, t in tensors)  # data; the header is small
-        if self.delta_bytes > DELTA_MAX_SHARE * full:  # most of it changed: the full copy costs everyone less
+        self.delta_bytes = self.encoder.delta_bytes  # data; the header is small
+        if self.encoder.gave_up:  # over delta_max_share: the full copy costs everyone less
             return ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc), "full"
         return ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)}), "delta"
 
@@ -335,7 +338,7 @@ class WeightSync:
                 return self.follow(model, apply, retries, backoff)
             tensors = {name: self.held.tensors[name] for name in changed}
         else:  # a full copy (kept for deltas) or an adapter (LoRA: never delta'd)
-            self.held = (HeldWeights(tensors, version, metadata["crc32"])
+            self.held = (HeldWeights(tensors, version, metadata[KEY])
                          if self.delta and metadata.get("format") == "pt" else None)
         if (self.held is not None and self.held.in_model) or (self.last_kind == "delta" and not tensors):
             pass  # the delta went straight into the model's parameters, or nothing changed

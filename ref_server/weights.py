@@ -9,7 +9,7 @@
 The ref server is the one place every process already reaches, so this works across nodes
 with no shared filesystem. A full blob is only relayed, never deserialised here: the server
 checks that it is a well-formed safetensors header and keeps one copy. A delta is checked in full
-(CRC, names, shapes, positions) and applied to that copy in place (or to a fresh copy while a fetch
+(checksum, names, shapes, positions) and applied to that copy in place (or to a fresh copy while a fetch
 still streams it), so late or restarted workers still get the full weights; the last delta is kept
 for workers one version behind.
 """
@@ -19,8 +19,8 @@ import json
 import logging
 import threading
 import time
-import zlib
 
+from common.checksum import DIGITS, KEY, checksum
 from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError, apply_plan, plan_delta
 from common.weight_sync import IntegrityError, tensors_from_blob
 
@@ -85,7 +85,7 @@ class WeightStore:
         self._published_at: float | None = None
         self._delta: tuple[int, int, bytearray] | None = None  # (version, base version, blob) of the last delta
         self._served = {"delta": 0, "full": 0}  # bytes sent to workers, by kind (the trainer's sync_mb_down_*)
-        self._delta_check: str | None = None  # the last rebuilt copy's CRC check: pending, ok or failed
+        self._delta_check: str | None = None  # the last rebuilt copy's checksum check: pending, ok or failed
 
     def buffer(self, size: int) -> bytearray:
         """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
@@ -113,7 +113,7 @@ class WeightStore:
 
     def _publish_delta(self, version: int, delta: bytearray, meta: dict, count: int) -> None:
         try:
-            changes = tensors_from_blob(delta)  # its own CRC first: a truncated or corrupt delta changes nothing
+            changes = tensors_from_blob(delta)  # its own checksum first: a truncated or corrupt delta changes nothing
         except (IntegrityError, ValueError) as e:
             raise WeightError(f"weights delta refused: {e}") from None
         base = str(meta.get("base_version", ""))
@@ -121,16 +121,16 @@ class WeightStore:
             if self._blob is None or not base.isdigit() or int(base) != self._version:
                 raise StaleBase(f"delta from v{base}, this server holds v{self._version}: {NEEDS_FULL}")
             if self._delta_check == "failed":
-                raise StaleBase(f"the copy rebuilt for v{self._version} failed its CRC check: {NEEDS_FULL}")
+                raise StaleBase(f"the copy rebuilt for v{self._version} failed its checksum check: {NEEDS_FULL}")
             if version <= self._version:
                 raise WeightError(f"version {version} is not newer than the current {self._version}")
             full = self._blob
             n = int.from_bytes(full[:8], "little")
-            old_crc = f'"crc32":"{meta.get("base_crc32")}"'.encode()
+            old_crc = f'"{KEY}":"{meta.get("base_xxh3")}"'.encode()
             at = full.find(old_crc, 8, 8 + n)
-            new_crc = str(meta.get("full_crc32", ""))
-            if at < 0 or len(new_crc) != 8:
-                raise StaleBase(f"delta from crc {meta.get('base_crc32')} does not fit the copy held: {NEEDS_FULL}")
+            new_crc = str(meta.get("full_xxh3", ""))
+            if at < 0 or len(new_crc) != DIGITS:
+                raise StaleBase(f"delta from xxh3 {meta.get('base_xxh3')} does not fit the copy held: {NEEDS_FULL}")
             target = full
             if self._readers.get(id(full)):  # being streamed: write the new version into other memory
                 target = self._spare if self._spare is not None and len(self._spare) == len(full) else None
@@ -141,8 +141,8 @@ class WeightStore:
                 apply_plan(views, plan_delta(views, changes))
             except DeltaError as e:  # checked before writing: the copy held is unchanged
                 raise WeightError(f"weights delta refused: {e}") from None
-            at += len(b'"crc32":"')
-            target[at:at + 8] = new_crc.encode()
+            at += len(f'"{KEY}":"')
+            target[at:at + DIGITS] = new_crc.encode()
             self._version, self._blob, self._delta = version, target, (version, int(base), delta)
             self._published_at = time.time()
             self._retire(full)
@@ -154,14 +154,14 @@ class WeightStore:
                  len(delta) / 1e6)
 
     def _check(self, version: int, blob: bytearray, start: int, want: str) -> None:
-        """The CRC of a copy rebuilt from a delta, off the publish's path: a copy that does not match the
+        """The checksum of a copy rebuilt from a delta, off the publish's path: a copy that does not match the
         trainer's (a bug, bad memory) makes the next delta a 409, so the trainer sends the full copy."""
-        got = f"{zlib.crc32(memoryview(blob)[start:]):08x}"
+        got = checksum(memoryview(blob)[start:])
         with self._lock:
             if self._version == version:
                 self._delta_check = "ok" if got == want else "failed"
         if got != want:
-            log.error("policy weights v%d rebuilt from a delta have crc %s, the trainer's have %s: asking for the "
+            log.error("policy weights v%d rebuilt from a delta have xxh3 %s, the trainer's have %s: asking for the "
                       "full copy at the next publish", version, got, want)
         self._reader_closed(blob)
 

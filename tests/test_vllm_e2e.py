@@ -19,7 +19,8 @@ def test_launch_train_with_a_vllm_worker(tmp_path):
            "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "0", "--all_steps", "5",
            "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3",
            "--gen_backend", "vllm", "--vllm_dtype", "float32", "--vllm_importance_sampling_mode", "token_truncate",
-           "--vllm_importance_sampling_clip_max", "2.0"]
+           "--vllm_importance_sampling_clip_max", "2.0",
+           "--sync_delta_max_share", "1.0"]  # lr 1e-3 moves over 15 % of the elements: deltas all the same
     # REPO first on the path: this checkout's code wins over an editable install of another one
     proc = subprocess.run(cmd, cwd=REPO, env={**env(), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
                           capture_output=True, text=True, timeout=600)

@@ -11,10 +11,18 @@ import requests
 import torch
 from conftest import start_ref_server
 
+from common import weight_delta
 from common.client import RefClient, RefServerError
 from common.modeling import load_model
-from common.weight_delta import DeltaEncoder, DeltaError, HeldWeights, as_bits, crc_of
+from common.weight_delta import DeltaEncoder, DeltaError, HeldWeights, as_bits, checksum_of
 from common.weight_sync import ParametersBody, WeightSync, blob_metadata, tensors_from_blob, verify_blob
+
+
+@pytest.fixture(autouse=True)
+def every_encoding(monkeypatch):
+    """train_step changes 1 to 100 % of each tensor so that every encoding is used: a delta that size would go
+    in full (DELTA_MAX_SHARE); here it goes as a delta whatever its size (test_large_change_goes_in_full)."""
+    monkeypatch.setattr(weight_delta, "DELTA_MAX_SHARE", 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +84,7 @@ def test_n_deltas_rebuild_the_nth_full_publish_bit_exact(server, tiny_model_dir)
     blob = requests.get(server.url + "/weights").content
     expected = b"".join(ParametersBody(trainer, torch.bfloat16))
     assert blob == expected
-    assert verify_blob(bytearray(blob))["__metadata__"]["crc32"] == sub.held.crc == pub.encoder.crc
+    assert verify_blob(bytearray(blob))["__metadata__"]["xxh3"] == sub.held.crc == pub.encoder.crc
     info = RefClient(server.url).weights_info()
     assert info["served_delta_bytes"] > 0 and info["served_full_bytes"] >= full_size
     assert info["delta_check"] in ("ok", "pending")  # the server's own CRC check of its rebuilt copy
@@ -150,7 +158,7 @@ def test_delta_that_does_not_fit_changes_nothing():
     w = {"a": torch.randn(100, generator=g).to(torch.bfloat16), "b": torch.randn(10, 40, generator=g).half()}
     enc = DeltaEncoder()
     blob = bytearray(b"".join(ParametersBody(None, named=enc.snapshot(w.items()), crc=enc.crc)))
-    held = HeldWeights(tensors_from_blob(blob), 1, blob_metadata(blob)["crc32"])
+    held = HeldWeights(tensors_from_blob(blob), 1, blob_metadata(blob)["xxh3"])
     snapshot = bytes(blob)
     w["a"][3] += 1
     w["b"][0, :] += 1
@@ -164,7 +172,7 @@ def test_delta_that_does_not_fit_changes_nothing():
         ({**tensors, "c": torch.zeros(3)}, meta),  # a tensor the weights do not have
         ({**tensors, "a:val": tensors["a:val"].float()}, meta),  # wrong dtype
         (tensors, {**meta, "base_version": "0"}),  # another base
-        (tensors, {**meta, "full_crc32": "00000000"}),  # rebuilds something else than the trainer's
+        (tensors, {**meta, "full_xxh3": "0" * 16}),  # rebuilds something else than the trainer's
     ]
     for i, (t, m) in enumerate(bad_cases):
         with pytest.raises(DeltaError):
@@ -174,7 +182,7 @@ def test_delta_that_does_not_fit_changes_nothing():
         else:
             blob[:] = snapshot  # the caller drops such a copy; restore it for the last check
     assert held.apply(dict(tensors), meta, 2) == ["a", "b"]
-    assert held.crc == crc_of(w.values()) and held.version == 2
+    assert held.crc == checksum_of(w.values()) and held.version == 2
 
 
 def test_worker_whose_copy_went_bad_refetches_the_full_copy(tiny_model_dir, caplog):
@@ -218,9 +226,28 @@ def test_server_copy_that_fails_its_crc_asks_for_the_full_copy():
 
     store.publish(2, delta(2))
     assert wait_checked(store) == "ok"
-    store.publish(3, delta(3, full_crc32="0badc0de"))  # claims a CRC the rebuilt copy does not have
+    store.publish(3, delta(3, full_xxh3="00000000deadbeef"))  # claims a CRC the rebuilt copy does not have
     assert wait_checked(store) == "failed"
     with pytest.raises(StaleBase, match="needs the full copy"):
         store.publish(4, delta(4))
     store.publish(4, bytearray(b"".join(ParametersBody(None, named=list(enc.last.items()), crc=enc.crc))))
     assert store.info()["delta_check"] is None and store.info()["version"] == 4
+
+
+def test_large_change_goes_in_full(monkeypatch):
+    """A delta estimated over DELTA_MAX_SHARE of the weights is not encoded: the full copy goes (encoding and
+    applying a bitmask delta costs more than a copy); a small one goes as a delta, its estimate close."""
+    monkeypatch.setattr(weight_delta, "DELTA_MAX_SHARE", 0.15)
+    g = torch.Generator().manual_seed(0)
+    weights = {"a": torch.randn(300_000, generator=g).bfloat16(), "b": torch.randn(70_001, generator=g).bfloat16()}
+    enc = DeltaEncoder()
+    enc.snapshot(weights.items())
+    for share_changed, full in ((0.01, False), (0.5, True), (0.0, False)):
+        for t in weights.values():
+            moved = torch.rand(t.numel(), generator=g) < share_changed
+            t[moved] = t[moved] * 1.5 + 0.25
+        tensors, _ = enc.delta(weights.items())
+        assert enc.gave_up == full and (tensors == []) == (full or share_changed == 0)
+        assert all(torch.equal(as_bits(enc.last[n]), as_bits(t)) for n, t in weights.items())  # the copy follows
+        if not full:
+            assert abs(enc.estimate - enc.delta_bytes / 740_002) < 0.01

@@ -119,13 +119,13 @@ def test_versions_only_move_forward(server, tiny_model_dir, caplog):
     assert sub.version == 499 and "not newer" in caplog.text
 
 
-def test_every_blob_carries_a_crc32_that_is_checked(tiny_model_dir, tmp_path):
+def test_every_blob_carries_a_checksum_that_is_checked(tiny_model_dir, tmp_path):
     model = perturbed(tiny_model_dir, 3)
     blob = bytearray(parameters_blob(model))
     header = verify_blob(blob)
-    assert len(header["__metadata__"]["crc32"]) == 8
+    assert len(header["__metadata__"]["xxh3"]) == 16
     assert set(tensors_from_blob(blob)) == {n for n, _ in model.named_parameters()}
-    for breaker, message in [(lambda b: b.__setitem__(len(b) - 5, b[-5] ^ 1), "crc32"),
+    for breaker, message in [(lambda b: b.__setitem__(len(b) - 5, b[-5] ^ 1), "xxh3"),
                              (lambda b: b.__delitem__(slice(len(b) - 100, None)), "data section"),
                              (lambda b: b.__delitem__(slice(20, None)), "truncated"),
                              (lambda b: b.__delitem__(slice(4, None)), "too short")]:
@@ -136,7 +136,7 @@ def test_every_blob_carries_a_crc32_that_is_checked(tiny_model_dir, tmp_path):
     # a blob without a checksum (e.g. from an older trainer) is refused, not loaded unchecked
     from safetensors.torch import save
     plain = bytearray(save({"w": torch.ones(3)}))
-    with pytest.raises(IntegrityError, match="no crc32"):
+    with pytest.raises(IntegrityError, match="no xxh3"):
         tensors_from_blob(plain)
 
 

@@ -24,7 +24,8 @@ class Publisher:
         self.syncer = None  # nobody to publish to: no workers, or workers that keep their weights
         if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
             self.syncer = WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir,
-                                     delta=cfg.sync_delta and not self.lora)
+                                     delta=cfg.sync_delta and not self.lora,
+                                     delta_max_share=cfg.sync_delta_max_share)
         self.client = None if cfg.sync_dir else client
         self.served: dict[str, float] | None = None  # the server's bytes sent to workers at the last publish
         # workers with an explicit dtype get the weights in it (bf16: half the bytes through the relay)
