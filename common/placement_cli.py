@@ -43,7 +43,8 @@ def detect_gpus() -> tuple[list[int], str]:
                          f"not UUIDs or MIG names")
     if smi:  # nvidia-smi lists physical GPUs: keep the visible ones
         return [g for g in found if str(g) in items], f"{how}, narrowed by CUDA_VISIBLE_DEVICES={visible}"
-    return [int(v) for v in items], f"CUDA_VISIBLE_DEVICES={visible}"
+    # torch counted the visible GPUs already: the first len(found) of them exist (none without CUDA)
+    return [int(v) for v in items][:len(found)], f"{how}, CUDA_VISIBLE_DEVICES={visible}"
 
 
 def _gpu_list(text: str) -> list[int]:

@@ -132,7 +132,8 @@ def test_vllm_on_the_gpu_it_was_placed_on():
 def test_vllm_worker_asked_for_a_gpu_without_cuda_says_so(tiny_model_dir, monkeypatch):
     from common.config import GRPOConfig
     from trainer.engines import make_engine
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "unset")  # recorded: what the engine sets is undone afterwards
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # (a bare delenv of an absent variable would leak it to later tests)
     cfg = GRPOConfig(model=str(tiny_model_dir), gen_backend="vllm", device="cuda:1").validate()
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         make_engine(cfg, str(tiny_model_dir))
@@ -212,3 +213,18 @@ def test_ref_server_refuses_a_missing_placement_file(tmp_path):
     from ref_server.config import ServerConfig
     with pytest.raises(ValueError, match="placement_file .* not found"):
         ServerConfig(model="tiny", placement_file=str(tmp_path / "nope.json")).validate()
+
+
+def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
+    """A CUDA_VISIBLE_DEVICES left in the environment names no GPU that this torch can reach (it once made a CPU
+    machine plan '1 GPU found' and refuse to start)."""
+    import shutil
+
+    import torch
+
+    from common.placement_cli import detect_gpus
+    if shutil.which("nvidia-smi") or torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    gpus, how = detect_gpus()
+    assert gpus == [] and "CUDA_VISIBLE_DEVICES=1" in how
