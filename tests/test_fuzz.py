@@ -190,7 +190,7 @@ def raw_exchange(port: int, data: bytes, half_close: bool, timeout: float = 15.0
             s.sendall(data)
             if half_close:
                 s.shutdown(socket.SHUT_WR)
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # broken pipe, reset, or not connected: the server may answer from the headers and close
             pass
         s.settimeout(timeout)
         got, timed_out = b"", False

@@ -110,7 +110,12 @@ def multihost_run(tiny_model_dir, tmp_path_factory, request):
             hosts.kill_all("w")  # the worker host dies
             k = fig["worker_killed_at"] = len(t0_rows())
             wait_for(lambda: len(t0_rows()) >= k + 2, 300, "steps after the worker host died", watch)
-            fig["status_after_worker"] = c.get("/status?stall_warn=2")
+
+            def worker_flagged() -> bool:  # silent past stall_warn: how soon depends on its last heartbeat
+                fig["status_after_worker"] = c.get("/status?stall_warn=2")
+                return any(s["id"] == "worker0" for s in fig["status_after_worker"]["stalled"])
+
+            wait_for(worker_flagged, 120, "/status flagging the dead worker host", watch)
 
             def past_a_checkpoint() -> bool:
                 latest = c.dirs["t1"] / "ds" / "latest"
