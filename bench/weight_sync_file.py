@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from common.client import RefClient
-from common.weight_sync import WeightSync, parameters_blob
+from common.weight_blob import parameters_blob
+from common.weight_sync import WeightSync
 
 
 def build_model(hidden: int, layers: int, vocab: int):

@@ -199,7 +199,7 @@ class RefClient:
     def publish_weights(self, blob, version: int) -> None:
         """PUT the policy's safetensors bytes as `version` on every server (workers may use any).
 
-        `blob`: bytes, or a re-iterable of pieces with a len() (common.weight_sync.ParametersBody)."""
+        `blob`: bytes, or a re-iterable of pieces with a len() (common.weight_blob.ParametersBody)."""
         for url in self.urls:
             self._request("PUT", [url], "/weights", params={"version": str(version)}, data=blob,
                           headers={"Content-Type": "application/octet-stream"}, read_timeout=len(blob) / 50e6)

@@ -21,8 +21,9 @@ import threading
 import time
 
 from common.checksum import DIGITS, KEY, checksum
-from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError, apply_plan, plan_delta
-from common.weight_sync import IntegrityError, tensors_from_blob
+from common.delta_apply import apply_plan, plan_delta
+from common.weight_blob import IntegrityError, tensors_from_blob
+from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError
 
 log = logging.getLogger("ref_server")
 

@@ -13,9 +13,11 @@ from conftest import start_ref_server
 
 from common import weight_delta
 from common.client import RefClient, RefServerError
+from common.delta_apply import HeldWeights
 from common.modeling import load_model
-from common.weight_delta import DeltaEncoder, DeltaError, HeldWeights, as_bits, checksum_of
-from common.weight_sync import ParametersBody, WeightSync, blob_metadata, tensors_from_blob, verify_blob
+from common.weight_blob import ParametersBody, blob_metadata, tensors_from_blob, verify_blob
+from common.weight_delta import DeltaEncoder, DeltaError, as_bits, checksum_of
+from common.weight_sync import WeightSync
 
 
 @pytest.fixture(autouse=True)

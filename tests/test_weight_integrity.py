@@ -19,7 +19,8 @@ from test_weight_sync import logps, perturbed
 
 from common.client import RefClient
 from common.modeling import load_model
-from common.weight_sync import IntegrityError, WeightSync, parameters_blob, tensors_from_blob, verify_blob
+from common.weight_blob import IntegrityError, parameters_blob, tensors_from_blob, verify_blob
+from common.weight_sync import WeightSync
 
 
 class Relay:

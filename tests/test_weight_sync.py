@@ -10,7 +10,8 @@ from common.client import RefClient, RefServerError
 from common.logprobs import sequence_logprobs
 from common.modeling import load_model
 from common.protocol import RolloutBatch, ScoredBatch
-from common.weight_sync import WeightSync, load_parameters, parameters_blob
+from common.weight_blob import parameters_blob
+from common.weight_sync import WeightSync, load_parameters
 
 
 def fixed_sequence():

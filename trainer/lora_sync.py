@@ -79,7 +79,7 @@ def policy_loader(engine, model_path: str, held=None):
     """The weight-sync `apply(tensors, metadata)` of a genonly worker: full weights go to the engine as they
     are; an adapter blob is merged into W0 and sent with its layers' companions (see the module docstring);
     a delta (only the tensors that changed) is sent with its layers' companions read from `held()`, the
-    worker's full copy (common/weight_delta.py HeldWeights), the delta already applied to it."""
+    worker's full copy (common/delta_apply.py HeldWeights), the delta already applied to it."""
     merger = LoraMerger()
     state: dict = {}
 
