@@ -236,6 +236,9 @@ class GRPOConfig:
     stall_timeout: float = knob(1800.0, "A rank that made no optimizer step for this many seconds stops with a "
                                         "non-zero exit and a diagnosis (what it waited for, who is stalled). "
                                         "0 = never.")
+    max_rejected_batches: int = knob(64, "A rank that rejects this many scored batches in a row (none usable in "
+                                         "between: wrong temperature, vocabulary, lengths) stops with exit 5 and "
+                                         "the last reason, instead of waiting for usable ones forever. 0 = never.")
     dist_timeout: float = knob(600.0, "Timeout in seconds of the distributed process group (torch's default is "
                                       "30 min): a rank whose peer died leaves a collective after this, naming it.")
     heartbeat_s: float = knob(10.0, "Ranks and workers send a heartbeat to the ref server this often (seconds) "
@@ -296,6 +299,7 @@ class GRPOConfig:
         checks += [  # --- run health (issue 16) ---
             (self.stall_warn > 0, "stall_warn must be > 0 seconds"),
             (self.stall_timeout >= 0, "stall_timeout must be >= 0 seconds (0 = never)"),
+            (self.max_rejected_batches >= 0, "max_rejected_batches must be >= 0 (0 = never stop for them)"),
             (self.dist_timeout > 0, "dist_timeout must be > 0 seconds"),
             (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
             (self.micro_batch_size >= 0, "micro_batch_size must be >= 0 rows (0 = the whole batch at once)"),

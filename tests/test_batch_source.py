@@ -105,3 +105,30 @@ def test_uploads_lost_with_the_server_are_counted_and_made_anew(own_uploads):
     batch, info = src.next(policy_version=0)
     assert info["lost_batches"] == 2 and len(client.uploaded) == 4 and batch.batch_id == own_uploads[2].batch_id
     assert src.in_flight == 1
+
+
+def test_batches_it_can_never_use_end_the_rank_with_the_reason(tiny_model_dir):
+    """A producer at another temperature (its batches carry no logp_temperature: T 1) against a trainer at T 0.9:
+    every batch is refused. A usable one in between resets the count; max_rejected_batches in a row raise
+    UnusableBatches naming the reason (trainer/loop.py turns it into exit 5 and the diagnosis line)."""
+    from trainer.batches import BatchSource, UnusableBatches
+
+    cfg = load_config(GRPOConfig, ["--num_gen_workers", "1", "--get_wait", "0", "--max_new_tokens", "8",
+                                   "--train_batch_groups", "1", "--temperature", "0.9",
+                                   "--max_rejected_batches", "3"])
+    with start_ref_server(tiny_model_dir) as srv:
+        client = RefClient(srv.url)
+        src = BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
+        client.upload(make_batch([3], [3], seed=1, producer_id="byo"))  # T 1: refused
+        client.upload(make_batch([3], [3], seed=2, producer_id="byo", extra={"logp_temperature": 0.9}))
+        batch, info = src.next(policy_version=0)
+        assert info["rejected_batches"] == 1 and batch.num_rows == 1 and src.rejected_in_a_row == 0
+        for seed in (3, 4, 5):
+            client.upload(make_batch([3], [3], seed=seed, producer_id="byo"))
+        with pytest.raises(UnusableBatches, match=r"3 scored batches in a row rejected.*temperature 1\.0.*0\.9"):
+            src.next(policy_version=0)
+
+
+def test_max_rejected_batches_is_checked():
+    with pytest.raises(ValueError, match="max_rejected_batches"):
+        load_config(GRPOConfig, ["--max_rejected_batches", "-1"])

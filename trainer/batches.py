@@ -34,6 +34,11 @@ def check_scored(b: ScoredBatch, cfg: GRPOConfig, vocab_size: int) -> None:
         truncated_mask(b)  # one bool per completion (checked at decode too; here for what this trainer reads)
 
 
+class UnusableBatches(RuntimeError):
+    """Every scored batch for `max_rejected_batches` in a row was rejected: a producer's settings do not fit this
+    trainer's (the message names the last reason). Ends the rank (trainer/loop.py: exit 5)."""
+
+
 def usable_version(batch_version: int, current: int, max_staleness: int) -> bool:
     """A batch is trained on only if its policy is at most max_staleness versions old. A version *newer*
     than ours comes from steps lost in a crash (a resume went back to the last checkpoint): those weights
@@ -68,6 +73,7 @@ class BatchSource:
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
         self.stall = StallReporter(producer_id, cfg.log_stall_every)  # says so when every group is skipped
         self.idle_since = time.time()
+        self.rejected_in_a_row = 0  # reset by a usable batch; max_rejected_batches of them end the run
         self.watchdog = None  # trainer/health.py Watchdog: told what we wait for (its stall diagnosis says it)
 
     def _doing(self, what: str) -> None:
@@ -143,7 +149,13 @@ class BatchSource:
         except ProtocolError as e:
             log.error("rejected scored batch: %s", e)
             info["rejected_batches"] += 1
+            self.rejected_in_a_row += 1
+            limit = self.cfg.max_rejected_batches
+            if limit and self.rejected_in_a_row >= limit:
+                raise UnusableBatches(f"{self.rejected_in_a_row} scored batches in a row rejected, none usable "
+                                      f"(max_rejected_batches {limit}); the last: {e}") from e
             return False
+        self.rejected_in_a_row = 0
         if b.producer_id == self.producer_id:
             self.in_flight = max(0, self.in_flight - 1)
         if is_stale(self.cfg, policy_version, b):

@@ -32,7 +32,7 @@ from pathlib import Path
 from common.client import RefServerError
 
 log = logging.getLogger("trainer")
-EXIT_STALLED, EXIT_PEER_GONE = 3, 4
+EXIT_STALLED, EXIT_PEER_GONE, EXIT_UNUSABLE_BATCHES = 3, 4, 5  # 5: trainer/batches.py UnusableBatches
 
 
 def write_diagnosis(out_dir: str | Path, line: str) -> None:

@@ -20,11 +20,11 @@ from common.config import GRPOConfig
 from common.knobs import to_dict
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from trainer import comm, nodes, resume
-from trainer.batches import BatchSource
+from trainer.batches import BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
 from trainer.engine import build_engine, init_deepspeed
-from trainer.health import EXIT_PEER_GONE, Heartbeat, Watchdog, write_diagnosis
+from trainer.health import EXIT_PEER_GONE, EXIT_UNUSABLE_BATCHES, Heartbeat, Watchdog, write_diagnosis
 from trainer.publish import Publisher
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import RolloutStats
@@ -87,10 +87,15 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> d
 
 # --------------------------------------------------------------------------- train
 def train(cfg: GRPOConfig) -> None:
-    """Run the rank; a failed collective ends it with one line naming the peer (exit 4)."""
+    """Run the rank; a failed collective ends it with one line naming the peer (exit 4), batches it can never
+    use with one line naming why (exit 5)."""
     started: list[Watchdog] = []  # the rank's watchdog, once it runs
     try:
         _train(cfg, started)
+    except UnusableBatches as e:  # a producer whose batches this trainer can never use: say which, promptly
+        log.error("%s", e)
+        write_diagnosis(cfg.output_dir, f"rank {torch.distributed.get_rank()}: {e}")
+        raise SystemExit(EXIT_UNUSABLE_BATCHES) from e
     except Exception as e:
         if not (started and _is_dist_error(e)):
             raise
