@@ -32,6 +32,7 @@ DELTA_FORMAT = "weights_delta"
 DELTA_MAX_SHARE = 0.15
 SAMPLE_CHUNKS, SAMPLE_LEN = 64, 1024  # the sample that decides between a delta and the full copy
 BLOCK = 1 << 16  # positions are sent as 16-bit offsets within blocks of this many elements
+SCAN_BLOCKS = 4  # blocks per chunk of the encoder's scan (1 MiB of int64 words in bf16): the fastest measured
 NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -57,70 +58,65 @@ def checksum_of(tensors) -> str:
     return h.hexdigest()
 
 
-def _changes_from_words(a: np.ndarray, b: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(ascending flat positions where a != b, a's values there), given the changed 8-byte words of their
-    prefix (`words`: flatnonzero of the int64 comparison); b becomes a there. Only those words are read
-    and written (gathered as int64), not every element."""
-    lanes = 8 // a.itemsize
-    m = a.size - a.size % lanes
-    aw, bw = a[:m].view(np.int64), b[:m].view(np.int64)
-    new_words = aw[words]
-    lane = np.flatnonzero(new_words.view(a.dtype) != bw[words].view(a.dtype))  # flat: 4x faster than 2-D nonzero
-    idx = words[lane // lanes] * lanes + lane % lanes  # words ascending, lanes ascending within: ascending
-    vals = new_words.view(a.dtype)[lane]
-    bw[words] = new_words
-    if m < a.size:  # the last few elements
-        tail = np.flatnonzero(a[m:] != b[m:]) + m
-        idx, vals = np.concatenate([idx, tail]), np.concatenate([vals, a[tail]])
-        b[tail] = a[tail]
-    return idx, vals
+def _scan(a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where a != b (bit patterns, flat arrays of one dtype): per block of BLOCK elements how many changed (int32),
+    their offsets in the block (uint16, ascending) and a's values there; b becomes a there.
+
+    One pass in chunks of SCAN_BLOCKS blocks, so a chunk's temporaries stay in cache: 8 bytes compared at a
+    time (4 bf16 per compare), and positions taken only from the words that changed (measured at the
+    Qwen2.5-0.5B shape, lr 1e-6: 0.35 s against 0.55 s for whole-tensor passes)."""
+    n, lanes = a.size, 8 // a.itemsize
+    counts = np.zeros(-(-n // BLOCK), dtype=np.int32)
+    offsets, values = [], []
+    for s in range(0, n, SCAN_BLOCKS * BLOCK):  # chunk starts are block (so word) aligned
+        e = min(n, s + SCAN_BLOCKS * BLOCK)
+        m = e - (e - s) % lanes
+        ca, cb = a[s:m].view(np.int64), b[s:m].view(np.int64)
+        words = np.flatnonzero(np.not_equal(ca, cb, out=scratch[:len(ca)]))
+        new_words = ca[words]
+        lane = np.flatnonzero(new_words.view(a.dtype) != cb[words].view(a.dtype))
+        local = words[lane // lanes] * lanes + lane % lanes  # words ascending, lanes within: ascending
+        vals = new_words.view(a.dtype)[lane]
+        cb[words] = new_words
+        if m < e:  # the tensor's last few elements, fewer than a word
+            tail = np.flatnonzero(a[m:e] != b[m:e]) + m
+            local, vals = np.concatenate([local, tail - s]), np.concatenate([vals, a[tail]])
+            b[tail] = a[tail]
+        if len(local):
+            first = s // BLOCK
+            counts[first:first + -(-(e - s) // BLOCK)] = np.bincount(local >> 16, minlength=-(-(e - s) // BLOCK))
+            offsets.append((local & 0xFFFF).astype(np.uint16))
+            values.append(vals)
+    if not values:
+        return counts, np.empty(0, np.uint16), a[:0].copy()
+    return counts, np.concatenate(offsets), np.concatenate(values)
 
 
 def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, scratch: np.ndarray | None = None
                   ) -> list[tuple[str, torch.Tensor]]:
     """The cheapest encoding of `new` against `old` (same shape and dtype, contiguous, CPU); [] if equal.
-    `old` is then updated to `new`. scratch: a bool buffer of at least numel elements for the comparison
-    (fresh pages cost more than it). In numpy on integer views: its nonzero and gathers are 2-4x torch's.
-    Elements are first compared 8 bytes at a time (4 bf16 per compare: as fast as one element at a time,
-    and its nonzero has a quarter of the entries); positions come from the changed words only."""
+    `old` is then updated to `new`. scratch: a bool buffer of SCAN_BLOCKS * BLOCK elements for the comparison
+    (fresh pages cost more than it). In numpy on integer views: its nonzero and gathers are 2-4x torch's."""
     a, b = as_bits(new).numpy(), as_bits(old).numpy()
     n, item = a.size, new.element_size()
-    lanes = 8 // item
-    m = n - n % lanes
     blocks = -(-n // BLOCK)
-    out = None if scratch is None else scratch[:m // lanes]
-    words_changed = np.not_equal(a[:m].view(np.int64), b[:m].view(np.int64), out=out)
-    kw = int(np.count_nonzero(words_changed))
-    idx = None
-    if kw * 2 < n // 16:  # at most lanes*kw changed elements, likely under the ~6 % where positions win
-        idx, vals = _changes_from_words(a, b, np.flatnonzero(words_changed))  # b is now a
-        k = len(idx)
-    else:  # at least kw changed: no positions, a bitmask or the whole tensor
-        changed = np.not_equal(a, b, out=None if scratch is None else scratch[:n])
-        k = int(np.count_nonzero(changed))
+    if scratch is None:
+        scratch = np.empty(SCAN_BLOCKS * BLOCK, dtype=np.bool_)
+    counts, offsets, vals = _scan(a, b, scratch)  # b is now a
+    k = len(vals)
     if k == 0:
         return []
     sizes = {"full": n * item, "mask": (n + 7) // 8 + k * item, "pos": 4 * blocks + k * (2 + item)}
     kind = min(sizes, key=sizes.get)  # ties: full (first), then mask
-    if kind == "pos" and idx is None:
-        idx = np.flatnonzero(changed)
-        vals = a[idx]
-        b[idx] = vals  # the kept copy follows: k writes instead of a copy of the whole tensor
-    if kind != "pos":  # many changed: sequential passes (fancy indexing costs ~10 ns an element)
-        if kind == "mask" and idx is not None:  # positions found, yet the bitmask is smaller (rare)
-            changed = np.zeros(n, dtype=np.bool_)
-            changed[idx] = True
-        vals = None if kind == "full" else a[changed]
-        old.copy_(new)
-        if kind == "full":
-            return [(name, old)]  # the kept copy: it does not change before the next publish
-        mask = np.packbits(changed, bitorder="little")
-        return [(f"{name}:mask", torch.from_numpy(mask)), (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
-    # idx ascending: per block, how many fall in it (a search per block: cheaper than a pass over idx)
-    counts = np.diff(np.searchsorted(idx, np.arange(blocks + 1, dtype=np.int64) << 16)).astype(np.int32)
-    offsets = (idx & 0xFFFF).astype(np.uint16)
+    if kind == "full":
+        return [(name, old)]  # the kept copy: it does not change before the next publish
+    vals = torch.from_numpy(vals).view(new.dtype)
+    if kind == "mask":  # over ~1/16 of the elements changed (a delta that large usually goes in full)
+        changed = np.zeros(n, dtype=np.bool_)
+        changed[np.repeat(np.arange(blocks, dtype=np.int64) << 16, counts) | offsets] = True
+        return [(f"{name}:mask", torch.from_numpy(np.packbits(changed, bitorder="little"))), (f"{name}:val", vals)]
     return [(f"{name}:blk", torch.from_numpy(counts)), (f"{name}:off", torch.from_numpy(offsets)),
-            (f"{name}:val", torch.from_numpy(vals).view(new.dtype))]
+            (f"{name}:val", vals)]
 
 
 class DeltaEncoder:
@@ -153,7 +149,7 @@ class DeltaEncoder:
             c = self._cast(t)
             self.last[name] = c.clone() if c.data_ptr() == t.data_ptr() else c  # never alias a live parameter
         self.crc = checksum_of(self.last.values())
-        self.scratch = np.empty(max((t.numel() for t in self.last.values()), default=0), dtype=np.bool_)
+        self.scratch = np.empty(SCAN_BLOCKS * BLOCK, dtype=np.bool_)
         return list(self.last.items())
 
     def delta(self, named) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
