@@ -70,8 +70,8 @@ fi
 if [ "$MODE" = demo ]; then
   exec "$PY" -m trainer.demo "$@"
 fi
-case "$MODE" in  # one host's role in a multi-host run (trainer/hosts.py)
-  ref-server|trainer-host|workers) GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.hosts "$MODE" "$@" ;;
+case "$MODE" in  # one host's role in a multi-host run (trainer/dist/hosts.py)
+  ref-server|trainer-host|workers) GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.dist.hosts "$MODE" "$@" ;;
 esac
 
 RUN_DIR="runs/$(date +%Y%m%d-%H%M%S)"; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto

@@ -3,7 +3,7 @@
     python bench/lora_sync.py [--ranks 8,16,64]
 
 The model is built on the meta device (no memory, no download) in Qwen2.5-0.5B's shape (its config.json
-values below), wrapped with the trainer's own peft wrapping (trainer/lora.py, default target modules);
+values below), wrapped with the trainer's own peft wrapping (trainer/lora/adapters.py, default target modules);
 bytes are float32, as the trainer publishes them. The last line is one JSON object.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def measure(r: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from common.config import GRPOConfig
-    from trainer.lora import adapter_tensors, trainable_summary, wrap_lora
+    from trainer.lora.adapters import adapter_tensors, trainable_summary, wrap_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(qwen25_05b_config())

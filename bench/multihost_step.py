@@ -5,7 +5,7 @@
 
 Both sides: the ref server in a namespace of its own, the same trainer config (tiny model, 2 CPU ranks,
 gloo, no genonly worker, so that the ranks' own work is what is timed), started with the README's
-commands (`python -m trainer.hosts`, what launch.sh runs). Two hosts: `trainer-host --nodes 2 --gpus 1`
+commands (`python -m trainer.dist.hosts`, what launch.sh runs). Two hosts: `trainer-host --nodes 2 --gpus 1`
 in two namespaces (the ranks talk over veth + bridge). One host: `trainer-host --nodes 1 --gpus 2` in one
 namespace. Reported: the
 median `step_s` of each run's metrics (steps after the first two), runs alternating A B A B.
@@ -44,8 +44,8 @@ def run(hosts: Hosts, url: str, base: Path, nodes: int, steps: int) -> list[floa
     for rank, name in enumerate(names):
         run_dir = base / f"{name}-{nodes}-{time.time_ns()}"
         # what `launch.sh trainer-host` runs (minus its venv check, which is not what is timed)
-        cmd = [sys.executable, "-m", "trainer.hosts", "trainer-host", "--nodes", str(nodes), "--node-rank", str(rank),
-               "--master-addr", hosts.addr["t0"], "--gpus", str(2 // nodes), "--ref-url", url,
+        cmd = [sys.executable, "-m", "trainer.dist.hosts", "trainer-host", "--nodes", str(nodes),
+               "--node-rank", str(rank), "--master-addr", hosts.addr["t0"], "--gpus", str(2 // nodes), "--ref-url", url,
                "--run-dir", str(run_dir), "--", *TOY, "--all_steps", str(steps)]
         run_dir.mkdir(parents=True)
         with open(run_dir / "launch.log", "wb") as log:

@@ -104,7 +104,7 @@ class GRPOConfig:
     micro_batch_size: int = knob(0, "Rows (completions) per forward/backward on a rank: the training batch is split "
                                     "into micro-batches whose gradients are accumulated into ONE optimizer update per "
                                     "step, with the same gradient as the whole batch for every aggregation "
-                                    "(trainer/microbatch.py). 0 = the whole batch at once. TRL: "
+                                    "(trainer/objective/microbatch.py). 0 = the whole batch at once. TRL: "
                                     "per_device_train_batch_size.")
     zero_stage: int | None = knob(None, "Override the ZeRO stage of ds_config (2 by default; 3 works).")
     bf16: bool | None = knob(None, "Ranks in bf16 under DeepSpeed (bf16 weights, fp32 master copy and Adam state): "

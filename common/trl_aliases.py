@@ -66,7 +66,7 @@ REFUSED: dict[str, str] = {
     "ref_model_mixup_alpha": "the reference model is frozen on the ref server",
     "ref_model_sync_steps": "the reference model is frozen on the ref server",
     "disable_dropout": "the policy trains with the model's own dropout settings",
-    "use_liger_loss": "the loss is trainer/grpo.py",
+    "use_liger_loss": "the loss is trainer/objective/grpo.py",
     "log_completions": "sample completions are not logged", "num_completions_to_print": "not logged",
     "wandb_log_unique_prompts": "not logged", "shuffle_dataset": "the prompt sampler always shuffles (seeded)",
     "ds3_gather_for_generation": "ZeRO-3 generation gathers always", "model_init_kwargs": "not supported",

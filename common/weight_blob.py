@@ -26,7 +26,7 @@ class ParametersBody:
                  metadata: dict[str, str] | None = None, crc: str | None = None) -> None:
         """dtype: send floating parameters in this dtype (e.g. bfloat16 for bf16 workers: half the bytes);
         each is cast while it is sent, one at a time, so no cast copy of the whole model is held.
-        named: (name, tensor) pairs to send instead of every parameter (LoRA adapters only, trainer/lora.py),
+        named: (name, tensor) pairs to send instead of every parameter (LoRA adapters only, trainer/lora/adapters.py),
         described by `metadata` (the safetensors header's __metadata__). crc: the data's checksum when the caller
         already has it (common/weight_delta.py DeltaEncoder), saving a pass."""
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}

@@ -59,7 +59,8 @@ class WeightSync:
         if (client is None) == (sync_dir is None):
             raise ValueError("WeightSync needs exactly one of client (HTTP) or sync_dir (shared directory)")
         self.client = client
-        # adapter_loader(model, tensors, metadata): applies an adapter-only blob (LoRA; trainer/lora.py LoraMerger)
+        # adapter_loader(model, tensors, metadata): applies an adapter-only blob
+        # (LoRA; trainer/lora/adapters.py LoraMerger)
         self.adapter_loader = adapter_loader
         self.dir = Path(sync_dir) if sync_dir else None
         self.delta = delta and client is not None
@@ -188,7 +189,7 @@ class WeightSync:
 
         `apply(tensors, metadata)` loads them somewhere else than an HF model's parameters (a generation
         engine); metadata says whether they are full weights, a delta (then `tensors` are the full new values
-        of the tensors that changed) or a LoRA adapter (trainer/lora.py).
+        of the tensors that changed) or a LoRA adapter (trainer/lora/adapters.py).
         A download that breaks, stalls or fails its checksum is logged and retried up to `retries`
         times; the model keeps its current weights meanwhile (and after the last failure). A delta that
         does not rebuild the trainer's weights exactly is never loaded: the full copy is fetched instead."""

@@ -1,4 +1,4 @@
-"""Collectives on the device their process group serves (trainer/comm.py).
+"""Collectives on the device their process group serves (trainer/dist/comm.py).
 
 NCCL reduces CUDA tensors only. A real gloo group initialised for the CUDA device type alone
 (`backend="cuda:gloo"`) behaves exactly like NCCL towards a CPU tensor ("No backend type associated with
@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from conftest import REPO, find_free_port
 
-from trainer import comm
+from trainer.dist import comm
 from trainer.loop import _is_dist_error
+from trainer.objective.update import dapo_scales
 from trainer.step_metrics import reduce_metrics
-from trainer.update import dapo_scales
 
 
 @pytest.fixture
@@ -58,10 +58,10 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 
 
 def test_every_tensor_collective_goes_through_comm():
-    """A tensor collective called anywhere but trainer/comm.py could hand NCCL a CPU tensor again."""
+    """A tensor collective called anywhere but trainer/dist/comm.py could hand NCCL a CPU tensor again."""
     offenders = []
     for path in [p for d in ("trainer", "common", "ref_server") for p in (REPO / d).rglob("*.py")]:
-        if path == REPO / "trainer" / "comm.py":
+        if path == REPO / "trainer" / "dist" / "comm.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             f = node.func if isinstance(node, ast.Call) else node if isinstance(node, ast.keyword) else None

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.grpo import group_advantages, grpo_loss, has_spread, loss_stats
+from trainer.objective.grpo import group_advantages, grpo_loss, has_spread, loss_stats
 
 
 def reference_loss(logps, ref, gen, adv, mask, beta, eps_low, eps_high, aggregation, max_new_tokens) -> float:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_grpo import random_inputs
 
-from trainer.grpo import group_advantages, grpo_loss, loss_stats, overlong_penalty, reinforce_pp_advantages
+from trainer.objective.grpo import group_advantages, grpo_loss, loss_stats, overlong_penalty, reinforce_pp_advantages
 
 
 def gspo_reference(logps, ref, gen, adv, mask, beta, eps_low, eps_high, aggregation, max_new_tokens) -> float:
@@ -205,7 +205,7 @@ def test_overlong_penalty_matches_paper(buffer, penalty):
 
 def test_overlong_shaping_changes_the_advantages():
     """Equal rewards, different lengths: the shaped group has a spread, and the longest completion loses."""
-    from trainer.grpo import has_spread
+    from trainer.objective.grpo import has_spread
 
     rewards = torch.ones(4)
     lens = torch.tensor([3, 10, 14, 16])

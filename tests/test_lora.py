@@ -9,7 +9,7 @@ from common.logprobs import sequence_logprobs
 from common.modeling import load_model
 from common.weight_blob import ParametersBody, blob_metadata, tensors_from_blob
 from common.weight_sync import WeightSync
-from trainer.lora import (
+from trainer.lora.adapters import (
     LoraMerger,
     adapter_metadata,
     adapter_tensors,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from test_e2e import read_rows
 
 from common.logprobs import sequence_logprobs
-from trainer.lora import base_name
+from trainer.lora.adapters import base_name
 
 pytestmark = pytest.mark.slow
 

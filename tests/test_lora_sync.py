@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO, subprocess_env
 
-from trainer.lora_sync import layer_companions
+from trainer.lora.sync import layer_companions
 
 QWEN_FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 LAYER = [f"self_attn.{m}_proj.{p}" for m in "qkv" for p in ("weight", "bias")] + \
@@ -44,7 +44,7 @@ def hub_cache(home, repo_id: str, src) -> str:
 
 READ = """
 import json, sys
-from trainer.lora_sync import checkpoint_weights
+from trainer.lora.sync import checkpoint_weights
 try:
     w = checkpoint_weights(sys.argv[1], ["model.layers.0.self_attn.k_proj.weight"])
     print(json.dumps({"shape": list(w["model.layers.0.self_attn.k_proj.weight"].shape)}))
@@ -70,7 +70,7 @@ def test_hub_id_resolves_through_the_hf_cache_without_network(repo_id, tiny_mode
 
 
 def test_local_path_that_is_missing_says_so(tmp_path):
-    from trainer.lora_sync import checkpoint_weights
+    from trainer.lora.sync import checkpoint_weights
     with pytest.raises(FileNotFoundError, match="does not exist"):
         checkpoint_weights(str(tmp_path / "nope"), ["x"])
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):

@@ -10,7 +10,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.knobs import load_config
-from trainer.grpo import entropy_mask, grpo_loss
+from trainer.objective.grpo import entropy_mask, grpo_loss
 
 
 def data(seed=0, B=4, T=6):

@@ -24,8 +24,8 @@ def test_batch_std_advantages_match_float64():
 def _dapo_rank(rank: int, world: int, port: int, shards, out) -> None:
     import torch.distributed as dist
 
-    from trainer.grpo import grpo_loss
-    from trainer.update import dapo_scales
+    from trainer.objective.grpo import grpo_loss
+    from trainer.objective.update import dapo_scales
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x, adv, mask_np = shards[rank]

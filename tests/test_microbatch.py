@@ -1,6 +1,6 @@
-"""Micro-batches (trainer/microbatch.py): the gradient DeepSpeed accumulates over a step's micro-batches equals
-the whole batch's gradient, for every aggregation and for GSPO, checked against a float64 re-derivation
-(a plain full-logits forward of a float64 copy of the model, no chunking, no DeepSpeed)."""
+"""Micro-batches (trainer/objective/microbatch.py): the gradient DeepSpeed accumulates over a step's
+micro-batches equals the whole batch's gradient, for every aggregation and for GSPO, checked against a float64
+re-derivation (a plain full-logits forward of a float64 copy of the model, no chunking, no DeepSpeed)."""
 from __future__ import annotations
 
 import pytest
@@ -10,11 +10,11 @@ from conftest import find_free_port
 from common.config import GRPOConfig
 from common.modeling import load_model, resolve_model_path
 from common.protocol import ScoredBatch
-from trainer import microbatch
 from trainer.engine import ds_config_for
-from trainer.grpo import grpo_loss
-from trainer.offpolicy import importance_weights
-from trainer.update import train_step
+from trainer.objective import microbatch
+from trainer.objective.grpo import grpo_loss
+from trainer.objective.offpolicy import importance_weights
+from trainer.objective.update import train_step
 
 ROWS = 8
 

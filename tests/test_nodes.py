@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from ref_server.status import by_host
-from trainer import nodes
+from trainer.dist import nodes
 
 
 def test_interface_towards_a_peer_is_the_routed_one():

@@ -1,5 +1,6 @@
-"""Off-policy correction (trainer/offpolicy.py) against a float64 re-derivation: TRL's four importance-sampling
-modes, the off-policy sequence mask, and the loss with π_old = the trainer's first pass and IS weights."""
+"""Off-policy correction (trainer/objective/offpolicy.py) against a float64 re-derivation: TRL's four
+importance-sampling modes, the off-policy sequence mask, and the loss with π_old = the trainer's first pass and IS
+weights."""
 from __future__ import annotations
 
 import math
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from common.config import GRPOConfig
-from trainer.grpo import grpo_loss, mismatch_stats
-from trainer.offpolicy import importance_weights, in_band_share, off_policy_mask
+from trainer.objective.grpo import grpo_loss, mismatch_stats
+from trainer.objective.offpolicy import importance_weights, in_band_share, off_policy_mask
 
 
 def make(seed=0, B=4, T=7):

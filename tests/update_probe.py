@@ -1,5 +1,5 @@
-"""One DeepSpeed rank (gloo, CPU) stepping trainer/update.py's schedule on synthetic batches of the tiny model;
-prints, per step, what the test compares with a hand-computed schedule. Run by tests/test_update_schedule.py:
+"""One DeepSpeed rank (gloo, CPU) stepping trainer/objective/update.py's schedule on synthetic batches of the tiny
+model; prints, per step, what the test compares with a hand-computed schedule. Run by tests/test_update_schedule.py:
     python tests/update_probe.py MODEL_DIR OUT_DIR --grad_accum 2 --mu 2 ...   (GRPOConfig flags)"""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from common.config import GRPOConfig
 from common.knobs import load_config
 from common.protocol import ScoredBatch
 from trainer.engine import build_engine, init_deepspeed
-from trainer.update import new_round, starts_round, train_update
+from trainer.objective.update import new_round, starts_round, train_update
 
 
 def batch(seed: int, vocab: int, version: int) -> ScoredBatch:

@@ -30,7 +30,7 @@ def lora_policy(model_dir: Path, targets: list[str], seed: int):
     """The trainer's policy: LoRA on `targets` with random B (peft starts B at 0: the merge would be trivial)."""
     from common.config import GRPOConfig
     from common.modeling import load_model
-    from trainer.lora import wrap_lora
+    from trainer.lora.adapters import wrap_lora
     cfg = GRPOConfig(lora_r=4, lora_alpha=8.0, lora_target_modules=targets).validate()
     policy = wrap_lora(load_model(str(model_dir), dtype="float32", trainable=True), cfg)
     g = torch.Generator().manual_seed(seed)
@@ -46,8 +46,8 @@ def main() -> None:
     from common.config import GRPOConfig
     from common.weight_sync import WeightSync
     from trainer.engines import make_engine
-    from trainer.lora import adapter_metadata, adapter_tensors
-    from trainer.lora_sync import BaseCheckpoint, policy_loader
+    from trainer.lora.adapters import adapter_metadata, adapter_tensors
+    from trainer.lora.sync import BaseCheckpoint, policy_loader
 
     tiny, work = Path(sys.argv[1]), Path(sys.argv[2])
     model_dir = toy_model(tiny, work / "model")

@@ -14,7 +14,7 @@ import torch
 from common.config import GRPOConfig
 from common.protocol import ScoredBatch
 from trainer.engine import build_engine, init_deepspeed
-from trainer.update import train_step
+from trainer.objective.update import train_step
 
 
 def batch_for(rank: int, rows: int, vocab: int) -> ScoredBatch:

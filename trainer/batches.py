@@ -8,11 +8,11 @@ import time
 from common.client import RefServerError
 from common.config import GRPOConfig
 from common.protocol import ProtocolError, ScoredBatch, collate
-from trainer.comm import all_reduce_int
+from trainer.dist.comm import all_reduce_int
 from trainer.engines.hf import HFEngine
+from trainer.objective.update import truncated_mask
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
-from trainer.update import truncated_mask
 
 log = logging.getLogger("trainer")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import nodes
+from trainer.dist import nodes
 
 log = logging.getLogger("trainer")
 
@@ -54,7 +54,7 @@ def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, dtype: tor
     (PeftModel-loadable), and at the end (`final`) the merged model."""
     import deepspeed
 
-    from trainer.lora import is_lora, save_adapter, save_merged
+    from trainer.lora.adapters import is_lora, save_adapter, save_merged
 
     model = engine.module
     if is_lora(model):
@@ -114,7 +114,7 @@ def save_step(engine, tokenizer, out: Path, step: int, cfg, rank: int, zero_stag
     an HF step_N directory; then retention."""
     engine.save_checkpoint(str(out / "ds"), tag=f"step{step}", client_state={"step": step})
     nodes.write_latest(out / "ds", f"step{step}")  # the other hosts' own `latest` (DeepSpeed: rank 0's only)
-    from trainer.lora import is_lora
+    from trainer.lora.adapters import is_lora
 
     # a LoRA run's `final` is the merged model, so its last adapter is no duplicate: keep it as step_N
     if step % cfg.save_steps == 0 and (step != cfg.all_steps or is_lora(engine.module)):

@@ -13,8 +13,8 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import load_model
-from trainer import nodes
-from trainer.microbatch import micro_batches_per_step, micro_rows
+from trainer.dist import nodes
+from trainer.objective.microbatch import micro_batches_per_step, micro_rows
 
 log = logging.getLogger("trainer")
 
@@ -24,7 +24,7 @@ def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
     ds = json.loads(Path(cfg.ds_config).read_text())
     ds.pop("train_batch_size", None)  # derived: micro x accumulation x world
     # Rows per forward/backward; DeepSpeed steps the optimizer after grad_accum steps' micro-batches
-    # (trainer/microbatch.py: one optimizer update per step with grad_accum 1).
+    # (trainer/objective/microbatch.py: one optimizer update per step with grad_accum 1).
     ds["train_micro_batch_size_per_gpu"] = micro_rows(cfg)
     ds["gradient_accumulation_steps"] = cfg.grad_accum * micro_batches_per_step(cfg)
     ds["gradient_clipping"] = cfg.grad_clip
@@ -46,7 +46,7 @@ def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
 
 def lr_lambda(cfg: GRPOConfig):
     """LR factor of optimizer update `step` (0-based; DeepSpeed steps the scheduler once per update, at the
-    accumulation boundary). The horizon is all_steps: one step = one update (trainer/update.py)."""
+    accumulation boundary). The horizon is all_steps: one step = one update (trainer/objective/update.py)."""
     def f(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
@@ -84,8 +84,8 @@ def prepare_policy(model, cfg: GRPOConfig):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if cfg.lora_r > 0:  # only the adapters get gradients and optimizer state (trainer/lora.py)
-        from trainer.lora import wrap_lora
+    if cfg.lora_r > 0:  # only the adapters get gradients and optimizer state (trainer/lora/adapters.py)
+        from trainer.lora.adapters import wrap_lora
         model = wrap_lora(model, cfg)
     model.train()
     return model

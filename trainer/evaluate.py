@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
-from trainer.comm import all_reduce_int
 from trainer.data import ColumnSpec, Example, load_examples
+from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
 from trainer.rewards.builtin import reward_correct, reward_format

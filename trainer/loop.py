@@ -1,10 +1,11 @@
 """The training loop on each DeepSpeed rank: one GRPO step per batch, metrics, eval, weight publishing.
 
-A step is one optimizer update (trainer/update.py): every mu-th step BatchSource (trainer/batches.py) hands
-over grad_accum training batches of scored groups -> train_update computes per-token logprobs
-(common/logprobs.py) and the GRPO loss (trainer/grpo.py, off-policy weights from trainer/offpolicy.py) ->
-DeepSpeed backward per batch + one update -> metrics reduced over ranks (trainer/step_metrics.py) -> rank 0
-publishes the weights for the genonly workers (trainer/publish.py over common/weight_sync.py).
+A step is one optimizer update (trainer/objective/update.py): every mu-th step BatchSource (trainer/batches.py)
+hands over grad_accum training batches of scored groups -> train_update computes per-token logprobs
+(common/logprobs.py) and the GRPO loss (trainer/objective/grpo.py, off-policy weights from
+trainer/objective/offpolicy.py) -> DeepSpeed backward per batch + one update -> metrics reduced over ranks
+(trainer/step_metrics.py) -> rank 0 publishes the weights for the genonly workers (trainer/publish.py over
+common/weight_sync.py).
 """
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import torch
 from common.config import GRPOConfig
 from common.knobs import to_dict
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
-from trainer import comm, nodes, resume
+from trainer import resume
 from trainer.batches import BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
+from trainer.dist import comm, nodes
 from trainer.engine import build_engine, init_deepspeed
 from trainer.health import EXIT_PEER_GONE, EXIT_UNUSABLE_BATCHES, Heartbeat, Watchdog, write_diagnosis
+from trainer.objective.update import metric_keys, new_round, starts_round, train_update
 from trainer.publish import Publisher
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import RolloutStats
@@ -39,7 +42,6 @@ from trainer.step_metrics import (
     model_summary,
     reduce_metrics,
 )
-from trainer.update import metric_keys, new_round, starts_round, train_update
 
 log = logging.getLogger("trainer")
 

@@ -5,7 +5,7 @@
 
 Follow one batch: trainer/worker.py (or a rank itself, trainer/batches.py) samples a group
 (trainer/rollout.py), rewards it (trainer/rewards/) and uploads it; the ref server scores it with
-reference logprobs; trainer/loop.py takes it, computes the GRPO loss (trainer/grpo.py) and steps
+reference logprobs; trainer/loop.py takes it, computes the GRPO loss (trainer/objective/grpo.py) and steps
 the DeepSpeed engine (trainer/engine.py).
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from common.client import RefServerError
 from common.modeling import pick_dtype
 from common.weight_sync import WeightSync
-from trainer.lora import adapter_metadata, adapter_parameters, adapter_tensors, is_lora
+from trainer.lora.adapters import adapter_metadata, adapter_parameters, adapter_tensors, is_lora
 
 log = logging.getLogger("trainer")
 
@@ -65,7 +65,7 @@ class Publisher:
 
     def _rank0(self, version: int) -> tuple[float, int]:
         try:
-            if self.lora:  # adapter tensors only; workers merge them into their base weights (trainer/lora.py)
+            if self.lora:  # adapter tensors only; workers merge them into their base weights (trainer/lora/adapters.py)
                 return self.syncer.publish(self.policy, version, dtype=self.dtype, named=adapter_tensors(self.policy),
                                            metadata=adapter_metadata(self.policy))
             return self.syncer.publish(self.policy, version, dtype=self.dtype)

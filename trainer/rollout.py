@@ -16,10 +16,10 @@ import torch
 from common.logprobs import chunk_count, sequence_logprobs
 from common.prompts import SYSTEM_PROMPT
 from common.protocol import RolloutBatch
-from trainer.comm import all_reduce_int
 from trainer.data import Example, build_prompt
+from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, Sample
-from trainer.grpo import group_advantages, has_spread, overlong_penalty
+from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
 
 
 @dataclass

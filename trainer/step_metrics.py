@@ -7,8 +7,8 @@ import logging
 import torch
 
 from common.protocol import ScoredBatch
-from trainer import comm
-from trainer.lora import is_lora, trainable_summary
+from trainer.dist import comm
+from trainer.lora.adapters import is_lora, trainable_summary
 from trainer.rewards.scoring import component_means
 
 log = logging.getLogger("trainer")
@@ -46,7 +46,7 @@ def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) 
     """Combine per-rank metrics: means, sums (counts, rank-0-only figures) and maxima."""
     vals = lambda keys: torch.tensor([float(d.get(k, 0.0)) for k in keys], dtype=torch.float64)  # noqa: E731
     m, t, x = vals(mean), vals(total), vals(most)
-    comm.all_reduce(m)  # on the group's device (NCCL: CUDA), see trainer/comm.py
+    comm.all_reduce(m)  # on the group's device (NCCL: CUDA), see trainer/dist/comm.py
     comm.all_reduce(t)
     comm.all_reduce(x, "max")
     m /= torch.distributed.get_world_size()
@@ -71,6 +71,6 @@ def mem_keys(world: int) -> list[str]:
 
 def memory_row(rank: int, world: int) -> dict:
     """Peak memory of this rank (peak RSS on CPU, max allocated on GPU) under its own key, summed over ranks."""
-    from trainer.lora import peak_memory_mb
+    from trainer.lora.adapters import peak_memory_mb
     mb = peak_memory_mb()
     return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb}

@@ -16,10 +16,10 @@ from common.modeling import load_tokenizer, resolve_model_path
 from common.weight_sync import WeightSync
 from trainer import resume
 from trainer.data import ColumnSpec, PromptSampler, load_examples
+from trainer.dist.nodes import host_label
 from trainer.engines import EngineDied, make_engine
 from trainer.health import Heartbeat
-from trainer.lora_sync import policy_loader
-from trainer.nodes import host_label
+from trainer.lora.sync import policy_loader
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging

@@ -69,7 +69,7 @@ class GenEngine:
 
     def fused_modules(self) -> dict[str, list[str]]:
         """Engine layers that hold several checkpoint modules (vLLM: qkv_proj = q, k, v); a weight load must
-        bring every member of such a layer (trainer/lora_sync.py). None for an engine that loads by name."""
+        bring every member of such a layer (trainer/lora/sync.py). None for an engine that loads by name."""
         return {}
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_model, load_tokenizer
-from trainer.comm import all_reduce_int
+from trainer.dist.comm import all_reduce_int
 from trainer.engines.base import GenEngine, Sample, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)

@@ -3,9 +3,9 @@
     loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) + beta * KL_k3(ref || policy)
 
 with r = exp(logp - old_logp) per token, aggregated over completion tokens only. old_logp is π_old: the
-trainer's own first-pass logprobs by default (trainer/update.py), or the engine's (old_logps=engine); None
+trainer's own first-pass logprobs by default (trainer/objective/update.py), or the engine's (old_logps=engine); None
 gives the REINFORCE form exp(logp - logp.detach()) (value 1, the gradient of logp). Importance weights on the
-policy term (engine mismatch / staleness, trainer/offpolicy.py) come in as is_weights.
+policy term (engine mismatch / staleness, trainer/objective/offpolicy.py) come in as is_weights.
 
 Variants (each a config value):
 - importance_sampling_level="sequence": GSPO (Zheng et al. 2025, arXiv:2507.18071). One ratio per completion,

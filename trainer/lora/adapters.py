@@ -128,7 +128,7 @@ class LoraMerger:
     def merged(self, tensors: dict[str, torch.Tensor], metadata: dict, base_lookup, companions=None
                ) -> Iterator[tuple[str, torch.Tensor]]:
         """`companions(merged_names) -> names`: base tensors the engine must get along with the merged ones
-        (trainer/lora_sync.py: the rest of a fused vLLM layer); they are sent unchanged, as W0."""
+        (trainer/lora/sync.py: the rest of a fused vLLM layer); they are sent unchanged, as W0."""
         if metadata.get("format") != ADAPTER_FORMAT:
             raise ValueError(f"not an adapter blob: metadata {metadata}")
         scaling = float(metadata["lora_scaling"])

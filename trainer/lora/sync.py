@@ -19,7 +19,7 @@ import torch
 
 from common.paths import local_model_dir
 from common.weight_delta import DELTA_FORMAT
-from trainer.lora import ADAPTER_FORMAT, LoraMerger
+from trainer.lora.adapters import ADAPTER_FORMAT, LoraMerger
 
 log = logging.getLogger("trainer")
 

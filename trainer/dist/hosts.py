@@ -22,9 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.nodes import address_towards, interface_of
+from trainer.dist.nodes import address_towards, interface_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: trainer/dist/hosts.py
 PATH_FLAGS = ("--model", "--ref_model", "--data", "--ds_config", "--sync_dir")
 
 

@@ -10,7 +10,7 @@ with grad_accum 2 and mu 2:
 
 Steps, the LR schedule (trainer/engine.py), policy versions, staleness, publishes, metrics rows and
 checkpoints all count updates. π_old is the trainer's first-pass logprobs (`old_logps: trainer`, the
-default) with the engine's logprobs used only for the importance-sampling correction (trainer/offpolicy.py);
+default) with the engine's logprobs used only for the importance-sampling correction (trainer/objective/offpolicy.py);
 `old_logps: engine` keeps the former objective (ratio against the engine's logprobs, no correction).
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ import torch
 from common.config import GRPOConfig
 from common.logprobs import chunk_count, sequence_logprobs
 from common.protocol import ProtocolError, ScoredBatch
-from trainer import comm, microbatch
-from trainer.grpo import entropy_mask, grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages
-from trainer.microbatch import micro_batches_per_step, rows_per_step
-from trainer.offpolicy import importance_weights, in_band_share, off_policy_mask
+from trainer.dist import comm
+from trainer.objective import microbatch
+from trainer.objective.grpo import entropy_mask, grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages
+from trainer.objective.microbatch import micro_batches_per_step, rows_per_step
+from trainer.objective.offpolicy import importance_weights, in_band_share, off_policy_mask
 
 COUNT_KEYS = {"is_uncorrected_batches"}  # summed over a step's batches, not averaged
 
@@ -103,14 +104,14 @@ def dapo_scales(masks: list[torch.Tensor]) -> list[float]:
     total = torch.stack(local).sum()
     world = 1
     if torch.distributed.is_initialized():
-        comm.all_reduce(total)  # on the group's device (NCCL: CUDA), see trainer/comm.py
+        comm.all_reduce(total)  # on the group's device (NCCL: CUDA), see trainer/dist/comm.py
         world = torch.distributed.get_world_size()
     return [float(n * world * len(masks) / total.clamp(min=1)) for n in local]
 
 
 def train_update(engine, rnd: Round, cfg: GRPOConfig) -> dict:
     """One optimizer update: one pass over the round's batches, each in micro-batches of micro_batch_size rows
-    (trainer/microbatch.py); DeepSpeed steps the optimizer at the last micro-batch of the last batch."""
+    (trainer/objective/microbatch.py); DeepSpeed steps the optimizer at the last micro-batch of the last batch."""
     rows = [_batch_step(engine, rnd, i, cfg) for i in range(len(rnd.batches))]
     rnd.passes += 1
     out = {}
