@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.weight_delta import BLOCK, DeltaError, as_bits, checksum_of
+from common.weight_delta import BLOCK, DeltaError, as_bits, block_positions, checksum_of
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)  # set bits per mask byte
 
@@ -26,7 +26,7 @@ def _positions(name: str, blk: torch.Tensor, off: torch.Tensor, n: int, nvals: i
     if (counts < 0).any() or int(counts.sum(dtype=np.int64)) != len(off) or len(off) != nvals:
         raise DeltaError(f"{name}: block counts sum to {int(counts.sum(dtype=np.int64))}, {len(off)} offsets "
                          f"and {nvals} values sent")
-    pos = np.repeat(np.arange(blocks, dtype=np.int64) << 16, counts) | off.numpy().astype(np.int64)
+    pos = block_positions(counts, off.numpy())
     if len(pos) and int(pos.max()) >= n:
         raise DeltaError(f"{name}: a position is outside 0..{n - 1}")
     return torch.from_numpy(pos)

@@ -58,13 +58,18 @@ def checksum_of(tensors) -> str:
     return h.hexdigest()
 
 
+def block_positions(counts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Flat positions (int64) from per-block counts and in-block offsets, the wire's positions encoding."""
+    return np.repeat(np.arange(len(counts), dtype=np.int64) << 16, counts) | offsets.astype(np.int64)
+
+
 def _scan(a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where a != b (bit patterns, flat arrays of one dtype): per block of BLOCK elements how many changed (int32),
     their offsets in the block (uint16, ascending) and a's values there; b becomes a there.
 
     One pass in chunks of SCAN_BLOCKS blocks, so a chunk's temporaries stay in cache: 8 bytes compared at a
     time (4 bf16 per compare), and positions taken only from the words that changed (measured at the
-    Qwen2.5-0.5B shape, lr 1e-6: 0.35 s against 0.55 s for whole-tensor passes)."""
+    Qwen2.5-0.5B shape, lr 1e-6: 0.39 s against 0.55 s for whole-tensor passes)."""
     n, lanes = a.size, 8 // a.itemsize
     counts = np.zeros(-(-n // BLOCK), dtype=np.int32)
     offsets, values = [], []
@@ -83,8 +88,8 @@ def _scan(a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray
             local, vals = np.concatenate([local, tail - s]), np.concatenate([vals, a[tail]])
             b[tail] = a[tail]
         if len(local):
-            first = s // BLOCK
-            counts[first:first + -(-(e - s) // BLOCK)] = np.bincount(local >> 16, minlength=-(-(e - s) // BLOCK))
+            first, nblocks = s // BLOCK, -(-(e - s) // BLOCK)
+            counts[first:first + nblocks] = np.bincount(local >> 16, minlength=nblocks)
             offsets.append((local & 0xFFFF).astype(np.uint16))
             values.append(vals)
     if not values:
@@ -113,7 +118,7 @@ def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, scratch: np.n
     vals = torch.from_numpy(vals).view(new.dtype)
     if kind == "mask":  # over ~1/16 of the elements changed (a delta that large usually goes in full)
         changed = np.zeros(n, dtype=np.bool_)
-        changed[np.repeat(np.arange(blocks, dtype=np.int64) << 16, counts) | offsets] = True
+        changed[block_positions(counts, offsets)] = True
         return [(f"{name}:mask", torch.from_numpy(np.packbits(changed, bitorder="little"))), (f"{name}:val", vals)]
     return [(f"{name}:blk", torch.from_numpy(counts)), (f"{name}:off", torch.from_numpy(offsets)),
             (f"{name}:val", vals)]
