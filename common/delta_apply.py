@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.weight_delta import BLOCK, DeltaError, as_bits, block_positions, checksum_of
+from common.delta_kernels import apply_mask, apply_positions, warm
+from common.weight_delta import BLOCK, DeltaError, as_bits, each_then_checksum
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)  # set bits per mask byte
 
@@ -16,20 +17,21 @@ def _split(key: str) -> tuple[str, str]:
     return (name, part) if name and part in ("blk", "off", "mask", "val") else (key, "full")
 
 
-def _positions(name: str, blk: torch.Tensor, off: torch.Tensor, n: int, nvals: int) -> torch.Tensor:
-    """Flat positions from per-block counts and in-block offsets, checked (counts, totals, range)."""
+def _positions(name: str, blk: torch.Tensor, off: torch.Tensor, n: int, nvals: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block counts and in-block offsets, checked so that every position they make is inside the tensor
+    and every value is used once (the compiled writer has no bounds checks): (counts, offsets)."""
     blocks = -(-n // BLOCK)
     if blk.dtype != torch.int32 or blk.shape != (blocks,) or off.dtype != torch.uint16 or off.dim() != 1:
         raise DeltaError(f"{name}: positions {blk.dtype} {tuple(blk.shape)} / {off.dtype} {tuple(off.shape)}, "
                          f"want int32 ({blocks},) counts and uint16 offsets")
-    counts = blk.numpy()
-    if (counts < 0).any() or int(counts.sum(dtype=np.int64)) != len(off) or len(off) != nvals:
-        raise DeltaError(f"{name}: block counts sum to {int(counts.sum(dtype=np.int64))}, {len(off)} offsets "
-                         f"and {nvals} values sent")
-    pos = block_positions(counts, off.numpy())
-    if len(pos) and int(pos.max()) >= n:
+    counts, offsets = blk.numpy(), off.numpy()
+    total = int(counts.sum(dtype=np.int64))
+    if (counts < 0).any() or total != len(offsets) or len(offsets) != nvals:
+        raise DeltaError(f"{name}: block counts sum to {total}, {len(offsets)} offsets and {nvals} values sent")
+    last = n - (blocks - 1) * BLOCK  # every block but the last is whole: any uint16 offset is inside it
+    if blocks and counts[-1] and int(offsets[len(offsets) - int(counts[-1]):].max()) >= last:
         raise DeltaError(f"{name}: a position is outside 0..{n - 1}")
-    return torch.from_numpy(pos)
+    return counts, offsets
 
 
 def plan_delta(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> list[tuple]:
@@ -46,6 +48,8 @@ def plan_delta(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) 
         b = base.get(name)
         if b is None:
             raise DeltaError(f"delta names {name!r}, which the weights do not have")
+        if not b.is_contiguous():  # written through a flat view of its memory
+            raise DeltaError(f"{name}: the weights it applies to are not contiguous")
         n = b.numel()
         kinds = sorted(p)
         if kinds == ["full"]:
@@ -83,11 +87,11 @@ def apply_plan(base: dict[str, torch.Tensor], steps: list[tuple]) -> list[str]:
             if kind == "full":
                 t.copy_(a)
                 continue
-            bits, vals = as_bits(t).numpy(), as_bits(val).numpy()  # numpy: 2-5x torch's index_put here
+            bits, vals = as_bits(t).numpy(), as_bits(val).numpy()
             if kind == "idx":
-                bits[a.numpy()] = vals
-            else:  # unpacked only now: n bytes, one tensor at a time
-                bits[np.unpackbits(a, count=bits.size, bitorder="little").view(np.bool_)] = vals
+                apply_positions(bits, a[0], a[1], vals)  # common/delta_kernels.py: one pass, no temporaries
+            else:
+                apply_mask(bits, a, vals)
     return [s[0] for s in steps]
 
 
@@ -97,6 +101,7 @@ class HeldWeights:
 
     def __init__(self, tensors: dict[str, torch.Tensor], version: int, crc: str, in_model: bool = False) -> None:
         self.tensors, self.version, self.crc, self.in_model = tensors, version, crc, in_model
+        warm(t.element_size() for t in tensors.values())  # compiled now, not on the first delta
 
     def adopt(self, model: torch.nn.Module) -> HeldWeights:
         """The same weights as the model's own parameters (just loaded from this copy), when they are CPU
@@ -117,8 +122,15 @@ class HeldWeights:
         if not base.isdigit() or int(base) != self.version or metadata.get("base_xxh3") != self.crc:
             raise DeltaError(f"delta for v{version} applies to v{base} (xxh3 {metadata.get('base_xxh3')}); "
                              f"this copy is v{self.version} (xxh3 {self.crc})")
-        changed = apply_plan(self.tensors, plan_delta(self.tensors, tensors))
-        got = checksum_of(self.tensors.values())
+        steps = {step[0]: step for step in plan_delta(self.tensors, tensors)}
+        names = list(self.tensors)
+
+        def write(i: int) -> None:
+            if names[i] in steps:
+                apply_plan(self.tensors, [steps[names[i]]])
+
+        _, got = each_then_checksum(names, write, lambda i: self.tensors[names[i]])
+        changed = list(steps)
         if got != metadata.get("full_xxh3"):
             raise DeltaError(f"weights rebuilt from the delta for v{version} have xxh3 {got}, the trainer's "
                              f"have {metadata.get('full_xxh3')}")

@@ -19,20 +19,22 @@ full_xxh3 afterwards (common/delta_apply.py). Wire format: docs/protocol.md sect
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from common.checksum import hasher
+from common.delta_kernels import BLOCK, scan, warm  # BLOCK: positions go as 16-bit offsets within blocks of it
 
 DELTA_FORMAT = "weights_delta"
 # a delta over this share of the weights goes as the full copy: encoding and applying a bitmask delta costs
 # more than a copy, which outweighs the bytes saved (bench/weight_sync.py)
 DELTA_MAX_SHARE = 0.15
 SAMPLE_CHUNKS, SAMPLE_LEN = 64, 1024  # the sample that decides between a delta and the full copy
-BLOCK = 1 << 16  # positions are sent as 16-bit offsets within blocks of this many elements
-SCAN_BLOCKS = 4  # blocks per chunk of the encoder's scan (1 MiB of int64 words in bf16): the fastest measured
+# tensors encoded or applied at once (the kernels drop the GIL); past 4 the memory bus, not the cores, limits
+THREADS = max(1, min(4, os.cpu_count() or 1))
 NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -58,56 +60,39 @@ def checksum_of(tensors) -> str:
     return h.hexdigest()
 
 
+def each_then_checksum(names: list[str], work, tensor) -> tuple[list, str]:
+    """work(i) for every i in range(len(names)), THREADS at a time (the kernels drop the GIL), and the xxh3
+    checksum of tensor(0), tensor(1), ... back to back, each hashed as soon as its work is done (xxh3 drops the
+    GIL too): (the results in order, the checksum). The first error is raised, the work not begun dropped."""
+    h = hasher()
+    with ThreadPoolExecutor(THREADS) as pool, ThreadPoolExecutor(1) as hashing:
+        jobs = [pool.submit(work, i) for i in range(len(names))]
+        try:
+            results, done = [], None
+            for i, job in enumerate(jobs):
+                results.append(job.result())
+                done = hashing.submit(h.update, tensor_bytes(tensor(i)))
+            if done is not None:
+                done.result()
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+    return results, h.hexdigest()
+
+
 def block_positions(counts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Flat positions (int64) from per-block counts and in-block offsets, the wire's positions encoding."""
     return np.repeat(np.arange(len(counts), dtype=np.int64) << 16, counts) | offsets.astype(np.int64)
 
 
-def _scan(a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where a != b (bit patterns, flat arrays of one dtype): per block of BLOCK elements how many changed (int32),
-    their offsets in the block (uint16, ascending) and a's values there; b becomes a there.
-
-    One pass in chunks of SCAN_BLOCKS blocks, so a chunk's temporaries stay in cache: 8 bytes compared at a
-    time (4 bf16 per compare), and positions taken only from the words that changed (measured at the
-    Qwen2.5-0.5B shape, lr 1e-6: 0.39 s against 0.55 s for whole-tensor passes)."""
-    n, lanes = a.size, 8 // a.itemsize
-    counts = np.zeros(-(-n // BLOCK), dtype=np.int32)
-    offsets, values = [], []
-    for s in range(0, n, SCAN_BLOCKS * BLOCK):  # chunk starts are block (so word) aligned
-        e = min(n, s + SCAN_BLOCKS * BLOCK)
-        m = e - (e - s) % lanes
-        ca, cb = a[s:m].view(np.int64), b[s:m].view(np.int64)
-        words = np.flatnonzero(np.not_equal(ca, cb, out=scratch[:len(ca)]))
-        new_words = ca[words]
-        lane = np.flatnonzero(new_words.view(a.dtype) != cb[words].view(a.dtype))
-        local = words[lane // lanes] * lanes + lane % lanes  # words ascending, lanes within: ascending
-        vals = new_words.view(a.dtype)[lane]
-        cb[words] = new_words
-        if m < e:  # the tensor's last few elements, fewer than a word
-            tail = np.flatnonzero(a[m:e] != b[m:e]) + m
-            local, vals = np.concatenate([local, tail - s]), np.concatenate([vals, a[tail]])
-            b[tail] = a[tail]
-        if len(local):
-            first, nblocks = s // BLOCK, -(-(e - s) // BLOCK)
-            counts[first:first + nblocks] = np.bincount(local >> 16, minlength=nblocks)
-            offsets.append((local & 0xFFFF).astype(np.uint16))
-            values.append(vals)
-    if not values:
-        return counts, np.empty(0, np.uint16), a[:0].copy()
-    return counts, np.concatenate(offsets), np.concatenate(values)
-
-
-def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, scratch: np.ndarray | None = None
-                  ) -> list[tuple[str, torch.Tensor]]:
+def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, expect: int = 0) -> list[tuple[str, torch.Tensor]]:
     """The cheapest encoding of `new` against `old` (same shape and dtype, contiguous, CPU); [] if equal.
-    `old` is then updated to `new`. scratch: a bool buffer of SCAN_BLOCKS * BLOCK elements for the comparison
-    (fresh pages cost more than it). In numpy on integer views: its nonzero and gathers are 2-4x torch's."""
+    `old` is then updated to `new`. expect: how many elements are expected to differ (sizes the buffers)."""
     a, b = as_bits(new).numpy(), as_bits(old).numpy()
     n, item = a.size, new.element_size()
     blocks = -(-n // BLOCK)
-    if scratch is None:
-        scratch = np.empty(SCAN_BLOCKS * BLOCK, dtype=np.bool_)
-    counts, offsets, vals = _scan(a, b, scratch)  # b is now a
+    counts, offsets, vals = scan(a, b, expect)  # b is now a (common/delta_kernels.py: one compiled pass)
     k = len(vals)
     if k == 0:
         return []
@@ -136,11 +121,10 @@ class DeltaEncoder:
         self.max_share = max_share  # None: DELTA_MAX_SHARE
         self.last: dict[str, torch.Tensor] = {}
         self.crc: str | None = None
-        self.scratch: np.ndarray | None = None
         self.delta_bytes = 0  # the last delta's data bytes (0 when it went in full)
         self.gave_up = False  # the last delta would be over DELTA_MAX_SHARE: the full copy goes instead
         self.estimate = 0.0  # the last delta's estimated share (estimate_share)
-        self._samples: dict[int, torch.Tensor] = {}  # numel -> the positions estimate_share compares
+        self._expect: dict[str, int] = {}  # name -> elements expected to differ (estimate_share): buffer sizes
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -154,68 +138,68 @@ class DeltaEncoder:
             c = self._cast(t)
             self.last[name] = c.clone() if c.data_ptr() == t.data_ptr() else c  # never alias a live parameter
         self.crc = checksum_of(self.last.values())
-        self.scratch = np.empty(SCAN_BLOCKS * BLOCK, dtype=np.bool_)
+        warm(t.element_size() for t in self.last.values())
         return list(self.last.items())
 
     def delta(self, named) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
         """(encoded tensors, metadata) of what changed since the copy; the copy becomes the new weights."""
         if self.crc is None:
             raise RuntimeError("DeltaEncoder.delta before a snapshot")
-        seen, out, h = set(), [], hasher()
-        named = list(named)
+        out, named = [], list(named)
         base_crc, self.delta_bytes = self.crc, 0
         # most of it changed: the full copy is cheaper for everyone (a bitmask delta costs more to encode and
         # apply than a copy), decided from a sample before any encoding
         self.estimate = self.estimate_share(named)
         self.gave_up = self.estimate > (DELTA_MAX_SHARE if self.max_share is None else self.max_share)
-        with ThreadPoolExecutor(1) as pool:  # the checksum of tensor i runs while i+1 is compared (both drop the GIL)
-            for name, t in named:
-                old = self.last.get(name)
-                new = self._cast(t)
-                if old is None or old.shape != new.shape or old.dtype != new.dtype:
-                    raise DeltaError(f"{name}: not in the last published copy with this shape and dtype")
-                if self.gave_up:  # going in full: no encoding, the copy just follows
-                    old.copy_(new)
-                else:
-                    enc = encode_tensor(name, new, old, self.scratch)  # and `old` becomes `new`
-                    out += enc
-                    self.delta_bytes += sum(x.numel() * x.element_size() for _, x in enc)
-                done = pool.submit(h.update, tensor_bytes(old))  # one thread: in order
-                seen.add(name)
-            if seen:
-                done.result()
+
+        def encode(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+            old, new = self.last.get(name), self._cast(t)
+            if old is None or old.shape != new.shape or old.dtype != new.dtype:
+                raise DeltaError(f"{name}: not in the last published copy with this shape and dtype")
+            if self.gave_up:  # going in full: no encoding, the copy just follows
+                old.copy_(new)
+                return []
+            return encode_tensor(name, new, old, self._expect.get(name, 0))  # and `old` becomes `new`
+
+        encoded, crc = each_then_checksum([name for name, _ in named], lambda i: encode(*named[i]),
+                                          lambda i: self.last[named[i][0]])
+        for enc in encoded:
+            out += enc
+            self.delta_bytes += sum(x.numel() * x.element_size() for _, x in enc)
         if self.gave_up:
             out = []
-        if seen != set(self.last):
-            raise DeltaError(f"tensors missing from this publish: {sorted(set(self.last) - seen)[:5]}")
-        self.crc = h.hexdigest()
+        missing = set(self.last) - {name for name, _ in named}
+        if missing:
+            raise DeltaError(f"tensors missing from this publish: {sorted(missing)[:5]}")
+        self.crc = crc
         return out, {"format": DELTA_FORMAT, "base_xxh3": base_crc, "full_xxh3": self.crc}
 
     def estimate_share(self, named) -> float:
-        """The delta's size as a share of the weights, estimated from SAMPLE_CHUNKS evenly spaced chunks of
+        """The delta's size as a share of the weights, estimated from SAMPLE_CHUNKS evenly spaced runs of
         SAMPLE_LEN elements per tensor (small tensors whole): a few MB read instead of the whole weights,
-        gathered in one indexing op and one transfer per tensor (the policy may live on a GPU)."""
+        through strided views (one transfer per tensor when the policy lives on a GPU)."""
         est, total = 0.0, 0
         for name, t in named:
             old = self.last.get(name)
             if old is None or old.numel() != t.numel():
                 continue  # delta() says which
-            n, item = old.numel(), old.element_size()
-            idx = self._samples.get(n)
-            if idx is None:  # the same few sizes in every layer: built once
-                idx = self._samples[n] = _sample_positions(n)
-            new = self._cast(t.detach().reshape(-1)[idx.to(t.device)])
+            new = self._cast(_sample(t.detach()))
             if new.dtype != old.dtype:
                 continue  # delta() says which
-            k = int(np.count_nonzero(as_bits(new).numpy() != as_bits(old.reshape(-1)[idx]).numpy()))
-            changed = k * n / len(idx)
+            n, item, sample = old.numel(), old.element_size(), _sample(old)
+            k = int((as_bits(new) != as_bits(sample)).sum())
+            changed = k * n / sample.numel()
+            self._expect[name] = int(changed)
             est += min(n * item, (n + 7) / 8 + changed * item, 4 * -(-n // BLOCK) + changed * (2 + item))
             total += n * item
         return est / max(total, 1)
 
 
-def _sample_positions(n: int) -> torch.Tensor:
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """SAMPLE_CHUNKS evenly spaced runs of SAMPLE_LEN elements of t (a view; t whole when it is small)."""
+    flat = t.reshape(-1)
+    n = flat.numel()
     if n <= SAMPLE_CHUNKS * SAMPLE_LEN:
-        return torch.arange(n)
-    starts = torch.linspace(0, n - SAMPLE_LEN, SAMPLE_CHUNKS).long()
-    return (starts[:, None] + torch.arange(SAMPLE_LEN)).reshape(-1)
+        return flat
+    step = (n - SAMPLE_LEN) // (SAMPLE_CHUNKS - 1)
+    return flat.as_strided((SAMPLE_CHUNKS, SAMPLE_LEN), (step, 1), flat.storage_offset())

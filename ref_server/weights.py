@@ -22,10 +22,13 @@ import time
 
 from common.checksum import DIGITS, KEY, checksum
 from common.delta_apply import apply_plan, plan_delta
+from common.delta_kernels import warm
 from common.weight_blob import IntegrityError, tensors_from_blob
 from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError
 
 log = logging.getLogger("ref_server")
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # safetensors dtype -> bytes
 
 
 class WeightError(ValueError):
@@ -87,6 +90,7 @@ class WeightStore:
         self._delta: tuple[int, int, bytearray] | None = None  # (version, base version, blob) of the last delta
         self._served = {"delta": 0, "full": 0}  # bytes sent to workers, by kind (the trainer's sync_mb_down_*)
         self._delta_check: str | None = None  # the last rebuilt copy's checksum check: pending, ok or failed
+        self._warmed = False
 
     def buffer(self, size: int) -> bytearray:
         """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
@@ -110,6 +114,10 @@ class WeightStore:
             self._delta_check = None
             self._published_at = time.time()
             self._retire(old)
+            first, self._warmed = not self._warmed, True
+        if first:  # the delta kernels compiled (or loaded from numba's cache) before the first delta needs them
+            sizes = {_ITEMSIZE.get(v.get("dtype"), 1) for k, v in header.items() if k != "__metadata__"}
+            threading.Thread(target=warm, args=(sizes,), daemon=True, name="delta-kernels-warm").start()
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
 
     def _publish_delta(self, version: int, delta: bytearray, meta: dict, count: int) -> None:
