@@ -32,7 +32,7 @@ DELTA_FORMAT = "weights_delta"
 # a delta over this share of the weights goes as the full copy: encoding and applying a bitmask delta costs
 # more than a copy, which outweighs the bytes saved (bench/weight_sync.py)
 DELTA_MAX_SHARE = 0.15
-SAMPLE_CHUNKS, SAMPLE_LEN = 64, 1024  # the sample that decides between a delta and the full copy
+SAMPLE_CHUNKS, SAMPLE_LEN = 16, 1024  # the sample that decides between a delta and the full copy
 # tensors encoded or applied at once (the kernels drop the GIL); past 4 the memory bus, not the cores, limits
 THREADS = max(1, min(4, os.cpu_count() or 1))
 NEEDS_FULL = "needs the full copy"  # in the ref server's 409 to a delta it cannot apply: the publisher sends one

@@ -17,7 +17,8 @@ from waitress.receiver import FixedStreamReceiver
 
 from ref_server.app import _authorized
 from ref_server.config import ServerConfig
-from ref_server.weights import PreallocatedBody, WeightStore
+from ref_server.weight_io import PreallocatedBody
+from ref_server.weights import WeightStore
 
 
 def make_channel(cfg: ServerConfig, token: str | None, weights: WeightStore) -> type[HTTPChannel]:

@@ -9,22 +9,26 @@
 The ref server is the one place every process already reaches, so this works across nodes
 with no shared filesystem. A full blob is only relayed, never deserialised here: the server
 checks that it is a well-formed safetensors header and keeps one copy. A delta is checked in full
-(checksum, names, shapes, positions) and applied to that copy in place (or to a fresh copy while a fetch
-still streams it), so late or restarted workers still get the full weights; the last delta is kept
-for workers one version behind.
+(checksum, names, shapes, positions) before the publish is answered, then applied to that copy in place (or
+to a fresh copy while a fetch still streams it) in the background, so late or restarted workers still get
+the full weights (their GET waits for the rebuild); the last delta is kept, and served at once, for workers
+one version behind.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from contextlib import contextmanager
 
 from common.checksum import DIGITS, KEY, checksum
 from common.delta_apply import apply_plan, plan_delta
 from common.delta_kernels import warm
 from common.weight_blob import IntegrityError, tensors_from_blob
 from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError
+from ref_server.weight_io import BlobReader
 
 log = logging.getLogger("ref_server")
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -91,6 +95,7 @@ class WeightStore:
         self._served = {"delta": 0, "full": 0}  # bytes sent to workers, by kind (the trainer's sync_mb_down_*)
         self._delta_check: str | None = None  # the last rebuilt copy's checksum check: pending, ok or failed
         self._warmed = False
+        self._rebuilding: threading.Event | None = None  # set once the copy rebuilt from the last delta is whole
 
     def buffer(self, size: int) -> bytearray:
         """Memory for an incoming publish of `size` bytes: the spare when it fits, else fresh."""
@@ -107,7 +112,7 @@ class WeightStore:
         count = check_safetensors_blob(blob, header)
         if (header.get("__metadata__") or {}).get("format") == DELTA_FORMAT:
             return self._publish_delta(version, blob, header["__metadata__"], count)
-        with self._lock:
+        with self._settled():
             if self._version is not None and version <= self._version:
                 raise WeightError(f"version {version} is not newer than the current {self._version}")
             old, self._version, self._blob, self._delta = self._blob, version, blob, None
@@ -120,13 +125,30 @@ class WeightStore:
             threading.Thread(target=warm, args=(sizes,), daemon=True, name="delta-kernels-warm").start()
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
 
+    @contextmanager
+    def _settled(self):
+        """The lock, once no copy is being rebuilt from a delta (a full GET or the next publish needs it whole)."""
+        while True:
+            self._lock.acquire()
+            rebuilding = self._rebuilding
+            if rebuilding is None or rebuilding.is_set():
+                break
+            self._lock.release()
+            rebuilding.wait()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _publish_delta(self, version: int, delta: bytearray, meta: dict, count: int) -> None:
+        """Check the delta in full against the copy held, take it as the new version (workers one version behind
+        fetch it at once), and rebuild the full copy from it in the background (full GETs wait for that)."""
         try:
             changes = tensors_from_blob(delta)  # its own checksum first: a truncated or corrupt delta changes nothing
         except (IntegrityError, ValueError) as e:
             raise WeightError(f"weights delta refused: {e}") from None
         base = str(meta.get("base_version", ""))
-        with self._lock:  # GETs wait for the (short) apply; a fetch already streaming keeps its own copy
+        with self._settled():  # a fetch already streaming the copy keeps it: the rebuild writes into other memory
             if self._blob is None or not base.isdigit() or int(base) != self._version:
                 raise StaleBase(f"delta from v{base}, this server holds v{self._version}: {NEEDS_FULL}")
             if self._delta_check == "failed":
@@ -140,27 +162,47 @@ class WeightStore:
             new_crc = str(meta.get("full_xxh3", ""))
             if at < 0 or len(new_crc) != DIGITS:
                 raise StaleBase(f"delta from xxh3 {meta.get('base_xxh3')} does not fit the copy held: {NEEDS_FULL}")
+            try:
+                steps = plan_delta(tensors_from_blob(full, verify=False), changes)  # before any byte changes
+            except DeltaError as e:
+                raise WeightError(f"weights delta refused: {e}") from None
             target = full
             if self._readers.get(id(full)):  # being streamed: write the new version into other memory
                 target = self._spare if self._spare is not None and len(self._spare) == len(full) else None
                 self._spare = None
                 target = bytearray(full) if target is None else _copy_into(target, full)
-            try:
-                views = tensors_from_blob(target, verify=False)
-                apply_plan(views, plan_delta(views, changes))
-            except DeltaError as e:  # checked before writing: the copy held is unchanged
-                raise WeightError(f"weights delta refused: {e}") from None
-            at += len(f'"{KEY}":"')
-            target[at:at + DIGITS] = new_crc.encode()
             self._version, self._blob, self._delta = version, target, (version, int(base), delta)
             self._published_at = time.time()
             self._retire(full)
             self._delta_check = "pending"
-            self._readers[id(target)] = self._readers.get(id(target), 0) + 1  # the check reads it: no write meanwhile
-        threading.Thread(target=self._check, args=(version, target, 8 + n, new_crc), daemon=True,
-                         name="weights-crc-check").start()
+            self._readers[id(target)] = self._readers.get(id(target), 0) + 1  # the rebuild and check: no writes
+            self._rebuilding = done = threading.Event()
+        threading.Thread(target=self._rebuild, args=(version, target, steps, at + len(f'"{KEY}":"'), new_crc,
+                                                     8 + n, done), daemon=True, name="weights-rebuild").start()
         log.info("policy weights v%d published as a delta from v%s (%d tensors, %.1f MB)", version, base, count,
                  len(delta) / 1e6)
+
+    def _rebuild(self, version: int, blob: bytearray, steps: list, crc_at: int, crc: str, start: int,
+                 done: threading.Event) -> None:
+        """Write a checked delta into the full copy and its checksum into the header; then check the result.
+        At a lower CPU priority: on a shared host the workers applying the same delta come first."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass  # not Linux, or not allowed: same priority as the rest
+        try:
+            apply_plan(tensors_from_blob(blob, verify=False), steps)
+            blob[crc_at:crc_at + DIGITS] = crc.encode()
+        except Exception:  # plan_delta checked every part: only a bug gets here, and the next delta goes in full
+            log.exception("policy weights v%d: rebuilding the full copy from the delta failed", version)
+            with self._lock:
+                if self._version == version:
+                    self._delta_check = "failed"
+            done.set()
+            self._reader_closed(blob)
+            return
+        done.set()
+        self._check(version, blob, start, crc)
 
     def _check(self, version: int, blob: bytearray, start: int, want: str) -> None:
         """The checksum of a copy rebuilt from a delta, off the publish's path: a copy that does not match the
@@ -188,14 +230,19 @@ class WeightStore:
 
     def open_latest(self, since: int | None = None) -> tuple[int | None, BlobReader | None, str]:
         """(version, reader, "full" or "delta") of the newest weights; (None, None, "full") before the first
-        publish. The delta when the caller holds `since` and the last delta goes from there to the newest."""
+        publish. The delta when the caller holds `since` and the last delta goes from there to the newest
+        (at once); else the full copy (once it is rebuilt from the last delta)."""
         with self._lock:
+            if since is not None and self._delta is not None and self._delta[:2] == (self._version, since):
+                self._served["delta"] += len(self._delta[2])
+                return self._version, BlobReader(self._delta[2]), "delta"  # small: no spare bookkeeping
+        with self._settled():
             blob = self._blob
             if blob is None:
                 return None, None, "full"
             if since is not None and self._delta is not None and self._delta[:2] == (self._version, since):
-                self._served["delta"] += len(self._delta[2])
-                return self._version, BlobReader(self._delta[2]), "delta"  # small: no spare bookkeeping
+                self._served["delta"] += len(self._delta[2])  # published while we waited
+                return self._version, BlobReader(self._delta[2]), "delta"
             self._readers[id(blob)] = self._readers.get(id(blob), 0) + 1
             self._served["full"] += len(blob)
             return self._version, BlobReader(blob, on_close=self._reader_closed), "full"
@@ -214,78 +261,3 @@ class WeightStore:
 def _copy_into(dst: bytearray, src: bytearray) -> bytearray:
     dst[:] = src
     return dst
-
-
-class BlobReader:
-    """A read-only file over the blob whose reads are memoryview slices, not copies.
-
-    Returned from GET /weights, Bottle hands it to waitress' wsgi.file_wrapper, which sends
-    straight from these slices: no per-chunk copy and no response buffer of the blob's size.
-    """
-
-    def __init__(self, blob: bytearray, on_close=None) -> None:
-        self.blob, self.view, self.pos, self.on_close = blob, memoryview(blob), 0, on_close
-
-    def read(self, n: int = -1) -> memoryview:
-        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
-        out = self.view[self.pos:end]
-        self.pos = end
-        return out
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, min(len(self.view), {0: 0, 1: self.pos, 2: len(self.view)}[whence] + pos))
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def close(self) -> None:  # waitress may close twice (sent, then channel closed): once counts
-        if self.on_close is not None:
-            self.view = memoryview(b"")
-            on_close, self.on_close = self.on_close, None
-            on_close(self.blob)
-
-
-class PreallocatedBody:
-    """waitress request-body buffer for PUT /weights: one bytearray of the declared Content-Length.
-
-    waitress' own buffer spools any body over 512 KB to a temp file, which the app then copies
-    back into memory: two extra passes over hundreds of MB. This one is filled as the bytes arrive
-    and handed to the app as is (`BodyFile.body`).
-    """
-
-    def __init__(self, size: int, alloc=bytearray) -> None:
-        self.data = alloc(size)
-        self.view = memoryview(self.data)
-        self.n = 0
-
-    def __len__(self) -> int:  # bytes received so far (waitress checks it against its body cap)
-        return self.n
-
-    def append(self, s: bytes) -> None:
-        k = min(len(s), len(self.data) - self.n)  # waitress never passes more than Content-Length
-        self.view[self.n:self.n + k] = s[:k]
-        self.n += k
-
-    def getfile(self) -> BodyFile:
-        return BodyFile(self)
-
-    def close(self) -> None:  # waitress closes the request; the data may live on in the WeightStore
-        self.view.release()
-
-
-class BodyFile:
-    """wsgi.input over a PreallocatedBody: `body` is the whole received bytearray (no copy)."""
-
-    def __init__(self, buf: PreallocatedBody) -> None:
-        self.buf, self.pos = buf, 0
-
-    @property
-    def body(self) -> bytearray:
-        return self.buf.data if self.buf.n == len(self.buf.data) else self.buf.data[:self.buf.n]
-
-    def read(self, n: int = -1) -> bytes:
-        end = self.buf.n if n is None or n < 0 else min(self.buf.n, self.pos + n)
-        out = bytes(self.buf.data[self.pos:end])
-        self.pos = end
-        return out

@@ -237,6 +237,44 @@ def test_server_copy_that_fails_its_crc_asks_for_the_full_copy():
     assert store.info()["delta_check"] is None and store.info()["version"] == 4
 
 
+def test_server_answers_a_delta_before_rebuilding_and_full_fetches_wait_for_the_rebuild(monkeypatch):
+    """The publish returns once the delta is checked; a worker one version behind gets the delta at once, a
+    full fetch (and the next publish) waits until the copy rebuilt in the background is whole: what it gets
+    passes its checksum and holds the new weights."""
+    import threading
+
+    import ref_server.weights as rw
+
+    release, real = threading.Event(), rw.apply_plan
+    monkeypatch.setattr(rw, "apply_plan", lambda base, steps: (release.wait(10), real(base, steps))[1])
+    g = torch.Generator().manual_seed(2)
+    w = {"a": torch.randn(70_000, generator=g).bfloat16(), "b": torch.randn(33, generator=g).bfloat16()}
+    enc, store = DeltaEncoder(), rw.WeightStore()
+    store.publish(1, bytearray(b"".join(ParametersBody(None, named=enc.snapshot(w.items()), crc=enc.crc))))
+    w["a"][::97] += 1
+    tensors, meta = enc.delta(w.items())
+    store.publish(2, bytearray(b"".join(ParametersBody(None, named=tensors, metadata={**meta, "base_version": "1"}))))
+    assert store.info()["version"] == 2 and store.info()["delta_check"] == "pending"  # answered, not rebuilt
+    version, reader, kind = store.open_latest(since=1)
+    assert (version, kind) == (2, "delta")
+    reader.close()
+    got: dict = {}
+    fetch = threading.Thread(target=lambda: got.update(full=store.open_latest()))
+    fetch.start()
+    fetch.join(0.5)
+    assert fetch.is_alive(), "a full fetch did not wait for the rebuild"
+    release.set()
+    fetch.join(10)
+    version, reader, kind = got["full"]
+    blob = bytearray(reader.read())
+    reader.close()
+    assert (version, kind) == (2, "full")
+    rebuilt = tensors_from_blob(blob)  # its checksum: the trainer's full_xxh3
+    assert blob_metadata(blob)["xxh3"] == meta["full_xxh3"] == enc.crc
+    assert same({n: as_bits(t) for n, t in rebuilt.items()}, {n: as_bits(t) for n, t in w.items()})
+    assert wait_checked(store) == "ok"
+
+
 def test_large_change_goes_in_full(monkeypatch):
     """A delta estimated over DELTA_MAX_SHARE of the weights is not encoded: the full copy goes (encoding and
     applying a bitmask delta costs more than a copy); a small one goes as a delta, its estimate close."""
