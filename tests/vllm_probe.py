@@ -56,6 +56,7 @@ def eos_rules_ok(samples, eos: list[int], max_new: int) -> bool:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     from common.config import GRPOConfig
+    from common.delta_kernels import warm
     from common.modeling import load_model
     from common.weight_sync import WeightSync
     from trainer.engines import make_engine
@@ -70,6 +71,7 @@ def main() -> None:
 
     cfg = GRPOConfig(model=str(model_dir), gen_backend="vllm", vllm_dtype="float32", temperature=1.0,
                      max_new_tokens=24, max_prompt_length=64, seed=3).validate()
+    warm([2])  # numba (the delta sync's loops) loaded before the engine starts: it must start all the same
     engine = make_engine(cfg, str(model_dir))
     base = load_model(str(model_dir), dtype="float32")
     prompts = [[5, 17, 33, 2 + 40], [7, 8, 9, 10, 11, 12], [100, 200, 300]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable
 
@@ -34,6 +35,18 @@ def _set_cpu_env(cfg) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_kv_cache_gb))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.vllm_cpu_threads_bind)
+
+
+def llvmlite_survives_vllm_scan() -> None:
+    """vLLM-cpu 0.32 starts an engine by scanning every loaded module for Triton kernels, calling vars() on each
+    value that has a __dict__. llvmlite's library wrapper (loaded with numba, which compiles the delta sync's
+    loops: common/delta_kernels.py) answers every attribute, __dict__ included, with a function wrapper, and
+    the engine fails with "'_lib_fn_wrapper' object has no attribute 'get'". A worker starts its engine before
+    numba loads; this covers any process that loaded it first, by giving that lookup the dict it expects."""
+    lib = getattr(sys.modules.get("llvmlite.binding.ffi"), "lib", None)
+    fntab = getattr(lib, "_fntab", None)  # its cache of wrapped attributes (a slot: no __getattr__ call)
+    if isinstance(fntab, dict) and not isinstance(fntab.get("__dict__"), dict):
+        fntab["__dict__"] = {}
 
 
 def visible_devices_for(device: str, visible: str | None) -> str | None:
@@ -99,6 +112,7 @@ class VLLMEngine(GenEngine):
 
         _place(cfg)  # first: CUDA_VISIBLE_DEVICES counts only until CUDA is initialised
         _set_cpu_env(cfg)
+        llvmlite_survives_vllm_scan()
         LLM, _, _ = import_vllm()
         tok = tokenizer or load_tokenizer(model_path)
         try:
