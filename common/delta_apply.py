@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.delta_kernels import apply_mask, apply_positions, warm
+from common.delta_kernels import apply_mask, apply_positions, warm_soon
 from common.weight_delta import BLOCK, DeltaError, as_bits, each_then_checksum
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)  # set bits per mask byte
@@ -101,7 +101,7 @@ class HeldWeights:
 
     def __init__(self, tensors: dict[str, torch.Tensor], version: int, crc: str, in_model: bool = False) -> None:
         self.tensors, self.version, self.crc, self.in_model = tensors, version, crc, in_model
-        warm(t.element_size() for t in tensors.values())  # compiled now, not on the first delta
+        warm_soon(t.element_size() for t in tensors.values())  # compiled by the first delta, off this path
 
     def adopt(self, model: torch.nn.Module) -> HeldWeights:
         """The same weights as the model's own parameters (just loaded from this copy), when they are CPU

@@ -14,6 +14,7 @@ attribute 'get'"), and a worker starts its engine before it applies its first de
 """
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -184,3 +185,11 @@ def warm(itemsizes) -> None:
         counts, offsets, values = scan(a, b)
         apply_positions(b, counts, offsets, values)
         apply_mask(b, np.packbits(a != 0, bitorder="little"), values)
+
+
+def warm_soon(itemsizes) -> threading.Thread:
+    """warm() in a daemon thread: the full copy's path does not wait for numba (seconds on a cold cache; a
+    first delta that comes sooner waits for the compile, a lock in numba)."""
+    thread = threading.Thread(target=warm, args=(sorted(set(itemsizes)),), daemon=True, name="delta-kernels-warm")
+    thread.start()
+    return thread

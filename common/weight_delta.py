@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from common.checksum import hasher
-from common.delta_kernels import BLOCK, scan, warm  # BLOCK: positions go as 16-bit offsets within blocks of it
+from common.delta_kernels import BLOCK, scan, warm_soon  # BLOCK: positions go as 16-bit offsets within blocks of it
 
 DELTA_FORMAT = "weights_delta"
 # a delta over this share of the weights goes as the full copy: encoding and applying a bitmask delta costs
@@ -138,7 +138,7 @@ class DeltaEncoder:
             c = self._cast(t)
             self.last[name] = c.clone() if c.data_ptr() == t.data_ptr() else c  # never alias a live parameter
         self.crc = checksum_of(self.last.values())
-        warm(t.element_size() for t in self.last.values())
+        warm_soon(t.element_size() for t in self.last.values())
         return list(self.last.items())
 
     def delta(self, named) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 from common.checksum import DIGITS, KEY, checksum
 from common.delta_apply import apply_plan, plan_delta
-from common.delta_kernels import warm
+from common.delta_kernels import warm_soon
 from common.weight_blob import IntegrityError, tensors_from_blob
 from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError
 from ref_server.weight_io import BlobReader
@@ -122,7 +122,7 @@ class WeightStore:
             first, self._warmed = not self._warmed, True
         if first:  # the delta kernels compiled (or loaded from numba's cache) before the first delta needs them
             sizes = {_ITEMSIZE.get(v.get("dtype"), 1) for k, v in header.items() if k != "__metadata__"}
-            threading.Thread(target=warm, args=(sizes,), daemon=True, name="delta-kernels-warm").start()
+            warm_soon(sizes)
         log.info("policy weights v%d published (%d tensors, %.1f MB)", version, count, len(blob) / 1e6)
 
     @contextmanager
