@@ -1,28 +1,39 @@
-"""Micro-batches (trainer/objective/microbatch.py): the gradient DeepSpeed accumulates over a step's
-micro-batches equals the whole batch's gradient, for every aggregation and for GSPO, checked against a float64
-re-derivation (a plain full-logits forward of a float64 copy of the model, no chunking, no DeepSpeed)."""
+"""Micro-batches (trainer/objective/microbatch.py): the update DeepSpeed makes from a step's accumulated
+micro-batches equals the whole batch's gradient step, for every aggregation and for GSPO, at ZeRO stages 0, 2 and 3,
+with grad_accum 1 and 2, checked against a float64 re-derivation (a plain full-logits forward of a float64 copy of
+the model, no chunking, no DeepSpeed).
+
+The engines step plain SGD (lr 1, no clipping), so the update IS minus the gradient DeepSpeed accumulated: one
+readout that works at every stage (under ZeRO-2/3 the gradient lives in partitions and buckets, not in p.grad).
+Before the fix (issue 30), stage 3 built the update from the last micro-batch alone: the trainer calls the model's
+body and head itself, never engine(...), and ZeRO-3 advances the micro-step counter that makes it add rather than
+copy gradients only in DeepSpeedEngine.forward."""
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 import torch
-from conftest import find_free_port
+from conftest import REPO, find_free_port
+from test_e2e import env
 
 from common.config import GRPOConfig
 from common.modeling import load_model, resolve_model_path
 from common.protocol import ScoredBatch
-from trainer.engine import ds_config_for
+from trainer.engine import ds_config_for, prepare_policy
 from trainer.objective import microbatch
 from trainer.objective.grpo import grpo_loss
 from trainer.objective.offpolicy import importance_weights
-from trainer.objective.update import train_step
+from trainer.objective.update import new_round, train_step, train_update
 
 ROWS = 8
+LR = 1.0
 
 
-def make_batch(vocab: int) -> ScoredBatch:
-    g = torch.Generator().manual_seed(0)
-    plen = torch.tensor([3, 5, 4, 6, 3, 2, 5, 4])
-    clen = torch.tensor([7, 2, 9, 4, 1, 6, 3, 8])  # ragged: micro-batches have their own widths
+def make_batch(vocab: int, seed: int = 0) -> ScoredBatch:
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.tensor([3, 5, 4, 6, 3, 2, 5, 4]).roll(seed)
+    clen = torch.tensor([7, 2, 9, 4, 1, 6, 3, 8]).roll(2 * seed)  # ragged: micro-batches have their own widths
     ids = torch.zeros(ROWS, int((plen + clen).max()), dtype=torch.long)
     for i in range(ROWS):
         ids[i, :plen[i] + clen[i]] = torch.randint(3, vocab, (int(plen[i] + clen[i]),), generator=g)
@@ -32,10 +43,8 @@ def make_batch(vocab: int) -> ScoredBatch:
                        ref_logps=-torch.rand(ROWS, T, generator=g) * 2 - 6)
 
 
-def reference_grads(model, b: ScoredBatch, cfg: GRPOConfig) -> dict:
-    """Whole-batch gradient in float64: full logits, log-softmax, the loss over all rows at once."""
-    m = model.double()
-    m.zero_grad()
+def reference_loss(m, b: ScoredBatch, cfg: GRPOConfig, aggregation: str) -> torch.Tensor:
+    """One batch's loss in float64: full logits, log-softmax, the loss over all rows at once."""
     L = b.input_ids.shape[1]
     att = (torch.arange(L)[None] < (b.prompt_lens + b.completion_lens)[:, None]).long()
     logp_all = torch.log_softmax(m(input_ids=b.input_ids, attention_mask=att).logits.double(), -1)
@@ -51,66 +60,140 @@ def reference_grads(model, b: ScoredBatch, cfg: GRPOConfig) -> dict:
         weights, _ = importance_weights(logps.detach(), gen, mask, cfg.vllm_importance_sampling_mode,
                                         cfg.vllm_importance_sampling_clip_max)
         gen = logps.detach()
-    loss = grpo_loss(logps, b.ref_logps.double(), gen, b.advantages.double(), mask, beta=cfg.beta, is_weights=weights,
+    return grpo_loss(logps, b.ref_logps.double(), gen, b.advantages.double(), mask, beta=cfg.beta, is_weights=weights,
                      eps_low=cfg.gspo_eps_low if seq else cfg.eps_low,
-                     eps_high=cfg.gspo_eps_high if seq else cfg.eps_high,
-                     aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
+                     eps_high=cfg.gspo_eps_high if seq else cfg.eps_high, aggregation=aggregation,
                      max_new_tokens=cfg.max_new_tokens, importance_sampling_level=cfg.importance_sampling_level)
-    loss.backward()  # dapo on one rank: local tokens x world / global tokens = 1
+
+
+def reference_grads(model, batches: list[ScoredBatch], cfg: GRPOConfig) -> dict:
+    """The update's gradient in float64: the mean of the batches' losses (grad_accum averages), except dapo,
+    whose token sum is normalised by the tokens of all the update's batches (one rank: world 1)."""
+    m = model.double()
+    m.zero_grad()
+    if cfg.aggregation == "dapo":
+        tokens = [int(b.completion_lens.sum()) for b in batches]
+        loss = sum(reference_loss(m, b, cfg, "token_mean") * n for b, n in zip(batches, tokens)) / sum(tokens)
+    else:
+        loss = sum(reference_loss(m, b, cfg, cfg.aggregation) for b in batches) / len(batches)
+    loss.backward()
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
 @pytest.fixture(scope="module")
-def engine():
-    """One real DeepSpeed engine (stage 0, one gloo rank) on the tiny model: 8-row batches in micro-batches of
-    3 + 3 + 2, so DeepSpeed accumulates over 3 micro-batches per optimizer step."""
+def dist():
+    """One gloo rank for every engine of this module."""
     import deepspeed
     mp = pytest.MonkeyPatch()
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(find_free_port())).items():
         mp.setenv(k, v)
     deepspeed.init_distributed(dist_backend="gloo")
-    ds = ds_config_for(config("seq_mean", "token"), on_gpu=False)
-    assert ds["gradient_accumulation_steps"] == 3 and ds["train_micro_batch_size_per_gpu"] == 3
-    ds["zero_optimization"]["stage"] = 0
-    model = load_model(resolve_model_path("tiny"), device="cpu", dtype="float32", trainable=True)
-    eng, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
-    eng.grads = {}  # the accumulated gradient of each parameter, as it stands just before the optimizer step
-    for n, p in eng.module.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, n=n: eng.grads.__setitem__(n, p.grad.detach().double().clone()))
-    yield eng
+    yield deepspeed
     torch.distributed.destroy_process_group()
     mp.undo()
 
 
-def config(aggregation: str, level: str, is_mode: str | None = None) -> GRPOConfig:
+def sgd_engine(deepspeed, stage: int, grad_accum: int = 1, gradient_checkpointing: bool = False):
+    """A real DeepSpeed engine on the tiny model at `stage`, plain SGD: 8-row batches in micro-batches of
+    3 + 3 + 2, so DeepSpeed accumulates over 3 x grad_accum micro-batches per optimizer step. The model is made
+    ready as the trainer does (trainer/engine.py prepare_policy: train mode, gradient checkpointing if asked)."""
+    cfg = config("seq_mean", "token", grad_accum=grad_accum)
+    cfg.gradient_checkpointing = gradient_checkpointing
+    ds = ds_config_for(cfg, on_gpu=False)
+    assert ds["gradient_accumulation_steps"] == 3 * grad_accum and ds["train_micro_batch_size_per_gpu"] == 3
+    ds["zero_optimization"]["stage"] = stage
+    ds.pop("optimizer")
+    ds["zero_allow_untested_optimizer"] = True  # plain SGD: DeepSpeed tests only its own optimizers under ZeRO
+    model = prepare_policy(load_model(resolve_model_path("tiny"), device="cpu", dtype="float32", trainable=True), cfg)
+    params = list(model.parameters())
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
+                                   optimizer=torch.optim.SGD(params, lr=LR))
+    return eng
+
+
+def full_weights(deepspeed, engine) -> dict:
+    """Every parameter's full float64 value (gathered from its partitions under ZeRO-3)."""
+    named = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=hasattr(named[0][1], "ds_id")):
+        return {n: p.detach().double().clone() for n, p in named}
+
+
+@pytest.fixture(params=[0, 2, 3], ids=lambda s: f"zero{s}")
+def engine(request, dist):
+    """A fresh engine per case (about 2 s): SGD at lr 1 would take a shared model far from its start."""
+    return sgd_engine(dist, request.param)
+
+
+def config(aggregation: str, level: str, is_mode: str | None = None, grad_accum: int = 1) -> GRPOConfig:
     """is_mode None: π_old = the engine's logps (old_logps engine, the ratio is not 1); else π_old = the trainer's
     first pass with that importance-sampling correction against the engine's logps (clip_max 1.5)."""
     return GRPOConfig(model=resolve_model_path("tiny"), num_pre_Q=ROWS, micro_batch_size=3, aggregation=aggregation,
                       beta=0.04, importance_sampling_level=level, gspo_eps_low=0.01, gspo_eps_high=0.01,
-                      max_new_tokens=16, logp_chunk_tokens=4, grad_clip=1e9, temperature=1.0,
+                      max_new_tokens=16, logp_chunk_tokens=4, grad_clip=1e9, temperature=1.0, grad_accum=grad_accum,
                       old_logps="engine" if is_mode is None else "trainer",
                       vllm_importance_sampling_mode=is_mode or "sequence_mask",
                       vllm_importance_sampling_clip_max=1.5).validate()
+
+
+def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step) -> None:
+    """Run `step` (one optimizer update) and compare the weights' change with -LR x the float64 gradient."""
+    before = full_weights(dist, engine)
+    ref_model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
+    ref_model.load_state_dict({n: w.float() for n, w in before.items()}, strict=False)  # buffers: its own
+    want = reference_grads(ref_model, batches, cfg)
+    steps_before = engine.global_steps
+    step()
+    assert engine.global_steps == steps_before + 1  # ONE optimizer update for all the micro-batches
+    after = full_weights(dist, engine)
+    assert set(want) <= set(after)
+    for n in want:  # float32 engine vs float64 reference: tolerance relative to each tensor's largest entry
+        got = (before[n] - after[n]) / LR
+        torch.testing.assert_close(got, want[n], rtol=2e-4, atol=1e-5 * float(want[n].abs().max()) + 1e-7,
+                                   msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("aggregation,level,is_mode", [
     ("seq_mean", "token", None), ("token_mean", "token", None), ("dr_grpo", "token", None), ("dapo", "token", None),
     ("seq_mean", "sequence", None), ("token_mean", "sequence", None), ("luspo", "sequence", None),
     ("token_mean", "token", "token_truncate"), ("seq_mean", "token", "sequence_mask")])
-def test_accumulated_micro_batches_give_the_whole_batch_gradient(engine, aggregation, level, is_mode):
+def test_accumulated_micro_batches_give_the_whole_batch_gradient(dist, engine, aggregation, level, is_mode):
     cfg = config(aggregation, level, is_mode)
-    ref_model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
-    ref_model.load_state_dict(engine.module.state_dict())  # the engine's current weights (earlier cases stepped)
-    b = make_batch(ref_model.config.vocab_size)
-    want = reference_grads(ref_model, b, cfg)
-    engine.grads.clear()
-    steps_before = engine.global_steps
-    train_step(engine, b, cfg)
-    assert engine.global_steps == steps_before + 1  # ONE optimizer update for the three micro-batches
-    assert set(engine.grads) == set(want)
-    for n in want:  # float32 engine vs float64 reference: tolerance relative to each tensor's largest entry
-        torch.testing.assert_close(engine.grads[n], want[n], rtol=2e-4, atol=1e-5 * float(want[n].abs().max()),
+    b = make_batch(engine.module.config.vocab_size)
+    check_update(dist, engine, [b], cfg, lambda: train_step(engine, b, cfg))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("aggregation", ["seq_mean", "dapo"])
+def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggregation):
+    """grad_accum 2: two batches of three micro-batches each, one update from all six (gradient checkpointing
+    on, as real runs have it)."""
+    cfg = config(aggregation, "token", grad_accum=2)
+    eng = sgd_engine(dist, stage, grad_accum=2, gradient_checkpointing=True)
+    batches = [make_batch(eng.module.config.vocab_size, seed) for seed in (1, 2)]
+    check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_make_the_zero0_update(tmp_path):
+    """Real `deepspeed --num_gpus 2` (gloo) runs of tests/zero3_update_probe.py at stages 0 and 3 on the same
+    batches: the ZeRO-3 update (partitioned weights and gradients, reduce-scatter) equals the ZeRO-0 one."""
+    runs = {}
+    for stage in (0, 3):
+        out = tmp_path / f"zero{stage}.pt"
+        cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
+               str(REPO / "tests" / "zero3_update_probe.py"), str(stage), str(out)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "rank1 PROBE DONE" in log, log[-4000:]
+        runs[stage] = torch.load(out)
+    assert runs[0]["global_steps"] == runs[3]["global_steps"] == 1
+    for n, w0 in runs[0]["before"].items():
+        assert torch.equal(w0, runs[3]["before"][n]), n  # the same start
+        want, got = w0 - runs[0]["after"][n], runs[3]["before"][n] - runs[3]["after"][n]
+        assert float(want.abs().max()) > 0, n
+        ulp = torch.finfo(torch.float32).eps * float(w0.abs().max())  # the float32 weights' own rounding
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 2 * ulp,
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 

@@ -23,6 +23,7 @@ from common.config import GRPOConfig
 from common.logprobs import chunk_count, sequence_logprobs
 from common.protocol import ProtocolError, ScoredBatch
 from trainer.dist import comm
+from trainer.dist.engine_call import engine_forward
 from trainer.objective import microbatch
 from trainer.objective.grpo import entropy_mask, grpo_loss, loss_stats, mismatch_stats, reinforce_pp_advantages
 from trainer.objective.microbatch import micro_batches_per_step, rows_per_step
@@ -157,10 +158,11 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
         rnd.weights.append([None] * len(micros))
     seen, kept = [], []
     for j, mb in enumerate(micros):
-        logps, ent = sequence_logprobs(engine.module, mb.input_ids, mb.prompt_lens, mb.completion_lens,
-                                       chunk_tokens=cfg.logp_chunk_tokens, with_entropy=True,
-                                       min_chunks=agreed_chunks(engine.module, mb, cfg),
-                                       temperature=cfg.logprob_temperature())
+        chunks = agreed_chunks(engine.module, mb, cfg)
+        # through engine(): DeepSpeed's per-micro-batch bookkeeping (ZeRO-3 accumulates only then), see engine_call
+        logps, ent = engine_forward(engine, lambda mb=mb, chunks=chunks: sequence_logprobs(
+            engine.module, mb.input_ids, mb.prompt_lens, mb.completion_lens, chunk_tokens=cfg.logp_chunk_tokens,
+            with_entropy=True, min_chunks=chunks, temperature=cfg.logprob_temperature()))
         logps = logps.float()
         if first:  # π_old and the IS weights, fixed for all mu passes (row-local: exact per micro-batch)
             rnd.old[i][j], rnd.weights[i][j], _ = first_pass(logps, mb.gen, mb.mask, cfg, b.batch_id)
