@@ -1,5 +1,5 @@
 """The GPU check: on one GPU, `launch.sh train` with 1 NCCL rank + the ref server + one HF genonly worker (the
-placement plan shares the GPU), for ZeRO-2 bf16, ZeRO-3 and LoRA, 10 steps each, on the embedded tiny model and
+placement plan shares the GPU), for ZeRO-2 bf16, ZeRO-3 (whole batch, micro-batches of 3) and LoRA, 10 steps each, on the embedded tiny model and
 on a random-weight Qwen2.5-0.5B-shaped model built here from a config (real Qwen2.5 vocabulary, tests/qwen_vocab.py;
 nothing downloaded). Prints per run: s/step, peak GPU memory (nvidia-smi, all processes on the GPU, and the rank's
 torch.cuda.max_memory_allocated) and the worker's generated tokens/s. Last line: one JSON object.
@@ -30,9 +30,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = {  # trainer flags of each run (the rank trains bf16 weights in all three)
+VARIANTS = {  # trainer flags of each run (the rank trains bf16 weights in all of them)
     "zero2_bf16": ["--zero_stage", "2", "--bf16", "true"],
     "zero3": ["--zero_stage", "3", "--bf16", "true"],
+    # micro-batches under ZeRO-3 (issue 30: its update came from the last micro-batch alone before the fix)
+    "zero3_micro": ["--zero_stage", "3", "--bf16", "true", "--micro_batch_size", "3"],
     "lora": ["--zero_stage", "2", "--bf16", "true", "--lora_r", "16", "--lora_alpha", "32"],
 }
 QWEN05B = dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, dtype="bfloat16")
