@@ -1,8 +1,9 @@
 """The GPU check: on one GPU, `launch.sh train` with 1 NCCL rank + the ref server + one HF genonly worker (the
-placement plan shares the GPU), for ZeRO-2 bf16, ZeRO-3 (whole batch, micro-batches of 3) and LoRA, 10 steps each, on the embedded tiny model and
-on a random-weight Qwen2.5-0.5B-shaped model built here from a config (real Qwen2.5 vocabulary, tests/qwen_vocab.py;
-nothing downloaded). Prints per run: s/step, peak GPU memory (nvidia-smi, all processes on the GPU, and the rank's
-torch.cuda.max_memory_allocated) and the worker's generated tokens/s. Last line: one JSON object.
+placement plan shares the GPU), for ZeRO-2 bf16, ZeRO-3 (whole batch, micro-batches of 3) and LoRA, 10 steps each,
+on the embedded tiny model and on a random-weight Qwen2.5-0.5B-shaped model built here from a config (real Qwen2.5
+vocabulary, tests/qwen_vocab.py; nothing downloaded). Prints per run: s/step, peak GPU memory (nvidia-smi, all
+processes on the GPU, and the rank's torch.cuda.max_memory_allocated) and the worker's generated tokens/s.
+Last line: one JSON object.
 
 On a bare GPU machine (torch, transformers, peft, accelerate; no internet), after bench/gpu_check_wheels.py gather
 here and copying the checkout with .whl/ there, ONE command (`bench/gpu_check_wheels.py command` prints it):
