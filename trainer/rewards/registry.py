@@ -1,5 +1,6 @@
-"""Reward functions by name: the built-ins, plugins registered with @register_reward, and dotted paths to your
-own ("my_pkg.my_rewards:score" or "my_pkg.my_rewards.score"). Rewards see the decoded completion text with
+"""Reward functions by name: the built-ins, plugins registered with @register_reward, and your own by module or
+file ("my_rewards:score", "my_pkg.my_rewards.score", "path/to/my_rewards.py:score"; common/user_code.py finds them
+in the folder launch.sh ran in, in every process). Rewards see the decoded completion text with
 special tokens already stripped by the caller; score_completion sums them per completion.
 
 TRL-style batch functions `f(prompts, completions, **columns) -> list[float | None]` load the same way
@@ -7,10 +8,10 @@ TRL-style batch functions `f(prompts, completions, **columns) -> list[float | No
 """
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 
+from common.user_code import load_object
 from trainer.rewards.builtin import reward_contains, reward_correct, reward_format, reward_math_verify
 from trainer.rewards.countdown import reward_countdown
 
@@ -35,19 +36,14 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return deco
 
 
-def _import_fn(path: str) -> RewardFn:
-    mod_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not mod_name or not attr:
-        raise ValueError(f"unknown reward function {path!r}: use a built-in name ({', '.join(REWARD_FNS)}) "
-                         f"or a dotted path 'package.module:function'")
+def _import_fn(spec: str) -> RewardFn:
+    if ":" not in spec and "." not in spec:
+        raise ValueError(f"unknown reward function {spec!r}: use a built-in name ({', '.join(REWARD_FNS)}), "
+                         f"a module path 'my_rewards:function' or a file 'path/to/my_rewards.py:function'")
     try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"reward function {path!r}: cannot import module {mod_name!r} ({e})") from e
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ValueError(f"reward function {path!r}: module {mod_name!r} has no callable {attr!r}")
-    return fn
+        return load_object(spec)
+    except ValueError as e:
+        raise ValueError(f"reward function {e}") from e
 
 
 def load_reward_fns(spec: str | list[str]) -> list[RewardFn]:
