@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from importlib import metadata
@@ -105,7 +106,7 @@ def run_setup(tmp_path, driver: str, **env_extra: str) -> tuple[subprocess.Compl
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text(
         f'#!/bin/sh\necho "$*" >> {log}\ncase "$1" in\n  -m) exit 0 ;;\n  -c) exit 1 ;;\n'
-        f'  *) exec {sys.executable} -S "$@" ;;\nesac\n')
+        f'  *) exec {shlex.quote(sys.executable)} -S "$@" ;;\nesac\n')
     (venv / "bin" / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("GRPO_TORCH", "GRPO_NO_VLLM")}
     env.update(PATH=f"{fake_smi(tmp_path, driver)}:/usr/bin:/bin", GRPO_VENV=str(venv), PYTHON="false", **env_extra)
