@@ -24,7 +24,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip setuptools wheel
 if [ -n "${GRPO_TORCH:-}" ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
   VLLM_REQ=requirements-vllm-cuda.txt
-  if [ -n "${GRPO_NO_VLLM:-}" ] && { [ -n "${GRPO_TORCH:-}" ] || "$VENV/bin/python" -c "import torch" 2>/dev/null; }; then
+  if [ -n "${GRPO_NO_VLLM:-}" ] &&
+     { [ -n "${GRPO_TORCH:-}" ] || "$VENV/bin/python" -c "import torch" 2>/dev/null; }; then
     # without vLLM nothing pins torch: the user's own (GRPO_TORCH, or the one already in the venv) stays as it is
     [ -z "${GRPO_TORCH:-}" ] || "${PIP[@]}" install "$GRPO_TORCH"
     CONSTRAINT=()
