@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))  # check_cuda: the driver table scripts/setup.sh checks against
 VARIANTS = {  # trainer flags of each run (the rank trains bf16 weights in all of them)
     "zero2_bf16": ["--zero_stage", "2", "--bf16", "true"],
     "zero3": ["--zero_stage", "3", "--bf16", "true"],
@@ -156,6 +157,28 @@ def run_one(model: Path, variant: str, work: Path, a) -> dict:
     return res
 
 
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver version nvidia-smi reports (None without nvidia-smi)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    from check_cuda import driver_versions
+    return min(driver_versions(smi), key=lambda v: tuple(int(p) for p in v.split(".")))
+
+
+def why_no_cuda(torch_version: str, torch_cuda: str | None) -> str:
+    """Why a torch sees no GPU, in words a user acts on: a CPU build, no driver, or a driver too old for the CUDA
+    version that torch is built for (scripts/check_cuda.py's table, the one scripts/setup.sh checks before install)."""
+    if torch_cuda is None:
+        return f"torch {torch_version} is a CPU build (torch.version.cuda is None): install a CUDA build"
+    from check_cuda import driver_problem
+    driver = nvidia_driver()
+    if driver is None:
+        return f"torch {torch_version} is built for CUDA {torch_cuda}, but there is no nvidia-smi (no NVIDIA driver)"
+    return driver_problem(driver, torch_cuda, f"torch {torch_version}") or \
+        f"torch {torch_version} (CUDA {torch_cuda}) and NVIDIA driver {driver} fit, yet torch sees no GPU"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -169,10 +192,12 @@ def main() -> int:
     if a.device == "cuda":
         import torch
         if not torch.cuda.is_available():
-            raise SystemExit("no CUDA here: run with --device cpu for the reduced CPU form")
+            raise SystemExit(f"no CUDA here: {why_no_cuda(torch.__version__, torch.version.cuda)}; "
+                             "run with --device cpu for the reduced CPU form")
         device_name = torch.cuda.get_device_name(0)
+        stack = {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": nvidia_driver()}
     else:
-        device_name = "cpu"
+        device_name, stack = "cpu", {}
     work = Path(a.work or tempfile.mkdtemp(prefix="gpu_check-"))
     models = (a.models or ("tiny,qwen05b" if a.device == "cuda" else "tiny")).split(",")
     runs = []
@@ -187,7 +212,7 @@ def main() -> int:
                   f"{r['s_per_step']} s/step  peak {mem} MiB (rank {r['rank_peak_mem_mb']} MB)  "
                   f"gen {r['gen_tokens_per_s']} tokens/s", file=sys.stderr)
     ok = all(r["rc"] == 0 and r["steps_done"] == a.steps for r in runs)
-    print(json.dumps({"device": device_name, "steps": a.steps, "ok": ok, "work": str(work), "runs": runs}))
+    print(json.dumps({"device": device_name, **stack, "steps": a.steps, "ok": ok, "work": str(work), "runs": runs}))
     return 0 if ok else 1
 
 

