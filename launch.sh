@@ -40,6 +40,8 @@
 # and --model/--ref_model/--data/--ds_config/--sync_dir after --) are taken from where you run this script.
 set -euo pipefail
 CALLER_DIR=$(pwd)
+# your own modules and files (rewards, tools: 'my_rewards:fn', 'path/to/file.py:fn') load from here, in every process
+export GRPO_USER_DIR="${GRPO_USER_DIR:-$CALLER_DIR}"  # (common/user_code.py)
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 

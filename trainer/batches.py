@@ -14,6 +14,8 @@ from trainer.objective.update import truncated_mask
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
 
+RANK_PRODUCER = "trainer-rank"  # producer_id prefix of the batches a rank generates itself (+ its rank)
+
 log = logging.getLogger("trainer")
 
 
@@ -50,7 +52,7 @@ def is_stale(cfg: GRPOConfig, policy_version: int, b: ScoredBatch) -> bool:
     """Not usable_version. With sync_steps=0 workers never get new weights: their batches say version 0
     forever, so versions are not compared for them (else every worker batch is dropped after step
     max_staleness + 1)."""
-    if cfg.sync_steps == 0 and not b.producer_id.startswith("trainer-rank"):
+    if cfg.sync_steps == 0 and not b.producer_id.startswith(RANK_PRODUCER):
         return False
     return not usable_version(b.policy_version, policy_version, cfg.max_staleness)
 

@@ -21,7 +21,7 @@ from common.config import GRPOConfig
 from common.knobs import to_dict
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from trainer import resume
-from trainer.batches import BatchSource, UnusableBatches
+from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
 from trainer.dist import comm, nodes
@@ -134,7 +134,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
 
     peers: list = [None] * world  # (host, pid) of every rank: the watchdog names a peer that dies
     torch.distributed.all_gather_object(peers, (nodes.host_label(), os.getpid()))
-    client = make_client(cfg, f"trainer-rank{rank}", "rank", host=peers[rank][0])
+    client = make_client(cfg, f"{RANK_PRODUCER}{rank}", "rank", host=peers[rank][0])
     client.wait_ready(timeout=300)
     columns = ColumnSpec.from_config(cfg)
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit, columns=columns)
@@ -144,7 +144,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)
     stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")
     source = BatchSource(cfg, client, policy, tok, sampler, scorer, stop_ids,
-                         vocab, producer_id=f"trainer-rank{rank}", lockstep=zero_stage == 3)
+                         vocab, producer_id=f"{RANK_PRODUCER}{rank}", lockstep=zero_stage == 3)
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
                             run_config=to_dict(cfg)) if rank == 0 else None
 
@@ -202,6 +202,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         row["staleness_max"] = max((step - 1) - v for v in versions)
         row["dropped_stale"] = info["dropped_stale"]
         row["ref_skipped_batches"] = info.get("ref_skipped_batches", 0)
+        from_ranks = sum(b.producer_id.startswith(RANK_PRODUCER) for b in rnd.batches)  # trained this step, by producer
+        row["batches_from_ranks"], row["batches_from_workers"] = from_ranks, len(rnd.batches) - from_ranks
         row.update(memory_row(rank, world))
         if step == start_step + 1:
             row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row

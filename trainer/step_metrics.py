@@ -19,7 +19,7 @@ MEAN_KEYS = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate",
              "logp_mismatch_mean"]
 SUM_KEYS = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
             "sync_s", "sync_mb", "sync_mb_up_delta", "sync_mb_up_full", "sync_mb_down_delta", "sync_mb_down_full",
-            "reward_timeouts"]
+            "reward_timeouts", "batches_from_workers", "batches_from_ranks"]
 MAX_KEYS = ["staleness_max", "peak_mem_mb", "logp_mismatch_max"]
 
 

@@ -1,0 +1,100 @@
+"""Your own code from your own folder (issue 31, item 1): common/user_code.py loads 'module:name' and
+'path/to/file.py:name' from the folder launch.sh ran in (GRPO_USER_DIR) in every process.
+
+Before: launch.sh changed into the checkout and the editable install maps only common/trainer/ref_server, so a
+reward module in the user's folder (or examples/ in the checkout) was importable by no rank and no worker; with
+PYTHONPATH unset the README's own bring-your-own command exited 1 with "No module named 'examples'".
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, find_free_port, subprocess_env
+
+from common.user_code import USER_DIR_ENV, load_object
+from trainer.rewards.registry import load_reward_fns
+
+REWARD_FILE = '''
+from helper_mod import DIGITS  # a neighbour of this file, imported the way a user's file would
+
+
+def digits(completion: str, ground_truth: str) -> float:
+    """Share of digit characters: a random tiny model scores above 0 on it."""
+    chars = [c for c in completion if not c.isspace()]
+    return sum(c in DIGITS for c in chars) / len(chars) if chars else 0.0
+'''
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A user's folder outside the checkout: a module, a file in a subfolder with a neighbour it imports."""
+    (tmp_path / "my_rewards.py").write_text("def short(completion, ground_truth):\n"
+                                            "    return 1.0 / (1 + len(completion))\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "extra_rewards.py").write_text(REWARD_FILE)
+    (tmp_path / "lib" / "helper_mod.py").write_text("DIGITS = '0123456789'\n")
+    (tmp_path / "broken.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / "json.py").write_text("SHADOW = True\n")  # must not shadow the standard library
+    monkeypatch.setenv(USER_DIR_ENV, str(tmp_path))
+    monkeypatch.chdir(REPO)  # as launch.sh does: the process runs in the checkout, not in the user's folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return tmp_path
+
+
+def test_module_and_file_specs_load_from_the_user_folder(user_dir):
+    short = load_object("my_rewards:short")
+    assert short("ab", "") == pytest.approx(1 / 3)
+    digits = load_object("lib/extra_rewards.py:digits")
+    assert digits("a1", "") == 0.5
+    assert load_object(str(user_dir / "lib" / "extra_rewards.py") + ":digits") is digits  # absolute: same module
+    assert load_object("examples.byo.my_rewards:accuracy").__name__ == "accuracy"  # the checkout's examples/
+    fns = load_reward_fns("my_rewards:short,lib/extra_rewards.py:digits,format")
+    assert [f.__name__ for f in fns] == ["short", "digits", "reward_format"]
+    import json
+    assert not hasattr(json, "SHADOW") and str(user_dir) not in sys.path[:1]
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+    ("lib/missing.py:fn", "no file"),
+    ("lib/extra_rewards.py:nope", "has no callable 'nope'"),
+    ("broken:fn", "importing module 'broken' failed: RuntimeError: boom at import"),
+    ("broken.py:fn", "RuntimeError: boom at import"),
+    ("my_rewards", "unknown reward function"),
+    ("my_rewards:", "names no object"),
+])
+def test_errors_are_one_line_and_name_the_problem(user_dir, spec, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        load_reward_fns(spec)
+    assert "\n" not in str(e.value)
+    if "cannot import" in msg:
+        assert str(user_dir) in str(e.value)  # where it looked
+
+
+@pytest.mark.slow
+def test_rewards_from_the_users_folder_reach_the_worker_with_no_pythonpath(user_dir, tmp_path):
+    """launch.sh run from a folder outside the checkout, PYTHONPATH unset: a reward module and a reward file of
+    that folder load in the genonly worker (and its reward process) and the ranks; get_wait is long, so the
+    ranks never generate for themselves, and every trained batch came from the worker."""
+    run_dir = tmp_path / "run"
+    env = subprocess_env()
+    for k in ("PYTHONPATH", USER_DIR_ENV):
+        env.pop(k, None)
+    args = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--max_new_tokens", "8",
+            "--num_pre_Q", "8", "--temperature", "1.0", "--seed", "1", "--Q_batch_size", "2",
+            "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits", "--reward_timeout", "5",
+            "--get_wait", "240", "--all_steps", "2", "--save_steps", "100"]
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", "run", "--workers", "1", "--gpus", "2",
+           "--port", str(find_free_port()), "--", *args]
+    proc = subprocess.run(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=500)
+    logs = {n: (run_dir / n).read_text() for n in ("trainer.log", "worker0.log") if (run_dir / n).is_file()}
+    assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["batches_from_ranks"] == 0 and r["batches_from_workers"] == 2, r  # 2 ranks x 1 batch, all worker's
+        assert "reward/short" in r and "reward/digits" in r
+    assert "Traceback" not in "".join(logs.values())
