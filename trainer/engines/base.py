@@ -67,6 +67,11 @@ class GenEngine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in: a LoRA worker keeps its copy of W0 in it
+        (trainer/lora/sync.py), not wider."""
+        raise NotImplementedError
+
     def fused_modules(self) -> dict[str, list[str]]:
         """Engine layers that hold several checkpoint modules (vLLM: qkv_proj = q, k, v); a weight load must
         bring every member of such a layer (trainer/lora/sync.py). None for an engine that loads by name."""

@@ -94,6 +94,9 @@ class HFEngine(GenEngine):
             model.train(was_training)
         return out
 
+    def weight_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the given tensors into the live parameters (a subset is fine; names must exist)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied aliases (lm_head) too

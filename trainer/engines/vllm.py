@@ -187,6 +187,10 @@ class VLLMEngine(GenEngine):
         except Exception as e:
             raise EngineDied(f"vLLM engine failed to load new weights: {type(e).__name__}: {e}") from e
 
+    def weight_dtype(self) -> torch.dtype:
+        """vllm_dtype as vLLM resolved it ("auto": from the checkpoint's config)."""
+        return self.llm.llm_engine.model_config.dtype
+
     def fused_modules(self) -> dict[str, list[str]]:
         """The served model's packed_modules_mapping ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...})."""
         mapping = self.llm.apply_model(lambda m: {k: list(v) for k, v in

@@ -120,7 +120,8 @@ class LoraMerger:
 
     `apply(model, tensors, metadata)` is the WeightSync adapter loader for an HF model (in-place copy);
     `merged(tensors, metadata, base_lookup)` yields the (name, merged tensor) pairs for any engine's
-    load_weights, with W0 from `base_lookup(names) -> {name: W0}` on the first call."""
+    load_weights, with W0 from `base_lookup(names) -> {name: W0}` on the first call: tensors the merger keeps as
+    they are (their own memory, in the engine's dtype: no second copy, no float32 widening)."""
 
     def __init__(self) -> None:
         self.base: dict[str, torch.Tensor] = {}
@@ -136,10 +137,13 @@ class LoraMerger:
         extra = sorted(set(companions(wanted)) - set(wanted)) if companions is not None else []
         missing = [n for n in wanted + extra if n not in self.base]
         if missing:  # first sync (or new modules): capture W0 before anything is overwritten
-            self.base.update({n: t.detach().clone() for n, t in base_lookup(missing).items()})
+            self.base.update(base_lookup(missing))
         yield from merged_tensors(self.base, tensors, scaling)
         for n in extra:
             yield n, self.base[n]
+
+    def base_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.base.values())
 
     def apply(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor], metadata: dict) -> int:
         """Copy the merged weights into the HF model in place; returns how many tensors changed."""
@@ -149,7 +153,7 @@ class LoraMerger:
             unknown = [n for n in names if n not in params]
             if unknown:
                 raise ValueError(f"adapter weights name modules this model lacks: {unknown[:5]}")
-            return {n: params[n] for n in names}
+            return {n: params[n].detach().clone() for n in names}  # W0 before the merges overwrite it
 
         n = 0
         with torch.no_grad():

@@ -1,0 +1,68 @@
+"""Run by tests/test_eval_shard.py under `deepspeed --num_gpus 2`: the in-training eval (trainer/loop.py
+run_eval) on real DeepSpeed ranks at a ZeRO stage below 3, with a record of the prompts each rank generated
+for, next to one process evaluating the whole set (trainer/evaluate.py evaluate, no collective). Prints one
+line `EVALPROBE {json}` per rank.
+
+    deepspeed --num_gpus 2 tests/eval_shard_probe.py MODEL_DIR ZERO_STAGE
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import torch
+
+from common.config import GRPOConfig
+from common.modeling import load_tokenizer
+from trainer.data import load_examples
+from trainer.engine import build_engine, init_deepspeed
+from trainer.engines.hf import HFEngine
+from trainer.evaluate import evaluate
+from trainer.loop import run_eval
+from trainer.rollout import encode_prompts
+
+N_EXAMPLES = 7  # odd: the ranks' shares differ in size
+
+
+def main() -> None:
+    model, stage = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    cfg = GRPOConfig(model=model, zero_stage=int(stage), data="arith", system_prompt="", eval_max_new_tokens=8,
+                     gen_batch_size=1, dist_timeout=120, output_dir="/nonexistent-not-written").validate()
+    deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
+    engine, zero_stage, _ = build_engine(cfg, deepspeed, model, on_gpu)
+    policy, tok = engine.module, load_tokenizer(model)
+    examples = load_examples("arith", split="test", limit=N_EXAMPLES)
+
+    def whole(exs):  # one process, the whole set, the settings run_eval uses
+        return evaluate(policy, tok, exs, system_prompt=cfg.system_prompt, prompt_format=cfg.prompt_format,
+                        max_new_tokens=cfg.eval_max_new_tokens, max_prompt_length=cfg.max_prompt_length,
+                        batch_size=cfg.gen_batch_size, num_samples=len(exs), progress=False)
+
+    # a random tiny model answers nothing right: make every other example's ground truth its own greedy
+    # completion, so the accuracy to reproduce is neither 0 nor 1
+    first = whole(examples)
+    examples = [replace(ex, ground_truth=s["completion"]) if i % 2 == 0 else ex
+                for i, (ex, s) in enumerate(zip(examples, first["samples"]))]
+    reference = whole(examples)
+
+    index = {tuple(ids): i for i, (_, ids) in enumerate(encode_prompts(tok, examples, cfg.system_prompt,
+                                                                       cfg.max_prompt_length, cfg.prompt_format)[0])}
+    evaluated: list[int] = []
+    generate = HFEngine.generate
+
+    def recording_generate(self, prompt_ids, n, **kw):  # the real generate, recording which prompts it got
+        evaluated.extend(index[tuple(p)] for p in prompt_ids if tuple(p) in index)
+        return generate(self, prompt_ids, n, **kw)
+
+    HFEngine.generate = recording_generate
+    res = run_eval(policy, tok, cfg, examples, lockstep=zero_stage == 3)
+    HFEngine.generate = generate
+    torch.distributed.barrier()
+    print("EVALPROBE " + json.dumps({"rank": rank, "world": world, "zero_stage": zero_stage, "evaluated": evaluated,
+                                     "result": res, "reference": {k: reference[k] for k in (
+                                         "accuracy", "format_rate", "n", "correct", "formatted")}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
