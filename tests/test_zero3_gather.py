@@ -108,6 +108,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     return out, [json.loads((out / f"held{r}.json").read_text()) for r in range(WORLD)]
 
 
+@pytest.mark.slow  # two real ranks (torch multiprocessing)
 def test_zero3_gathers_one_bounded_group_at_a_time(runs):
     out, held = runs
     assert held[0] == held[1]  # the same gathers on both ranks, in the same order (collectives)
@@ -131,6 +132,7 @@ def _same_files(a: Path, b: Path, name: str) -> None:
     assert (a / name).read_bytes() == (b / name).read_bytes(), f"{a / name} differs from {b / name}"
 
 
+@pytest.mark.slow  # two real ranks (torch multiprocessing)
 def test_published_blobs_equal_zero0(runs):
     out, _ = runs
     for sync in ("sync", "lora_sync"):
@@ -140,6 +142,7 @@ def test_published_blobs_equal_zero0(runs):
     assert blob_metadata(blob)["format"] == "pt" and b'"BF16"' in blob[:4096]
 
 
+@pytest.mark.slow  # two real ranks (torch multiprocessing)
 def test_saved_checkpoints_equal_zero0_and_load_tied(runs, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
