@@ -77,15 +77,20 @@ class WeightSync:
 
     # ---- trainer side -------------------------------------------------------------------
     def publish(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None, named=None,
-                metadata: dict[str, str] | None = None) -> tuple[float, int]:
+                metadata: dict[str, str] | None = None, weights: dict[str, torch.Tensor] | None = None
+                ) -> tuple[float, int]:
         """Publish the model's weights (or just `named` ones, described by `metadata`) as `version`, floating
-        ones in `dtype` when given; returns (seconds, bytes). `last_kind` says whether it was a delta."""
+        ones in `dtype` when given; returns (seconds, bytes). `last_kind` says whether it was a delta.
+        weights: {name: tensor} standing for model.named_parameters(), in its order (a ZeRO-3 model's CPU copies,
+        gathered a group at a time: trainer/dist/gather.py); the model itself is then not read."""
         t0 = time.time()
+        full = list(weights.items()) if weights is not None else None  # None: the model's named_parameters()
         try:
             if self.delta and named is None:
-                body, self.last_kind = self._delta_body(model, dtype)
+                body, self.last_kind = self._delta_body(model, dtype, full)
             else:
-                body, self.last_kind = ParametersBody(model, dtype, named=named, metadata=metadata), "full"
+                body = ParametersBody(model, dtype, named=named if named is not None else full, metadata=metadata)
+                self.last_kind = "full"
             if self.client is None:
                 self._write_dir(body, version)
             elif self.last_kind == "full":
@@ -101,12 +106,12 @@ class WeightSync:
         self.seconds += dt
         return dt, len(body)
 
-    def _delta_body(self, model, dtype) -> tuple[ParametersBody, str]:
+    def _delta_body(self, model, dtype, full=None) -> tuple[ParametersBody, str]:
+        params = full if full is not None else model.named_parameters()
         if self.encoder is None or self.encoder.dtype != dtype or self.version is None:
             self.encoder = DeltaEncoder(dtype, self.delta_max_share)
-            return ParametersBody(None, named=self.encoder.snapshot(model.named_parameters()),
-                                  crc=self.encoder.crc), "full"
-        tensors, meta = self.encoder.delta(model.named_parameters())
+            return ParametersBody(None, named=self.encoder.snapshot(params), crc=self.encoder.crc), "full"
+        tensors, meta = self.encoder.delta(params)
         self.delta_bytes = self.encoder.delta_bytes  # data; the header is small
         if self.encoder.gave_up:  # over delta_max_share: the full copy costs everyone less
             return ParametersBody(None, named=list(self.encoder.last.items()), crc=self.encoder.crc), "full"

@@ -187,3 +187,26 @@ def test_stale_batches_are_dropped_and_counted(server, tiny_model_dir):
     assert isinstance(got, ScoredBatch)
     assert info["dropped_stale"] == 1
     assert got.policy_version == 9 and got.num_rows == 6
+
+
+def test_publish_from_ready_copies_in_full_and_as_delta(server, tiny_model_dir):
+    """Under ZeRO-3 rank 0 publishes the CPU copies it gathered a group at a time (trainer/dist/gather.py), never
+    the partitioned model: `weights` stands for model.named_parameters() in a full copy and in a delta alike."""
+    from trainer.dist.gather import cpu_copies
+
+    policy = perturbed(tiny_model_dir, 30)
+    partitioned = load_model(str(tiny_model_dir), device="cpu", dtype="float32")  # not what is sent
+    worker = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    pub = WeightSync(client=RefClient(server.url), delta=True)
+    sub = WeightSync(client=RefClient(server.url), delta=True)
+    for version, kind in ((30, "full"), (31, "delta")):
+        if kind == "delta":
+            with torch.no_grad():
+                next(policy.parameters())[0, :5] += 1.0
+        copies = cpu_copies(policy.named_parameters(), zero_stage=0, rank=0, dtype=torch.bfloat16)
+        assert list(copies) == [n for n, _ in policy.named_parameters()]
+        pub.publish(partitioned, version, dtype=torch.bfloat16, weights=copies)
+        assert pub.last_kind == kind
+        assert sub.follow(worker) == version and sub.last_kind == kind
+        for (n, p), q in zip(worker.named_parameters(), policy.parameters()):
+            assert torch.equal(p, q.to(torch.bfloat16).float()), (version, n)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer.dist import nodes
+from trainer.dist.gather import GATHER_BUCKET_BYTES, state_copies
 
 log = logging.getLogger("trainer")
 
@@ -48,22 +49,18 @@ def cast_state(state: dict, dtype: torch.dtype | None) -> dict:
 
 
 def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, dtype: torch.dtype | None = None,
-            final: bool = False) -> None:
+            final: bool = False, budget: int = GATHER_BUCKET_BYTES) -> None:
     """HF directory loadable with from_pretrained, in `dtype` (the source checkpoint's; None = as trained).
-    Under ZeRO-3 the shards are gathered first (all ranks). A LoRA policy saves its adapter
-    (PeftModel-loadable), and at the end (`final`) the merged model."""
-    import deepspeed
-
+    Under ZeRO-3 the shards are gathered `budget` bytes at a time (all ranks; trainer/dist/gather.py) into rank 0's
+    CPU copy. A LoRA policy saves its adapter (PeftModel-loadable), and at the end (`final`) the merged model."""
     from trainer.lora.adapters import is_lora, save_adapter, save_merged
 
     model = engine.module
     if is_lora(model):
-        return (save_merged if final else save_adapter)(engine, tokenizer, out, rank, zero_stage)
+        return (save_merged if final else save_adapter)(engine, tokenizer, out, rank, zero_stage, budget)
     state = None
     if zero_stage == 3:
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            if rank == 0:
-                state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        state = state_copies(model, zero_stage, rank, dtype, budget)
     elif rank == 0 and dtype is not None:
         state = model.state_dict()
     if rank == 0:

@@ -1,8 +1,9 @@
 """Rank 0 publishes the live policy for the genonly workers (common/weight_sync.py: HTTP relay or sync_dir):
 every sync_steps steps, full weights, only what changed since the last publish (sync_delta,
-common/weight_delta.py) or only the LoRA adapters, in worker_dtype, gathered first under ZeRO-3 (which
-needs every rank in the gather). Metrics: sync_mb_up_{delta,full} (published) and sync_mb_down_{delta,full}
-(what the ref server sent to workers since the previous publish), sync_mb their sum."""
+common/weight_delta.py) or only the LoRA adapters, in worker_dtype. Under ZeRO-3 every rank gathers the
+weights a bounded group at a time and rank 0 publishes its CPU copies of them (trainer/dist/gather.py).
+Metrics: sync_mb_up_{delta,full} (published) and sync_mb_down_{delta,full} (what the ref
+server sent to workers since the previous publish), sync_mb their sum."""
 from __future__ import annotations
 
 import logging
@@ -12,14 +13,16 @@ import torch
 from common.client import RefServerError
 from common.modeling import pick_dtype
 from common.weight_sync import WeightSync
-from trainer.lora.adapters import adapter_metadata, adapter_parameters, adapter_tensors, is_lora
+from trainer.dist.gather import GATHER_BUCKET_BYTES, cpu_copies
+from trainer.lora.adapters import adapter_metadata, adapter_parameters, adapter_tensors, base_name, is_lora
 
 log = logging.getLogger("trainer")
 
 
 class Publisher:
-    def __init__(self, cfg, client, policy, deepspeed, rank: int, zero_stage: int):
+    def __init__(self, cfg, client, policy, deepspeed, rank: int, zero_stage: int, budget: int = GATHER_BUCKET_BYTES):
         self.policy, self.deepspeed, self.rank, self.zero_stage = policy, deepspeed, rank, zero_stage
+        self.budget = budget  # bytes gathered at once under ZeRO-3
         self.lora = is_lora(policy)
         self.syncer = None  # nobody to publish to: no workers, or workers that keep their weights
         if cfg.num_gen_workers > 0 and cfg.sync_steps > 0:
@@ -39,12 +42,8 @@ class Publisher:
         """Called on every rank; returns the sync_s / sync_mb metrics (rank 0's figures, zeros elsewhere)."""
         if self.syncer is None:
             return {}
-        if self.zero_stage == 3:
-            params = [p for _, p in adapter_parameters(self.policy)] if self.lora else list(self.policy.parameters())
-            with self.deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                res = self._rank0(version) if self.rank == 0 else (0.0, 0)
-        else:
-            res = self._rank0(version) if self.rank == 0 else (0.0, 0)
+        weights = self._gathered() if self.zero_stage == 3 else None
+        res = self._rank0(version, weights) if self.rank == 0 else (0.0, 0)
         up = {f"sync_mb_up_{k}": res[1] / 1e6 if self.syncer.last_kind == k and self.rank == 0 else 0.0
               for k in ("delta", "full")}
         down = self._downloads() if self.rank == 0 else {"sync_mb_down_delta": 0.0, "sync_mb_down_full": 0.0}
@@ -63,12 +62,22 @@ class Publisher:
         before, self.served = self.served or now, now
         return {f"sync_mb_down_{k}": max(now[k] - before[k], 0.0) / 1e6 for k in now}
 
-    def _rank0(self, version: int) -> tuple[float, int]:
+    def _gathered(self) -> dict | None:
+        """ZeRO-3, every rank: the published tensors gathered `budget` bytes at a time; rank 0 gets CPU copies in
+        the publish dtype (by their published names), the others None."""
+        if self.lora:
+            got = cpu_copies(adapter_parameters(self.policy), 3, self.rank, self.dtype, self.budget)
+            return None if got is None else {base_name(n): t for n, t in got.items()}
+        return cpu_copies(self.policy.named_parameters(), 3, self.rank, self.dtype, self.budget)
+
+    def _rank0(self, version: int, weights: dict | None = None) -> tuple[float, int]:
+        """weights: the ZeRO-3 copies from _gathered (None: read the live model)."""
         try:
             if self.lora:  # adapter tensors only; workers merge them into their base weights (trainer/lora/adapters.py)
-                return self.syncer.publish(self.policy, version, dtype=self.dtype, named=adapter_tensors(self.policy),
+                named = adapter_tensors(self.policy) if weights is None else weights.items()
+                return self.syncer.publish(self.policy, version, dtype=self.dtype, named=named,
                                            metadata=adapter_metadata(self.policy))
-            return self.syncer.publish(self.policy, version, dtype=self.dtype)
+            return self.syncer.publish(self.policy, version, dtype=self.dtype, weights=weights)
         except RefServerError as e:
             if e.status != 409:
                 raise

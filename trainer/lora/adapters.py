@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.dist.gather import GATHER_BUCKET_BYTES, cpu_copies
+
 log = logging.getLogger("trainer")
 
 ADAPTER_FORMAT = "lora_adapter"
@@ -164,33 +166,24 @@ class LoraMerger:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def _gathered(params: list, zero_stage: int):
-    import contextlib
-
-    import deepspeed
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage == 3 \
-        else contextlib.nullcontext()
-
-
-def save_adapter(engine, tokenizer, out: Path, rank: int, zero_stage: int) -> None:
-    """adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained-loadable) and the tokenizer."""
+def save_adapter(engine, tokenizer, out: Path, rank: int, zero_stage: int, budget: int = GATHER_BUCKET_BYTES) -> None:
+    """adapter_config.json + adapter_model.safetensors (PeftModel.from_pretrained-loadable) and the tokenizer.
+    Under ZeRO-3 the adapters are gathered `budget` bytes at a time (trainer/dist/gather.py)."""
     model = engine.module
-    with _gathered([p for _, p in adapter_parameters(model)], zero_stage):
-        if rank == 0:
-            state = {n: p.detach().cpu().clone() for n, p in adapter_parameters(model)}
-            model.save_pretrained(out, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(out)
-            log.info("saved LoRA adapter %s", out)
+    state = cpu_copies(adapter_parameters(model), zero_stage, rank, budget=budget)
+    if rank == 0:
+        model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        log.info("saved LoRA adapter %s", out)
     torch.distributed.barrier()
 
 
-def save_merged(engine, tokenizer, out: Path, rank: int, zero_stage: int) -> None:
+def save_merged(engine, tokenizer, out: Path, rank: int, zero_stage: int, budget: int = GATHER_BUCKET_BYTES) -> None:
     """The merged model W0 + s * B @ A as a plain HF directory (AutoModelForCausalLM-loadable), with the
-    adapter itself in out/adapter. The live model is left unmerged (merge_and_unload would change it)."""
+    adapter itself in out/adapter. The live model is left unmerged (merge_and_unload would change it).
+    Under ZeRO-3 the weights are gathered `budget` bytes at a time into rank 0's CPU copy (trainer/dist/gather.py)."""
     model = engine.module
-    with _gathered(list(model.parameters()), zero_stage):
-        if rank == 0:
-            state = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    state = cpu_copies(model.named_parameters(), zero_stage, rank, budget=budget)
     if rank == 0:
         adapter = {base_name(n): t for n, t in state.items() if ".lora_A." in n or ".lora_B." in n}
         base = {base_name(n): t for n, t in state.items() if ".lora_" not in n}
