@@ -3,7 +3,7 @@
     .venv/bin/python bench/preauth_memory.py                       # 3 x 3 GiB, as in the issue
     .venv/bin/python bench/preauth_memory.py --requests 3 --gib 1
 
-Starts a real ref server (tiny model, a token, default limits: 16 GiB for PUT /weights), reads its
+Starts a real ref server (tiny model, a token, 16 GiB for PUT /weights: a ~3B model's default), reads its
 resident memory, then sends `--requests` header-only `PUT /weights` requests without a token, each
 declaring `--gib` GiB, plus one never-ending chunked POST /upload without a token, keeping every
 connection open. Reports the server's resident memory after each, the answers, the temp files it
@@ -62,7 +62,7 @@ def main() -> None:
     log = open(Path(tmp) / "server.log", "wb")
     env = {**os.environ, "GRPO_REF_TOKEN": ""}
     proc = subprocess.Popen([sys.executable, "-m", "ref_server", "--model", "tiny", "--port", str(port),
-                             "--token-file", str(token_file), "--device", "cpu"],
+                             "--token-file", str(token_file), "--device", "cpu", "--max-weights-mb", "16384"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url, socks = f"http://127.0.0.1:{port}", []
     try:

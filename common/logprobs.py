@@ -7,8 +7,9 @@ logsumexp(logits). Only one chunk of float32 logits exists at a time; under auto
 chunk is checkpointed, so backward recomputes it instead of keeping every chunk alive.
 
 The logits are those the model's own forward returns (its final-logit processing, common/final_logits.py,
-e.g. Gemma-2 soft-capping), divided by `temperature`: logprobs of the distribution the rollouts were sampled
-from (TRL, verl) at the sampling temperature, of the raw distribution at 1 (simple_GRPO).
+e.g. Gemma-2 soft-capping, in the head's dtype), upcast to float32 and then divided by `temperature`:
+logprobs of the distribution the rollouts were sampled from (TRL, verl) at the sampling temperature, of the
+raw distribution at 1 (simple_GRPO).
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
         out.append(checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t))
         if with_entropy:
             with torch.no_grad():
-                ents.append(_entropy_from_logits(post(lm_head(h.detach()).float())))
+                ents.append(_entropy_from_logits(post(lm_head(h.detach()))))  # post upcasts (or the entropy does)
     return torch.cat(out, dim=1), (torch.cat(ents, dim=1) if with_entropy else None)
 
 
@@ -118,9 +119,12 @@ def logit_fn_for(model: torch.nn.Module, temperature: float = 1.0) -> LogitFn | 
         raise ValueError(f"logprob temperature must be > 0, got {temperature}")
     if temperature == 1.0:
         return final
+    # float32 before the division, as vLLM's sampler does (HF's generate too): a bf16 quotient keeps 8 bits of
+    # mantissa, so logits near 30 would move by up to 0.06 and the logprobs with them. The model's own
+    # final-logit step stays in the head's dtype, as in its forward (and vLLM's logits processor).
     if final is None:
-        return lambda x: x / temperature
-    return lambda x: final(x) / temperature
+        return lambda x: x.float() / temperature
+    return lambda x: final(x).float() / temperature
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,

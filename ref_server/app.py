@@ -32,6 +32,7 @@ from ref_server.config import ServerConfig, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
 from ref_server.status import HeartbeatTable, by_host, identity_from_environ, render_html
 from ref_server.weights import StaleBase, WeightError, WeightStore
+from ref_server.weights_limit import WeightsLimit, weights_limit
 
 log = logging.getLogger("ref_server")
 JSON = "application/json"
@@ -47,6 +48,7 @@ class ServerState:
     vocab_size: int
     max_seq_len: int
     long_polls: threading.BoundedSemaphore  # keeps waitress threads free for uploads
+    weights_limit: WeightsLimit  # the largest PUT /weights: --max_weights_mb, or derived from the model
     weights: WeightStore = field(default_factory=WeightStore)  # the policy weights relayed to workers
     heartbeats: HeartbeatTable = field(default_factory=HeartbeatTable)  # who called in when (GET /status)
     stopping: bool = False
@@ -66,7 +68,8 @@ class ServerState:
                        "scoring": depths["scoring"]},
             "ref_forward": {"batches_scored": self.metrics.scored, "batches_ref_skipped": self.metrics.ref_skipped},
             "weights": {"version": w["version"], "bytes": w["bytes"],
-                        "age_s": None if w["published_at"] is None else round(time.time() - w["published_at"], 1)},
+                        "age_s": None if w["published_at"] is None else round(time.time() - w["published_at"], 1),
+                        "max_weights_mb": round(self.weights_limit.mb, 1), "max_weights_how": self.weights_limit.how},
             "placement": self.placement,
         }
 
@@ -145,7 +148,10 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
                         vocab_size=int(model.get_input_embeddings().num_embeddings),
                         max_seq_len=int(model.config.max_position_embeddings),
                         long_polls=threading.BoundedSemaphore(max(1, cfg.threads // 2)),
+                        weights_limit=weights_limit(cfg.max_weights_mb, model),
                         placement=json.loads(Path(cfg.placement_file).read_text()) if cfg.placement_file else None)
+    log.info("policy weights publishes (PUT /weights) up to %s MiB (%s)", f"{state.weights_limit.mb:,.0f}",
+             state.weights_limit.how)
     app = bottle.Bottle(catchall=True)
     retry = {"Retry-After": str(cfg.retry_after)}
 
@@ -230,8 +236,8 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
             length = int(env.get("CONTENT_LENGTH") or "")
         except ValueError:
             raise _error(411, "Content-Length header required") from None
-        if length > cfg.max_weights_bytes:
-            raise _error(413, f"weights of {length} bytes exceed the limit of {cfg.max_weights_bytes} bytes")
+        if length > state.weights_limit.bytes:  # one line naming the limit and the knob (the trainer repeats it)
+            raise _error(413, state.weights_limit.refusal(length))
         buf = getattr(env["wsgi.input"], "body", None)  # received into one bytearray by our channel (no copy)
         if buf is None:  # another WSGI server: one preallocated copy, filled from the request stream
             buf = state.weights.buffer(length)

@@ -34,9 +34,11 @@ class ServerConfig:
     max_output_queue: int = knob(256, "Scored batches waiting for /get; when full the scorer pauses, so the "
                                       "input queue fills and uploads get 503 (backpressure, never a drop).")
     max_body_mb: float = knob(64.0, "Largest accepted upload body in MiB (413 above).")
-    max_weights_mb: float = knob(16384.0, "Largest policy-weights publish (PUT /weights) in MiB (413 above, "
-                                          "decided from the header; only a request with the token gets "
-                                          "its body received).")
+    max_weights_mb: float | None = knob(None, "Largest policy-weights publish (PUT /weights) in MiB (413 above, "
+                                                 "decided from the header; only a request with the token gets its "
+                                                 "body received). Default: derived from the model: parameters x 4 "
+                                                 "bytes (float32) x 1.25 + 64 MiB (ref_server/weights_limit.py); "
+                                                 "the startup log and GET /status show the limit in force.")
     token_file: str | None = knob(None, "File holding the bearer token that /upload and /get require "
                                            f"(default: ${TOKEN_ENV} if set, else no token).")
     insecure: bool = knob(False, "Allow binding a non-loopback address without a token.")
@@ -66,6 +68,7 @@ class ServerConfig:
             (0 <= self.port <= 65535, "port must be in 0..65535"),
             (self.max_queue >= 1 and self.max_output_queue >= 1, "queue sizes must be >= 1"),
             (self.max_body_mb > 0, "max_body_mb must be > 0"),
+            (self.max_weights_mb is None or self.max_weights_mb > 0, "max_weights_mb must be > 0"),
             (self.threads >= 2, "threads must be >= 2"),
             (self.score_token_budget >= 1 and self.chunk_tokens >= 1, "score_token_budget and chunk_tokens >= 1"),
             (min(self.max_get_wait, self.retry_after, self.drain_timeout) >= 0,
@@ -82,10 +85,6 @@ class ServerConfig:
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * (1 << 20))
-
-    @property
-    def max_weights_bytes(self) -> int:
-        return int(self.max_weights_mb * (1 << 20))
 
 
 def _normalize_flags(argv: list[str]) -> list[str]:

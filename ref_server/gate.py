@@ -3,11 +3,11 @@ parser as soon as a request's headers are in, before any byte of its body is all
 spooled to disk.
 
 waitress dispatches a request only once its whole body has arrived, and its one cap
-(max_request_body_size) must fit the weights (16 GiB by default). Without this gate a stranger could
-make the server allocate a declared Content-Length (PUT /weights preallocates it) or spool a chunked
-body to a temp file before the app ever answers 401/413. Here such a request completes at once without
-a body: the app answers from the headers (401 for a missing token, 413 over the limit), and the
-connection closes after the answer, so the bytes that follow are never read as a request.
+(max_request_body_size) must fit the weights (a model's size: ref_server/weights_limit.py). Without this
+gate a stranger could make the server allocate a declared Content-Length (PUT /weights preallocates it)
+or spool a chunked body to a temp file before the app ever answers 401/413. Here such a request completes
+at once without a body: the app answers from the headers (401 for a missing token, 413 over the limit),
+and the connection closes after the answer, so the bytes that follow are never read as a request.
 """
 from __future__ import annotations
 
@@ -21,19 +21,25 @@ from ref_server.weight_io import PreallocatedBody
 from ref_server.weights import WeightStore
 
 
-def make_channel(cfg: ServerConfig, token: str | None, weights: WeightStore) -> type[HTTPChannel]:
-    """waitress channel class applying the gate; the token check is the app's own (constant-time)."""
+def make_channel(cfg: ServerConfig, token: str | None, weights: WeightStore,
+                 max_weights_bytes: int) -> type[HTTPChannel]:
+    """waitress channel class applying the gate; the token check is the app's own (constant-time).
+    max_weights_bytes: the limit on PUT /weights in force (ref_server/weights_limit.py)."""
 
     class Parser(HTTPRequestParser):
         refused = False  # the body is not ours to read: the rest of this connection is dropped
 
         def limit(self) -> int:
-            return cfg.max_weights_bytes if self.path == "/weights" else cfg.max_body_bytes
+            return max_weights_bytes if self.path == "/weights" else cfg.max_body_bytes
 
         def refuse_body(self) -> None:
             """Complete now without the body; the app answers from the headers; waitress closes after."""
             self.body_rcv, self.refused, self.expect_continue = None, True, False
             self.headers["CONNECTION"] = "close"
+            # The app reads the declared length from the headers. waitress' own check of it against
+            # max_request_body_size comes after this hook and would answer first, with a plain-text 413
+            # that names neither the limit nor the knob (any publish past the limit + 1 MiB).
+            self.content_length = 0
 
         def parse_header(self, header_plus: bytes) -> None:
             try:

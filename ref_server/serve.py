@@ -73,7 +73,7 @@ def serve(cfg: ServerConfig) -> int:
         server = create_server(app, sockets=[sock], threads=cfg.threads, ident="grpo-ref-server",
                                # waitress buffers a body before the app sees it: cap that too. Slack so
                                # that a modest overshoot still gets our JSON 413 (decided from the header).
-                               max_request_body_size=max(cfg.max_body_bytes, cfg.max_weights_bytes) + (1 << 20),
+                               max_request_body_size=max(cfg.max_body_bytes, state.weights_limit.bytes) + (1 << 20),
                                channel_timeout=max(120, int(cfg.max_get_wait) + 30),
                                # big socket reads/writes: weight blobs are hundreds of MB (defaults: 8 KB / 18 KB)
                                recv_bytes=1 << 18, send_bytes=1 << 18,
@@ -85,7 +85,7 @@ def serve(cfg: ServerConfig) -> int:
         state.scorer.stop()
         return 1
     # the token and the body limits, applied at the header: nothing allocated or spooled for a stranger
-    server.channel_class = make_channel(cfg, token, state.weights)
+    server.channel_class = make_channel(cfg, token, state.weights, state.weights_limit.bytes)
     threading.Thread(target=server.run, name="http", daemon=True).start()
     log.info("serving %s on http://%s:%s (vocab %d, max_seq_len %d, token %s, %d threads)", cfg.model, cfg.host,
              server.effective_port, state.vocab_size, state.max_seq_len, "required" if token else "off", cfg.threads)

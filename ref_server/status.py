@@ -129,8 +129,9 @@ def format_table(status: dict) -> str:
     """The status as plain text (the terminal view of `./launch.sh status`, and the HTML page's table)."""
     lines = []
     w = status.get("weights", {})
+    limit = f", weights up to {w['max_weights_mb']:,.0f} MiB" if w.get("max_weights_mb") is not None else ""
     lines.append(f"ref server up {status.get('uptime_s', 0):.0f} s, policy version {w.get('version')} "
-                 f"(published {_ago(w.get('age_s'))} ago), stall_warn {status.get('stall_warn')} s")
+                 f"(published {_ago(w.get('age_s'))} ago{limit}), stall_warn {status.get('stall_warn')} s")
     q = status.get("queues", {})
     lines.append("queues: " + ", ".join(f"{name} {v['depth']} (oldest {_ago(v['oldest_age_s'])})"
                                         for name, v in q.items() if isinstance(v, dict))

@@ -259,3 +259,27 @@ def test_min_chunks_pads_with_empty_head_calls_and_changes_nothing():
     assert len([c for c in calls if c[1] == 0]) >= 3 and ent.shape == (2, 7)
     torch.testing.assert_close(padded, base)
     torch.testing.assert_close(g_pad, g_base)
+
+
+# --- temperature in float32 (issue 30) -------------------------------------------------------
+def test_bf16_head_divided_by_the_temperature_in_float32():
+    """A bf16 head's logits at T = 0.9 against float64 math on the same bf16 logits: the division happens after
+    the float32 upcast (as in vLLM's sampler), so the error is float32's (3e-6 here), not a bf16 quotient's
+    (a logit near 30 moves by up to 0.06; dividing before the upcast, as before issue 30, errs by 0.12 here)."""
+    T = 0.9
+    torch.manual_seed(3)
+    head = torch.nn.Linear(64, 1000, bias=False).bfloat16()
+    hidden = (torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(4)) * 15).bfloat16()
+    targets = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        bf16_logits = head(hidden)  # what the model's forward returns, and vLLM samples from
+        got, ent = logprobs_from_hidden(hidden, head, targets, chunk_tokens=16, with_entropy=True,
+                                        logit_fn=lp.logit_fn_for(head, T))
+    assert bf16_logits.abs().max() > 16  # where a bf16 quotient rounds to a multiple of 1/8 or coarser
+    want = bf16_logits.double() / T
+    err = (got.double() - ref_logps(want, targets)).abs().max().item()
+    bf16_quotient = ref_logps((bf16_logits / T).double(), targets)  # what dividing before the upcast gives
+    print(f"max |logp error| at T={T}: {err:.2e} (dividing in bf16: "
+          f"{(bf16_quotient - ref_logps(want, targets)).abs().max().item():.2e})")
+    assert err < 2e-5
+    assert (ent.double() - ref_entropy(want)).abs().max() < 2e-5

@@ -2,8 +2,9 @@
 the server allocates, buffers and spools nothing for its body. Bodies over a path's limit likewise (413),
 chunked ones included, before the body ends.
 
-A real ref server process with a token and the default 16 GiB weights limit (so a multi-GiB declaration is
-within the limit and only the token stands in the way); its resident memory is read with psutil.
+A real ref server process with a token and a 16 GiB weights limit (--max-weights-mb 16384, the size a 3B model
+gets by default; the tiny model's own default is ~70 MiB), so a multi-GiB declaration is within the limit and
+only the token stands in the way; its resident memory is read with psutil.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def server(tiny_model_dir, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("tok") / "token"
     token_file.write_text(TOKEN)
     with start_ref_server(tiny_model_dir, "--token-file", str(token_file), "--max-body-mb", "1",
-                          "--device", "cpu", env=subprocess_env(GRPO_REF_TOKEN="")) as srv:
+                          "--max-weights-mb", "16384", "--device", "cpu", env=subprocess_env(GRPO_REF_TOKEN="")) as srv:
         yield srv
 
 

@@ -7,6 +7,8 @@ and thread settings, which must not leak into the pytest process.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 
@@ -62,6 +64,26 @@ def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to import
     with pytest.raises(ImportError, match="scripts/setup.sh"):
         ve.import_vllm()
+
+
+@pytest.mark.parametrize("given", [None, "0", "1"])
+def test_engine_core_is_forced_into_the_worker_process(given, monkeypatch, caplog):
+    """The in-place reload needs vLLM's engine core in the worker's process: an exported
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 is overridden to 0, with a warning that says so (none when nothing changes)."""
+    from types import SimpleNamespace
+
+    from trainer.engines import vllm as ve
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):  # set, so monkeypatch restores them
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", given or "")
+    if given is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    with caplog.at_level(logging.WARNING, logger=ve.log.name):
+        ve._set_cpu_env(SimpleNamespace(vllm_kv_cache_gb=1, vllm_cpu_threads_bind="auto"))
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    warned = [r.getMessage() for r in caplog.records if "VLLM_ENABLE_V1_MULTIPROCESSING" in r.getMessage()]
+    assert warned == (["VLLM_ENABLE_V1_MULTIPROCESSING=1 overridden to 0: a worker reloads its weights in place, "
+                       "which needs vLLM's engine core in the worker's own process"] if given == "1" else [])
 
 
 def test_engine_failure_mid_run_is_engine_died(tiny_model_dir):

@@ -33,6 +33,12 @@ from common.client import RefServerError
 
 log = logging.getLogger("trainer")
 EXIT_STALLED, EXIT_PEER_GONE, EXIT_UNUSABLE_BATCHES = 3, 4, 5  # 5: trainer/batches.py UnusableBatches
+EXIT_WEIGHTS_REFUSED = 6  # WeightsRefused
+
+
+class WeightsRefused(RuntimeError):
+    """The ref server refused the published policy weights for good (413: over its max_weights_mb), so no
+    worker can follow the policy: ends the run (trainer/loop.py: exit 6) with this one line."""
 
 
 def write_diagnosis(out_dir: str | Path, line: str) -> None:

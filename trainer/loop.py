@@ -26,7 +26,15 @@ from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import ColumnSpec, load_examples
 from trainer.dist import comm, nodes
 from trainer.engine import build_engine, init_deepspeed
-from trainer.health import EXIT_PEER_GONE, EXIT_UNUSABLE_BATCHES, Heartbeat, Watchdog, write_diagnosis
+from trainer.health import (
+    EXIT_PEER_GONE,
+    EXIT_UNUSABLE_BATCHES,
+    EXIT_WEIGHTS_REFUSED,
+    Heartbeat,
+    Watchdog,
+    WeightsRefused,
+    write_diagnosis,
+)
 from trainer.objective.update import metric_keys, new_round, starts_round, train_update
 from trainer.publish import Publisher
 from trainer.rewards.scoring import RewardScorer
@@ -90,7 +98,8 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> d
 # --------------------------------------------------------------------------- train
 def train(cfg: GRPOConfig) -> None:
     """Run the rank; a failed collective ends it with one line naming the peer (exit 4), batches it can never
-    use with one line naming why (exit 5)."""
+    use with one line naming why (exit 5), policy weights the ref server refuses with one line naming its
+    limit and the knob (exit 6)."""
     started: list[Watchdog] = []  # the rank's watchdog, once it runs
     try:
         _train(cfg, started)
@@ -98,6 +107,10 @@ def train(cfg: GRPOConfig) -> None:
         log.error("%s", e)
         write_diagnosis(cfg.output_dir, f"rank {torch.distributed.get_rank()}: {e}")
         raise SystemExit(EXIT_UNUSABLE_BATCHES) from e
+    except WeightsRefused as e:  # the ref server will not take the policy weights: the limit and the knob
+        log.error("%s", e)
+        write_diagnosis(cfg.output_dir, str(e))
+        raise SystemExit(EXIT_WEIGHTS_REFUSED) from e
     except Exception as e:
         if not (started and _is_dist_error(e)):
             raise

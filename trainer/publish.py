@@ -79,6 +79,11 @@ class Publisher:
                                            metadata=adapter_metadata(self.policy))
             return self.syncer.publish(self.policy, version, dtype=self.dtype, weights=weights)
         except RefServerError as e:
+            if e.status == 413:  # over its max_weights_mb; the next publish is a full copy again, as big: end the run
+                from trainer.health import WeightsRefused
+                why = " ".join(e.message.split())  # the server's answer names the limit and the knob
+                raise WeightsRefused(f"rank 0: ref server {e.url} refused the weights of step {version}: {why}"
+                                     + ("" if "max_weights_mb" in why else " (its --max_weights_mb)")) from None
             if e.status != 409:
                 raise
             # Resumed while the server kept weights of a later step from before the crash: it accepts

@@ -29,9 +29,20 @@ INSTALL_HINT = ("vLLM is not installed in this environment. `bash scripts/setup.
                 "machines without CUDA, vllm on CUDA); or set gen_backend to 'hf'.")
 
 
+def force_in_process_engine(environ=os.environ) -> None:
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0, whatever the user exported (a warning says so): `load_weights` hands
+    vLLM's `reload_weights` an iterator over this process's tensors, which cannot cross into an engine core in
+    another process; with multiprocessing on, the first in-place reload would fail."""
+    given = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if given is not None and given.strip() != "0":
+        log.warning("VLLM_ENABLE_V1_MULTIPROCESSING=%s overridden to 0: a worker reloads its weights in place, "
+                    "which needs vLLM's engine core in the worker's own process", given)
+    environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
 def _set_cpu_env(cfg) -> None:
-    """vLLM reads these at import/engine start; set them only where the user has not."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: in-place reload
+    """vLLM reads these at import/engine start; the CPU ones are set only where the user has not."""
+    force_in_process_engine()
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_kv_cache_gb))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.vllm_cpu_threads_bind)
