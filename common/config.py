@@ -126,7 +126,17 @@ class GRPOConfig:
     seed: int = knob(42, "Random seed (rank/worker offsets are added).")
     output_dir: str = knob("runs/grpo", "Where checkpoints, metrics.jsonl and TensorBoard logs go.")
     resume: bool = knob(False, "Continue from the last DeepSpeed checkpoint in output_dir.")
-    wandb: bool = knob(False, "Also log to Weights & Biases (must be installed).")
+    wandb: bool = knob(False, "Also log to Weights & Biases (must be installed); the same as report_to wandb.")
+    report_to: list = knob(["tensorboard"], "TRL's name: where metrics go besides metrics.jsonl (always written): "
+                                            "none, tensorboard, wandb or all (a list, or names comma-separated).")
+    wandb_project: str = knob("grpo", "W&B project (report_to wandb).")
+    run_name: str | None = knob(None, "W&B run name (default: the output_dir folder's name).")
+    log_completions: bool = knob(False, "TRL's name: rank 0 appends the trained completions to "
+                                        "output_dir/completions.jsonl (step, prompt, completion, rewards per "
+                                        "function, advantage, policy_version, producer) and prints some as a table.")
+    log_completions_steps: int = knob(1, "With log_completions: log every N steps.")
+    num_completions_to_print: int | None = knob(None, "With log_completions: rows printed per logged step "
+                                                      "(None = all, as TRL; 0 = none; the file gets all).")
     log_every: int = knob(1, "Write a metrics row every N steps.")
     gen_batch_size: int = knob(64, "Max sequences generated in one HF generate call.")
     worker_rounds: int = knob(0, "genonly: stop after this many generation rounds (0 = run until stopped).")
@@ -246,6 +256,16 @@ class GRPOConfig:
     weight_fetch_retries: int = knob(5, "genonly: a weight download that breaks or fails its checksum is retried "
                                         "this many times (the worker keeps its current weights meanwhile).")
 
+    def _report_names(self) -> set[str]:
+        names = self.report_to if isinstance(self.report_to, list) else str(self.report_to).split(",")
+        return {str(n).strip().lower() for n in names if str(n).strip()}
+
+    def reporters(self) -> set[str]:
+        """report_to (+ the wandb flag) as a set of tensorboard/wandb; metrics.jsonl is always written."""
+        names = self._report_names()
+        out = {"tensorboard", "wandb"} if "all" in names else names - {"none"}
+        return out | ({"wandb"} if self.wandb else set())
+
     def validate(self) -> GRPOConfig:
         checks = [
             (self.num_pre_Q >= 2, "num_pre_Q must be >= 2 (a group needs a spread)"),
@@ -258,6 +278,12 @@ class GRPOConfig:
             (self.beta >= 0, "beta must be >= 0"),
             (0 <= self.eps_low < 1 and self.eps_high >= 0, "eps_low in [0,1) and eps_high >= 0"),
             (self.mu >= 1, "mu must be >= 1"),
+            (self._report_names() <= {"none", "tensorboard", "wandb", "all"}
+             and not ("none" in self._report_names() and len(self._report_names()) > 1),
+             f"report_to must be none, tensorboard, wandb or all (or a list of them), got {self.report_to!r}"),
+            (self.log_completions_steps >= 1, "log_completions_steps must be >= 1"),
+            (self.num_completions_to_print is None or self.num_completions_to_print >= 0,
+             "num_completions_to_print must be >= 0 (or None: all)"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.zero_stage in (None, 0, 1, 2, 3), "zero_stage must be 0..3"),

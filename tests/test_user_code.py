@@ -78,7 +78,8 @@ def test_errors_are_one_line_and_name_the_problem(user_dir, spec, msg):
 def test_rewards_from_the_users_folder_reach_the_worker_with_no_pythonpath(user_dir, tmp_path):
     """launch.sh run from a folder outside the checkout, PYTHONPATH unset: a reward module and a reward file of
     that folder load in the genonly worker (and its reward process) and the ranks; get_wait is long, so the
-    ranks never generate for themselves, and every trained batch came from the worker."""
+    ranks never generate for themselves, and every trained batch came from the worker. The same run shows what
+    it trained on: completions.jsonl (log_completions) and an eval scored with the user's rewards."""
     run_dir = tmp_path / "run"
     env = subprocess_env()
     for k in ("PYTHONPATH", USER_DIR_ENV):
@@ -86,7 +87,9 @@ def test_rewards_from_the_users_folder_reach_the_worker_with_no_pythonpath(user_
     args = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--max_new_tokens", "8",
             "--num_pre_Q", "8", "--temperature", "1.0", "--seed", "1", "--Q_batch_size", "2",
             "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits", "--reward_timeout", "5",
-            "--get_wait", "240", "--all_steps", "2", "--save_steps", "100"]
+            "--get_wait", "240", "--all_steps", "2", "--save_steps", "100",
+            "--log_completions", "true", "--num_completions_to_print", "2",  # TRL's names (issue 31, item 5)
+            "--eval_steps", "2", "--eval_limit", "4", "--eval_max_new_tokens", "8"]
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", "run", "--workers", "1", "--gpus", "2",
            "--port", str(find_free_port()), "--", *args]
     proc = subprocess.run(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=500)
@@ -98,3 +101,11 @@ def test_rewards_from_the_users_folder_reach_the_worker_with_no_pythonpath(user_
         assert r["batches_from_ranks"] == 0 and r["batches_from_workers"] == 2, r  # 2 ranks x 1 batch, all worker's
         assert "reward/short" in r and "reward/digits" in r
     assert "Traceback" not in "".join(logs.values())
+    # log_completions: every trained completion (2 steps x 2 ranks x 8), the worker's, scored by the user's rewards
+    done = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in done] == [1] * 16 + [2] * 16
+    assert all(set(r["rewards"]) == {"short", "digits"} and r["producer"].startswith("worker") for r in done), done[0]
+    assert "completions trained at step 2 (2 of 16" in logs["trainer.log"]
+    # in-training eval scored with the run's own rewards: no correctness reward configured, so no accuracy
+    assert {"eval_reward/short", "eval_reward/digits", "eval_reward_mean"} <= set(rows[1]), rows[1]
+    assert "eval_accuracy" not in rows[1] and rows[1]["eval_n"] == 4

@@ -26,8 +26,12 @@ from trainer.rollout import encode_prompts
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
-             num_samples: int = 20, progress: bool = True, prompt_format: str = "chat") -> dict:
+             num_samples: int = 20, progress: bool = True, prompt_format: str = "chat", scorer=None) -> dict:
     """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0.
+    With `scorer` (the run's RewardScorer: in-training eval) the completions are scored with the run's reward
+    functions instead: "rewards" {name: [sum, completions it applied to, completions it scored > 0]} and
+    "reward_total" (the weighted sums' total); the built-in correct/format are not called (a prompt-only
+    dataset has no ground truth for them).
 
     `model` is an HF model (wrapped in the HF engine) or any GenEngine (e.g. vLLM); greedy decoding
     ignores the checkpoint's generation_config (no repetition_penalty) either way."""
@@ -37,6 +41,8 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
         HFEngine(model, tokenizer, eos_ids(tokenizer, model, chat=prompt_format != "r1zero"), temperature=1.0,
                  top_p=1.0, top_k=0, gen_batch_size=batch_size)
     correct = formatted = 0
+    rewards: dict[str, list] = {}
+    reward_total = 0.0
     samples = []
     bar = tqdm(total=len(kept), desc="eval", disable=not progress, leave=False)
     calls = math.ceil(len(kept) / batch_size)
@@ -47,9 +53,18 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
         outs = engine.generate([ids for _, ids in chunk], 1, max_new_tokens=max_new_tokens, greedy=True)
         for (ex, _), out in zip(chunk, outs):
             text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)
-            ok, fmt = reward_correct(text, ex.ground_truth) > 0, reward_format(text) > 0
-            correct += ok
-            formatted += fmt
+            if scorer is not None:
+                score = scorer.score_group(ex, [text], [list(out.completion_ids)])
+                reward_total += score.rewards[0]
+                for name, (v,) in score.components.items():
+                    acc = rewards.setdefault(name, [0.0, 0, 0])
+                    if v is not None:
+                        acc[0], acc[1], acc[2] = acc[0] + v, acc[1] + 1, acc[2] + (v > 0)
+                ok = fmt = None
+            else:
+                ok, fmt = reward_correct(text, ex.ground_truth) > 0, reward_format(text) > 0
+                correct += ok
+                formatted += fmt
             if len(samples) < num_samples:
                 samples.append({"prompt": ex.prompt, "ground_truth": ex.ground_truth, "completion": text,
                                 "correct": ok, "format": fmt})
@@ -59,7 +74,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     # the counts too: ranks that evaluated shards sum them (trainer/loop.py run_eval), exactly
     return {"accuracy": correct / n, "format_rate": formatted / n, "n": len(kept), "correct": int(correct),
             "formatted": int(formatted), "skipped_long_prompt": skipped, "seconds": round(time.time() - t0, 2),
-            "samples": samples}
+            "samples": samples, "rewards": rewards, "reward_total": reward_total}
 
 
 def main(argv: list[str] | None = None) -> dict:

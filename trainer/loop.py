@@ -23,6 +23,7 @@ from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from trainer import resume
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype
+from trainer.completions import CompletionLog, completion_rows, gather_rows
 from trainer.data import ColumnSpec, load_examples
 from trainer.dist import comm, nodes
 from trainer.engine import build_engine, init_deepspeed
@@ -74,12 +75,18 @@ def round_metrics(batches: list) -> dict:
     return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
 
 
-def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> dict:
-    """Greedy accuracy on the eval set, called by every rank at every ZeRO stage: rank r evaluates examples
+CORRECTNESS_REWARDS = ("correct", "math_verify", "countdown")  # built-ins whose > 0 means "solved"
+
+
+def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scorer=None) -> dict:
+    """Greedy eval on the eval set, called by every rank at every ZeRO stage: rank r evaluates examples
     r, r + world, ... (disjoint shares covering the set) and the counts are summed, so the result is what one
     process evaluating the whole set gives. One rank alone would keep the others waiting in a collective past
     dist_timeout on a long eval (a 7B GSM8K eval). lockstep (ZeRO-3): the ranks generate together (synced
-    generation: each forward gathers the weights from all ranks)."""
+    generation: each forward gathers the weights from all ranks).
+    scorer (the run's RewardScorer): eval_reward_mean and eval_reward/<name> from the run's reward functions, and
+    eval_accuracy / eval_format only where a correctness reward / `format` is among them. Without it: GSM8K-style
+    accuracy and format rate from the built-ins."""
     from trainer.engines.hf import HFEngine
     from trainer.evaluate import evaluate
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -88,11 +95,25 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False) -> d
                          top_p=1.0, top_k=0, gen_batch_size=cfg.gen_batch_size, synced_gpus=True)
     res = evaluate(model, tok, examples[rank::world], system_prompt=cfg.system_prompt,
                    prompt_format=cfg.prompt_format, max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                   max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False)
-    counts: list = [None] * world  # an object collective: NCCL and gloo alike, no tensor device to pick
-    torch.distributed.all_gather_object(counts, (res["correct"], res["formatted"], res["n"]))
-    correct, formatted, n = (sum(c[i] for c in counts) for i in range(3))
-    return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n}
+                   max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False,
+                   scorer=scorer)
+    parts: list = [None] * world  # an object collective: NCCL and gloo alike, no tensor device to pick
+    torch.distributed.all_gather_object(parts, (res["correct"], res["formatted"], res["n"], res["rewards"],
+                                                res["reward_total"]))
+    n = sum(p[2] for p in parts)
+    if scorer is None:
+        correct, formatted = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n}
+    out = {"eval_n": n, "eval_reward_mean": sum(p[4] for p in parts) / max(n, 1)}
+    for name in scorer.names:  # per function: its mean where it applied, its share of completions scored > 0
+        total, count, hits = (sum(p[3].get(name, [0.0, 0, 0])[i] for p in parts) for i in range(3))
+        if count:
+            out[f"eval_reward/{name}"] = total / count
+        if name in CORRECTNESS_REWARDS and "eval_accuracy" not in out:
+            out["eval_accuracy"] = hits / max(n, 1)
+        if name == "format":
+            out["eval_format"] = hits / max(n, 1)
+    return out
 
 
 # --------------------------------------------------------------------------- train
@@ -158,17 +179,20 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")
     source = BatchSource(cfg, client, policy, tok, sampler, scorer, stop_ids,
                          vocab, producer_id=f"{RANK_PRODUCER}{rank}", lockstep=zero_stage == 3)
-    metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, use_wandb=cfg.wandb,
-                            run_config=to_dict(cfg)) if rank == 0 else None
+    metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, reporters=cfg.reporters(),
+                            run_config=to_dict(cfg), wandb_project=cfg.wandb_project,
+                            run_name=cfg.run_name) if rank == 0 else None
+    completions = CompletionLog(out, start_step if cfg.resume else None, cfg.num_completions_to_print) \
+        if rank == 0 and cfg.log_completions else None
 
     publisher = Publisher(cfg, client, policy, deepspeed, rank, zero_stage)
     publisher.publish(start_step)
 
     def maybe_eval(step: int) -> dict:
-        res = run_eval(policy, tok, cfg, eval_examples, lockstep=zero_stage == 3)  # every rank: its share
-        torch.distributed.barrier()
+        res = run_eval(policy, tok, cfg, eval_examples, lockstep=zero_stage == 3, scorer=scorer)  # every rank
         if rank == 0:
-            log.info("eval at step %d: accuracy %.3f format %.3f", step, res["eval_accuracy"], res["eval_format"])
+            log.info("eval at step %d: %s", step, ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in
+                                                            res.items() if k != "eval_n") + f" (n={res['eval_n']})")
         return res
 
     watchdog = Watchdog(cfg, client, rank, peers).start()
@@ -190,7 +214,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
     for step in range(start_step + 1, cfg.all_steps + 1):
         t0 = time.time()
-        if starts_round(step, start_step, cfg.mu):  # a new generation round: grad_accum batches for mu steps
+        fetched = starts_round(step, start_step, cfg.mu)
+        if fetched:  # a new generation round: grad_accum batches for mu steps
             got = [source.next(policy_version=step - 1) for _ in range(cfg.grad_accum)]
             rnd = new_round([g[0] for g in got], cfg, next(engine.module.parameters()).device)
             info = round_info([g[1] for g in got])
@@ -222,6 +247,10 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         mine = [int(i) for b in rnd.batches for i in b.extra.get("example_index", [])]  # what this rank trained on
         trained: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(trained, mine)
+        if cfg.log_completions and fetched and step % cfg.log_completions_steps == 0:  # every rank: a collective
+            rows = gather_rows(completion_rows(rnd.batches, tok, step))
+            if completions is not None:
+                completions.log(step, rows, metrics)
         totals["skipped_groups"] += own.skipped_no_spread
         totals["dropped_stale"] += info["dropped_stale"]
         if publisher.active and step % cfg.sync_steps == 0:
