@@ -1,0 +1,179 @@
+"""Find in seconds what would fail in minutes: `./launch.sh check [launch.sh options] -- [trainer args]`, and the
+checks `./launch.sh train` runs before it starts anything. No model weights are loaded.
+
+One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
+    config   the trainer's config parses and validates (TRL names included)
+    model    config.json and the tokenizer load from the path, hub id or local cache
+    data     the first rows go through the column mapping and the prompt format (the first prompt is printed as the
+             model will see it, template and all)
+    rewards  every reward function imports as the workers import it (common/user_code.py) and scores one completion
+    port     the ref server's port is free (when launch.sh starts the server)
+    disk     the run directory's filesystem has room for checkpoints: at least twice the model's size
+The placement plan is checked by launch.sh itself (common/placement_cli.py), before these.
+
+    python -m trainer.check [--port P] [--run-dir D] [--ref-url URL] -- [trainer args]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from common.config import GRPOConfig
+from common.knobs import load_config
+
+ANSWER = "<think>\nLet me work it out.\n</think>\n<answer>\n{}\n</answer>"  # a well-formed completion to score
+
+
+class Checker:
+    def __init__(self):
+        self.failed: list[str] = []
+        self.cfg: GRPOConfig | None = None
+        self.model_path: str | None = None
+        self.tokenizer = None
+        self.examples: list = []
+
+    def run(self, name: str, fn: Callable[[], str]) -> None:
+        t0 = time.time()
+        try:
+            detail = fn()
+        except SystemExit as e:  # argparse / load_config say what is wrong themselves, then exit
+            detail, ok = f"invalid arguments (exit {e.code})", False
+        except Exception as e:  # every check reports its own failure in one line, and the others still run
+            detail, ok = " ".join(f"{type(e).__name__}: {e}".split()), False
+        else:
+            ok = True
+        if not ok:
+            self.failed.append(name)
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<8} {detail} ({time.time() - t0:.1f} s)", flush=True)
+
+    def skip(self, name: str, why: str) -> None:
+        self.failed.append(name)
+        print(f"FAIL {name:<8} not checked: {why}", flush=True)
+
+
+def check_config(c: Checker, argv: list[str]) -> str:
+    c.cfg = load_config(GRPOConfig, argv, prog="launch.sh check --")
+    return f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, _specs(c.cfg)))}"
+
+
+def _specs(cfg: GRPOConfig) -> list[str]:
+    return cfg.reward_fns if isinstance(cfg.reward_fns, list) else str(cfg.reward_fns).split(",")
+
+
+def check_model(c: Checker) -> str:
+    from transformers import AutoConfig
+
+    from common.modeling import load_tokenizer, resolve_model_path
+    c.model_path = resolve_model_path(c.cfg.model)
+    conf = AutoConfig.from_pretrained(c.model_path)
+    c.tokenizer = load_tokenizer(c.model_path)
+    return (f"{type(conf).__name__}: {conf.num_hidden_layers} layers, hidden {conf.hidden_size}, vocab "
+            f"{conf.vocab_size}; tokenizer {len(c.tokenizer)} tokens, eos {c.tokenizer.eos_token!r}, "
+            f"pad {c.tokenizer.pad_token!r}")
+
+
+def check_data(c: Checker) -> str:
+    from trainer.data import ColumnSpec, load_examples
+    from trainer.rollout import encode_prompts
+    cfg = c.cfg
+    c.examples = load_examples(cfg.data, split=cfg.data_split, limit=3, columns=ColumnSpec.from_config(cfg))
+    read = f"{len(c.examples)} rows read, prompt format {cfg.prompt_format}"
+    if c.tokenizer is None:
+        return read + " (prompts not rendered: no tokenizer)"
+    kept, skipped = encode_prompts(c.tokenizer, c.examples, cfg.system_prompt, cfg.max_prompt_length,
+                                   cfg.prompt_format)
+    if not kept:
+        raise ValueError(f"none of the first {len(c.examples)} prompts fits max_prompt_length {cfg.max_prompt_length}")
+    ex, ids = kept[0]
+    print(f"     first prompt as the model sees it ({len(ids)} tokens; ground truth {ex.ground_truth!r}):")
+    print("\n".join("     | " + line for line in c.tokenizer.decode(ids).splitlines()))
+    return read + (f", {skipped} over max_prompt_length" if skipped else "")
+
+
+def check_rewards(c: Checker) -> str:
+    from trainer.rewards.scoring import RewardScorer
+    scorer = RewardScorer(_specs(c.cfg), c.cfg.reward_weights, timeout=c.cfg.reward_timeout,
+                          conversational=c.cfg.prompt_format == "messages")
+    try:
+        if not c.examples:
+            return f"{', '.join(scorer.names)} imported (no data row to score one completion)"
+        ex = c.examples[0]
+        score = scorer.score_group(ex, [ANSWER.format(ex.ground_truth)])
+    finally:
+        scorer.close()
+    return ", ".join(f"{n}={v[0]}" for n, v in score.components.items()) + " on a well-formed answer"
+
+
+def check_port(port: int) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as e:
+            raise OSError(f"port {port} is taken ({e.strerror}): pick another with --port") from None
+    return f"{port} is free"
+
+
+def model_bytes(model_path: str) -> int:
+    """The checkpoint's size on disk when it is a local folder, else parameters x 2 bytes (bf16) from config."""
+    folder = Path(model_path)
+    if folder.is_dir():
+        files = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")]
+        if files:
+            return sum(p.stat().st_size for p in files)
+    from transformers import AutoConfig
+    conf = AutoConfig.from_pretrained(model_path)
+    h, n, v = conf.hidden_size, conf.num_hidden_layers, conf.vocab_size
+    inter = getattr(conf, "intermediate_size", 4 * h)
+    return 2 * (v * h * (1 if getattr(conf, "tie_word_embeddings", False) else 2) + n * (4 * h * h + 3 * h * inter))
+
+
+def check_disk(c: Checker, run_dir: Path) -> str:
+    need = 2 * model_bytes(c.model_path)
+    where = run_dir
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise OSError(f"{free / 1e9:.1f} GB free under {where}, a checkpoint needs about {need / 2e9:.1f} GB: "
+                      f"at least {need / 1e9:.1f} GB (twice the model) is needed")
+    return f"{free / 1e9:.1f} GB free under {where} (twice the model: {need / 1e9:.2f} GB)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    trainer_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python -m trainer.check", allow_abbrev=False,
+                                 description="Check a run's config, model, data, rewards, port and disk without "
+                                             "loading weights (what ./launch.sh check runs).")
+    ap.add_argument("--port", type=int, default=59875, help="the ref server's port (default 59875)")
+    ap.add_argument("--ref-url", "--ref_url", default="", help="a running ref server: no port to check")
+    ap.add_argument("--run-dir", "--run_dir", default="runs", help="where checkpoints would go")
+    args = ap.parse_args(own)
+    c = Checker()
+    c.run("config", lambda: check_config(c, trainer_args))
+    if c.cfg is None:
+        for name in ("model", "data", "rewards", "disk"):
+            c.skip(name, "the config did not load")
+    else:
+        c.run("model", lambda: check_model(c))
+        c.run("data", lambda: check_data(c))
+        c.run("rewards", lambda: check_rewards(c))
+    if not args.ref_url:
+        c.run("port", lambda: check_port(args.port))
+    if c.model_path is not None:
+        c.run("disk", lambda: check_disk(c, Path(args.run_dir).resolve()))
+    if c.failed:
+        print(f"check: {len(c.failed)} failed ({', '.join(c.failed)})", flush=True)
+        return 1
+    print("check: all passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
