@@ -41,7 +41,7 @@ def genonly(cfg: GRPOConfig) -> None:
     signal.signal(signal.SIGINT, on_signal)
     torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
     model_path = resolve_model_path(cfg.model)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, cfg.load_options())
     ref_host = urlparse(cfg.ref_server.split(",")[0]).hostname  # named by the address that reaches the server
     client = make_client(cfg, f"worker{cfg.worker_id}", "worker", host=host_label(ref_host))
     client.wait_ready(timeout=300)
