@@ -47,8 +47,8 @@ class ModelLoading:
     def load_options(self) -> dict[str, Any]:
         """The from_pretrained keyword arguments of the model: model_init_kwargs with the named fields."""
         out = dict(self.model_init_kwargs or {})
-        if self.trust_remote_code:
-            out["trust_remote_code"] = True
+        # always said: unset, transformers asks on stdin (and waits) before running a checkpoint's code
+        out["trust_remote_code"] = bool(self.trust_remote_code or out.get("trust_remote_code", False))
         for name in ("attn_implementation", "revision"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)

@@ -162,7 +162,7 @@ def test_gradient_accumulation_steps_says_how_it_differs_from_trl():
 def test_model_init_kwargs_is_a_json_object_and_owned_keys_are_refused(tmp_path):
     c = load_config(GRPOConfig, ["--model_init_kwargs", '{"use_cache": false, "revision": "v2"}'])
     assert c.model_init_kwargs == {"use_cache": False, "revision": "v2"}
-    assert c.load_options() == {"use_cache": False, "revision": "v2"}
+    assert c.load_options() == {"use_cache": False, "revision": "v2", "trust_remote_code": False}
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"model_init_kwargs": {"attn_implementation": "eager"}, "trust_remote_code": True,
                                 "model_revision": "abc"}))

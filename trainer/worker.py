@@ -58,7 +58,8 @@ def genonly(cfg: GRPOConfig) -> None:
     syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
               if cfg.sync_steps else None)
     # LoRA runs publish adapters only (merged into W0 here); a delta brings only the tensors that changed
-    load_policy = policy_loader(engine, model_path, held=lambda: syncer.held)
+    load_policy = policy_loader(engine, model_path, held=lambda: syncer.held,
+                                revision=cfg.load_options().get("revision"))
 
     rounds = uploaded = skipped = timeouts = gen_tokens = 0
     gen_s = 0.0

@@ -27,10 +27,10 @@ log = logging.getLogger("trainer")
 class BaseCheckpoint:
     """The base model's safetensors files: tensor names (read once, headers only) and tensors by name."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, revision: str | None = None):
         from safetensors import safe_open
 
-        self.dir = local_model_dir(model_path)
+        self.dir = local_model_dir(model_path, revision)  # the revision the model was loaded at
         self.files = sorted(Path(self.dir).glob("*.safetensors"))
         if not self.files:
             raise FileNotFoundError(f"no *.safetensors in {self.dir} (model {model_path!r}): cannot read the "
@@ -75,7 +75,7 @@ def layer_companions(merged: Iterable[str], fused: dict[str, list[str]], availab
     return sorted(n for n in available if n.rsplit(".", 1)[0] in modules and n not in merged)
 
 
-def policy_loader(engine, model_path: str, held=None):
+def policy_loader(engine, model_path: str, held=None, revision: str | None = None):
     """The weight-sync `apply(tensors, metadata)` of a genonly worker: full weights go to the engine as they
     are; an adapter blob is merged into W0 and sent with its layers' companions (see the module docstring);
     a delta (only the tensors that changed) is sent with its layers' companions read from `held()`, the
@@ -90,7 +90,7 @@ def policy_loader(engine, model_path: str, held=None):
 
     def base() -> BaseCheckpoint:
         if "ckpt" not in state:  # first adapter sync only: a full-weight run never reads the checkpoint
-            state["ckpt"] = BaseCheckpoint(model_path)
+            state["ckpt"] = BaseCheckpoint(model_path, revision)
             log.info("LoRA sync: W0 from %s; fused engine layers %s", state["ckpt"].dir, fused() or "none")
         return state["ckpt"]
 
