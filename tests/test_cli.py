@@ -77,3 +77,20 @@ def test_entry_points_refuse_a_near_name_in_one_line(cmd, want):
     assert r.returncode == 2, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and want in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("trainer_args, want", [
+    (["--bad_key", "1"], "trainer/main.py: error: unknown option --bad_key"),
+    (["--num-generation", "4"], "did you mean --num_generations?"),
+    (["--beta", "-1"], "config: beta must be >= 0"),
+    (["--model_init_kwargs", '{"torch_dtype": "bfloat16"}'], "model_init_kwargs may not set torch_dtype"),
+])
+def test_launch_train_config_errors_are_one_line(trainer_args, want, tmp_path):
+    """Through launch.sh (common/placement_cli.py reads the trainer's options), before anything starts."""
+    r = subprocess.run(["bash", str(REPO / "launch.sh"), "train", "--ref-model", "tiny", "--print-plan", "--",
+                        *trainer_args], cwd=tmp_path, env=subprocess_env(GRPO_PYTHON=sys.executable,
+                                                                         PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and want in lines[0] and "Traceback" not in r.stderr, r.stderr
