@@ -90,7 +90,7 @@ def _sections(cls: type) -> list[tuple[str, str, list[str]]]:
     names = [f.name for f in dataclasses.fields(cls)]
     if not hasattr(cls, "HELP_SECTIONS"):
         return [("", "", names)]  # one list, with --help and --config
-    sections = [(t, d, [n for n in fs if n in names]) for t, d, fs in getattr(cls, "HELP_SECTIONS", ())]
+    sections = [(t, d, [n for n in fs if n in names]) for t, d, fs in cls.HELP_SECTIONS]
     placed = {n for _, _, fs in sections for n in fs}
     rest = [n for n in names if n not in placed]
     return sections + ([("other settings", "", rest)] if rest else [])
@@ -111,7 +111,7 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
             f = fields[name]
             tp = hints[f.name]
             optional = type(None) in typing.get_args(tp)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             g.add_argument(f"--{f.name}", dest=f.name, type=_converter(tp, optional), default=argparse.SUPPRESS,
                            metavar=_base_type(tp).__name__.upper(),
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
@@ -156,8 +156,8 @@ def from_dict(cls: type[T], values: dict, source: str = "config") -> T:
     if unknown:
         known = sorted(names | (set(trl_aliases.ALIASES) if _has_aliases(cls) else set()))
         close = {u: difflib.get_close_matches(u.replace("-", "_"), known, n=1, cutoff=0.75) for u in unknown}
-        hint = ", ".join(f"{u!r} -> {c[0]!r}" for u, c in close.items() if c)
-        raise ValueError(f"{source}: unknown field(s) {unknown}" + (f" (did you mean {hint}?)" if hint else "")
+        hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+        raise ValueError(f"{source}: unknown field(s) {unknown}" + (f" ({hint})" if hint else "")
                          + "; see --help for the valid ones")
     hints = typing.get_type_hints(cls)
     return cls(**{k: _check_value(k, hints[k], v, source) for k, v in values.items()})
