@@ -16,6 +16,7 @@ import difflib
 import inspect
 import json
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import field
@@ -116,9 +117,9 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
                            metavar=_base_type(tp).__name__.upper(),
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
     if _has_aliases(cls):
-        g = p.add_argument_group("TRL GRPOConfig aliases", "TRL's names, mapped to ours (common/trl_aliases.py); "
-                                 "giving both names of one knob is an error. Refused by name: "
-                                 + ", ".join(sorted(trl_aliases.REFUSED)) + ".")
+        text = ("TRL's names, mapped to ours (common/trl_aliases.py; docs/trl.md); giving both names of one knob is "
+                "an error. Refused by name: " + ", ".join(sorted(trl_aliases.REFUSED)) + ".")
+        g = p.add_argument_group("TRL GRPOConfig aliases", textwrap.fill(text, 100))  # (a raw-text formatter)
         for alias, (target, conv, hint) in trl_aliases.ALIASES.items():
             tp = hints[target]
             typ = str if conv is not None else float if alias == "warmup_ratio" else \
