@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from common.config_sections import SECTIONS
 from common.knobs import knob
+from common.model_options import ModelLoading
 
 # TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
 LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
@@ -19,8 +21,13 @@ LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(ModelLoading):
+    """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
+    file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md)."""
+
     ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/trl_aliases.py)
+    HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/config_sections.py)
+    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/model_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "
@@ -96,7 +103,8 @@ class GRPOConfig:
     # --- optimisation ---------------------------------------------------------------
     lr: float = knob(1e-6, "Peak learning rate (AdamW).")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
-    lr_schedule: str = knob("constant", "constant or cosine (both with linear warmup).")
+    lr_schedule: str = knob("constant", "constant, linear (decay to 0 at all_steps, TRL's default) or cosine; all "
+                                        "with linear warmup.")
     warmup_steps: int = knob(0, "Linear warmup steps.")
     grad_clip: float = knob(1.0, "Gradient norm clip.")
     grad_accum: int = knob(1, "Training batches (each train_batch_groups groups) whose gradients make one optimizer "
@@ -274,7 +282,8 @@ class GRPOConfig:
              f"unknown advantage_mode {self.advantage_mode!r}"),
             (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo", "luspo"),
              f"unknown aggregation {self.aggregation!r}"),
-            (self.lr_schedule in ("constant", "cosine"), f"unknown lr_schedule {self.lr_schedule!r}"),
+            (self.lr_schedule in ("constant", "linear", "cosine"),
+             f"unknown lr_schedule {self.lr_schedule!r}; use constant, linear or cosine"),
             (self.beta >= 0, "beta must be >= 0"),
             (0 <= self.eps_low < 1 and self.eps_high >= 0, "eps_low in [0,1) and eps_high >= 0"),
             (self.mu >= 1, "mu must be >= 1"),
@@ -330,6 +339,12 @@ class GRPOConfig:
             (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
             (self.micro_batch_size >= 0, "micro_batch_size must be >= 0 rows (0 = the whole batch at once)"),
             (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
+        ]
+        extra = sorted(set(self.load_options()) - {"trust_remote_code", "revision", "attn_implementation"})
+        checks += self.loading_checks() + [  # --- issue 31: how every process loads the model ---
+            (self.gen_backend != "vllm" or not extra,
+             f"model_init_kwargs {extra} reach HF from_pretrained only: vLLM workers (gen_backend vllm) would load "
+             f"a different model; with vLLM give only trust_remote_code, revision, attn_implementation"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -3,13 +3,20 @@
     cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])
 
 Defaults <- JSON file (--config) <- CLI flags; an unknown key or a value of the wrong type is an error.
-A class with `ACCEPTS_TRL_NAMES = True` (GRPOConfig) also takes TRL's names (common/trl_aliases.py).
+Flags take dashes or underscores and are never abbreviated (common/cli.py); entry points use
+load_config_or_exit (one line, exit 2, on any config error). --help groups the fields by the class's
+HELP_SECTIONS. A class with `ACCEPTS_TRL_NAMES = True` (GRPOConfig) also takes TRL's names
+(common/trl_aliases.py).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import inspect
 import json
+import sys
+import textwrap
 import types
 import typing
 from dataclasses import field
@@ -17,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from common import trl_aliases
+from common.cli import ArgumentParser
 
 T = TypeVar("T")
 
@@ -37,7 +45,7 @@ def _base_type(tp: Any) -> Any:
     return origin or tp
 
 
-def _parse_bool(s: str) -> bool:
+def parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
@@ -53,34 +61,70 @@ def _parse_list(s: str) -> list:
     return [p for p in (x.strip() for x in s.split(",")) if p]
 
 
+def parse_dict(s: str) -> dict:
+    try:
+        value = json.loads(s)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"key\": 1}}', got {s!r}")
+    return value
+
+
 def _converter(tp: Any, optional: bool):
     base = _base_type(tp)
-    conv = {bool: _parse_bool, int: int, float: float, str: str, list: _parse_list}[base]
+    conv = {bool: parse_bool, int: int, float: float, str: str, list: _parse_list, dict: parse_dict}[base]
     if optional:
         return lambda s: None if s.strip().lower() in ("none", "null") else conv(s)
     return conv
 
 
-def build_parser(cls: type, prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="JSON file with any of the fields below (CLI flags override it).")
+def _description(cls: type) -> str | None:
+    """The class docstring; None for a dataclass without one (its __doc__ is then the generated signature)."""
+    doc = cls.__doc__ or ""
+    return None if not doc.strip() or doc.startswith(cls.__name__ + "(") else inspect.cleandoc(doc)
+
+
+def _sections(cls: type) -> list[tuple[str, str, list[str]]]:
+    """--help groups: the class's HELP_SECTIONS [(title, description, field names)], then any field none of them
+    names under 'other settings' (so a field is never missing from --help; tests keep that group empty)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not hasattr(cls, "HELP_SECTIONS"):
+        return [("", "", names)]  # one list, with --help and --config
+    sections = [(t, d, [n for n in fs if n in names]) for t, d, fs in cls.HELP_SECTIONS]
+    placed = {n for _, _, fs in sections for n in fs}
+    rest = [n for n in names if n not in placed]
+    return sections + ([("other settings", "", rest)] if rest else [])
+
+
+def build_parser(cls: type, prog: str | None = None, description: str | None = None,
+                 epilog: str | None = None) -> ArgumentParser:
+    p = ArgumentParser(prog=prog, description=description or _description(cls), epilog=epilog,
+                       usage="%(prog)s [--config FILE] [--OPTION VALUE ...]",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="JSON file with any of the options below, by name (flags "
+                                                    "override it). Option names take dashes or underscores.")
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        optional = type(None) in typing.get_args(tp)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        p.add_argument(f"--{f.name}", dest=f.name, type=_converter(tp, optional), default=argparse.SUPPRESS,
-                       help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for title, text, names in _sections(cls):
+        g = p.add_argument_group(title, text or None) if title else p
+        for name in names:
+            f = fields[name]
+            tp = hints[f.name]
+            optional = type(None) in typing.get_args(tp)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            g.add_argument(f"--{f.name}", dest=f.name, type=_converter(tp, optional), default=argparse.SUPPRESS,
+                           metavar=_base_type(tp).__name__.upper(),
+                           help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
     if _has_aliases(cls):
-        g = p.add_argument_group("TRL GRPOConfig aliases", "TRL's names, mapped to ours (common/trl_aliases.py); "
-                                 "giving both names of one knob is an error. Refused by name: "
-                                 + ", ".join(sorted(trl_aliases.REFUSED)) + ".")
+        text = ("TRL's names, mapped to ours (common/trl_aliases.py; docs/trl.md); giving both names of one knob is "
+                "an error. Refused by name: " + ", ".join(sorted(trl_aliases.REFUSED)) + ".")
+        g = p.add_argument_group("TRL GRPOConfig aliases", textwrap.fill(text, 100))  # (a raw-text formatter)
         for alias, (target, conv, hint) in trl_aliases.ALIASES.items():
             tp = hints[target]
             typ = str if conv is not None else float if alias == "warmup_ratio" else \
                 _converter(tp, type(None) in typing.get_args(tp))
-            g.add_argument(f"--{alias}", dest=alias, type=typ, default=argparse.SUPPRESS,
+            g.add_argument(f"--{alias}", dest=alias, type=typ, default=argparse.SUPPRESS, metavar="VALUE",
                            help=f"-> {target}: {hint}".replace("%", "%%"))
     return p
 
@@ -111,15 +155,21 @@ def from_dict(cls: type[T], values: dict, source: str = "config") -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ValueError(f"{source}: unknown field(s) {unknown}; see --help for the valid ones")
+        known = sorted(names | (set(trl_aliases.ALIASES) if _has_aliases(cls) else set()))
+        close = {u: difflib.get_close_matches(u.replace("-", "_"), known, n=1, cutoff=0.75) for u in unknown}
+        hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+        raise ValueError(f"{source}: unknown field(s) {unknown}" + (f" ({hint})" if hint else "")
+                         + "; see --help for the valid ones")
     hints = typing.get_type_hints(cls)
     return cls(**{k: _check_value(k, hints[k], v, source) for k, v in values.items()})
 
 
 def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = None,
-                ignore_unknown: tuple[str, ...] = ()) -> T:
-    """Defaults <- JSON file (--config) <- CLI flags. Unknown keys are errors, not ignored."""
-    parser = build_parser(cls, prog=prog)
+                ignore_unknown: tuple[str, ...] = (), description: str | None = None,
+                epilog: str | None = None) -> T:
+    """Defaults <- JSON file (--config) <- CLI flags. Unknown keys are errors, not ignored.
+    description/epilog: --help's text above and below the options (default: the class docstring above)."""
+    parser = build_parser(cls, prog=prog, description=description, epilog=epilog)
     for name in ignore_unknown:  # e.g. --local_rank injected by the deepspeed launcher
         parser.add_argument(f"--{name}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     ns = vars(parser.parse_args(argv))
@@ -143,6 +193,16 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
     cfg = from_dict(cls, values, source=str(cfg_file or "command line"))
     validate = getattr(cfg, "validate", None)
     return validate() if validate else cfg
+
+
+def load_config_or_exit(cls: type[T], argv: list[str] | None = None, prog: str | None = None, **kw: Any) -> T:
+    """load_config for an entry point: a bad value, an unknown key in the file or a failed validation is one
+    line on stderr and exit 2, not a traceback (flag errors already are: common/cli.py)."""
+    try:
+        return load_config(cls, argv, prog=prog, **kw)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{prog or sys.argv[0]}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def to_dict(cfg: Any) -> dict:

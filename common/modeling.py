@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from common.model_options import tokenizer_options
 from common.paths import check_model_path
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,12 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def load_tokenizer(path_or_id: str):
+def load_tokenizer(path_or_id: str, options: dict | None = None):
+    """`options`: the model's loading options (cfg.load_options(), common/model_options.py); the tokenizer
+    takes trust_remote_code and revision from them."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(path_or_id))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path_or_id), **tokenizer_options(options))
     if tok.pad_token_id is None:
         # Qwen base models ship pad == eos or no pad at all; masks come from lengths, so any id works.
         tok.pad_token = tok.eos_token
@@ -48,17 +51,27 @@ def load_tokenizer(path_or_id: str):
     return tok
 
 
-def load_model(path_or_id: str, device: str | torch.device = "cpu", dtype: str = "auto", trainable: bool = False):
+def load_model(path_or_id: str, device: str | torch.device = "cpu", dtype: str = "auto", trainable: bool = False,
+               options: dict | None = None):
+    """`options`: from_pretrained keyword arguments every process passes alike (cfg.load_options():
+    trust_remote_code, attn_implementation, revision, model_init_kwargs; common/model_options.py)."""
     from transformers import AutoModelForCausalLM
 
     dev = device if isinstance(device, torch.device) else pick_device(device)
     td = pick_dtype(dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path_or_id), dtype=td)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path_or_id), dtype=td, **(options or {}))
     model.to(dev)
     if not trainable:
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+def load_model_config(path_or_id: str, options: dict | None = None):
+    """The checkpoint's AutoConfig, read with the same trust_remote_code / revision as the model."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_path(path_or_id), **tokenizer_options(options))
 
 
 def eos_ids(tokenizer, model=None, chat: bool = True) -> list[int]:

@@ -15,7 +15,7 @@ def check_model_path(path_or_id: str) -> None:
         raise FileNotFoundError(f"model path {path_or_id!r} does not exist")
 
 
-def local_model_dir(path_or_id: str) -> Path:
+def local_model_dir(path_or_id: str, revision: str | None = None) -> Path:
     """The directory holding a model's files: a local path as is, a hub id ('Qwen/Qwen2.5-1.5B-Instruct')
     through the Hugging Face cache (HF_HOME / HF_HUB_CACHE), where from_pretrained put it. Never downloads:
     a process that reads checkpoint files (the LoRA base weights) runs after the model was loaded once."""
@@ -28,7 +28,7 @@ def local_model_dir(path_or_id: str) -> Path:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(path_or_id, local_files_only=True))
+        return Path(snapshot_download(path_or_id, revision=revision, local_files_only=True))
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(f"model {path_or_id!r} is neither a local directory nor in the Hugging Face cache "
                                 f"{constants.HF_HUB_CACHE}: load it once (from_pretrained downloads it) or pass a "

@@ -4,7 +4,7 @@ plan, write it as JSON (the ref server shows it in GET /status) and hand launch.
     python -m common.placement_cli --workers 1 [--gpus N] [--ref-device D] [--no-ref] [--worker-gpus 2,3]
         [--rank-gpus 0,1] [--share-gpu] [--json RUN_DIR/placement.json] [--check-torch] -- TRAINER ARGS...
 
-stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_WORKER_ENV[],
+stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_REF_ARGS[], PLAN_WORKER_ENV[],
 PLAN_WORKER_ARGS[], PLAN_DS[]); stderr: the plan, for people.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.cli import ArgumentParser
 from common.placement import Plan, describe, plan_placement
 
 
@@ -54,8 +55,10 @@ def _gpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,2 (got {text!r})") from None
 
 
-def shell_vars(plan: Plan) -> str:
-    """The bash assignments launch.sh evals: each process's environment prefix and extra arguments."""
+def shell_vars(plan: Plan, ref_args: list[str] | None = None) -> str:
+    """The bash assignments launch.sh evals: each process's environment prefix and extra arguments.
+    `ref_args`: the ref server's extra flags (PLAN_REF_ARGS): how the trainer's config loads the model
+    (trust_remote_code, attn_implementation, revision, model_init_kwargs), so the ref server loads it alike."""
     q = shlex.quote
     ref = plan.ref
     ref_env = f"CUDA_VISIBLE_DEVICES={ref.cuda_visible_devices}" if ref and ref.cuda_visible_devices is not None else ""
@@ -67,6 +70,7 @@ def shell_vars(plan: Plan) -> str:
         if w.vllm_gpu_memory_utilization is not None:
             extra += ["--vllm_gpu_memory_utilization", f"{w.vllm_gpu_memory_utilization:g}"]
         args.append(q(" ".join(extra)))
+    lines += [f"PLAN_REF_ARGS=({' '.join(q(a) for a in ref_args or [])})"]
     lines += [f"PLAN_WORKER_ENV=({' '.join(envs)})", f"PLAN_WORKER_ARGS=({' '.join(args)})",
               f"PLAN_DS=({' '.join(q(a) for a in plan.deepspeed_args)})"]
     return "\n".join(lines)
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m common.placement_cli", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m common.placement_cli", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; 2 on CPU)")
     p.add_argument("--ref-device", default="auto")
@@ -91,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     from common.knobs import load_config
 
     try:
-        cfg = load_config(GRPOConfig, rest)
+        cfg = load_config(GRPOConfig, rest, prog="trainer/main.py")
+    except (ValueError, FileNotFoundError) as e:  # the config launch.sh was given: one line, no traceback
+        print(f"[launch] trainer options: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    try:
         gpus, how = detect_gpus()
         user_fraction = cfg.vllm_gpu_memory_utilization
         if user_fraction == GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default:
@@ -114,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
-    print(shell_vars(plan))
+    print(shell_vars(plan, cfg.cli_args()))
     return 0
 
 

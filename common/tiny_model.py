@@ -10,12 +10,13 @@ Everything else loads it through AutoModelForCausalLM / AutoTokenizer.from_pretr
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
+
+from common.cli import ArgumentParser
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -120,7 +121,7 @@ def ensure_tiny_model(path: str | os.PathLike | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Build the embedded tiny Qwen2 model + tokenizer as an HF directory.")
+    p = ArgumentParser(description="Build the embedded tiny Qwen2 model + tokenizer as an HF directory.")
     p.add_argument("out_dir", help="Directory to write (config.json, model.safetensors, tokenizer files).")
     p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size before added tokens.")
     p.add_argument("--hidden-size", type=int, default=128)

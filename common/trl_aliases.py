@@ -2,8 +2,8 @@
 
 Every alias maps to exactly one of our fields (some with a value translation); names TRL shares with us
 (`beta`, `temperature`, `seed`, `loss_type`, `top_entropy_quantile`, the `vllm_importance_sampling_*` fields,
-...) need no alias. A TRL name we cannot honour is refused by name, never ignored; giving an alias and our own
-name for the same knob in one place is an error.
+`trust_remote_code`, `model_init_kwargs`, ...) need no alias. A TRL name we cannot honour is refused by name,
+never ignored; giving an alias and our own name for the same knob in one place is an error.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 # TRL scale_rewards -> our advantage_mode (bools are TRL's older spelling).
 SCALE_REWARDS = {"group": "grpo", "true": "grpo", "batch": "grpo_batch_std", "none": "grpo_no_std",
                  "false": "grpo_no_std"}
-SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine"}
+SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear", "cosine": "cosine"}
 
 
 def _pick(table: dict, trl_name: str):
@@ -40,12 +40,18 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
     "max_grad_norm": ("grad_clip", None, "gradient norm clip"),
     "warmup_ratio": ("warmup_steps", None, "warmup_steps = ceil(ratio * all_steps) optimizer steps"),
     "lr_scheduler_type": ("lr_schedule", _pick(SCHEDULERS, "lr_scheduler_type"),
-                          "constant, constant_with_warmup->constant, cosine (linear etc. refused)"),
+                          "constant, constant_with_warmup->constant, linear, cosine (others refused)"),
     "max_steps": ("all_steps", None, "training steps (optimizer updates)"),
     "vllm_importance_sampling_cap": ("vllm_importance_sampling_clip_max", None, "TRL's deprecated name of clip_max"),
     "per_device_train_batch_size": ("micro_batch_size", None, "completions per forward/backward on a device; "
                                     "the batch itself stays num_pre_Q x Q_batch_size x train_batch_groups"),
     "logging_steps": ("log_every", None, "metrics row every N steps"),
+    "gradient_accumulation_steps": ("grad_accum", None, "training batches accumulated into one optimizer update. "
+                                    "Unlike TRL, it does not size generation: TRL generates "
+                                    "per_device_train_batch_size x processes x steps_per_generation (default: "
+                                    "gradient_accumulation_steps) completions per round; here a round is num_pre_Q "
+                                    "x Q_batch_size and each batch train_batch_groups groups, whatever grad_accum"),
+    "model_revision": ("revision", None, "TRL ModelConfig's name of the hub revision"),
 }
 
 # TRL GRPOConfig / TrainingArguments names we cannot honour, with the reason given to the user.
@@ -59,7 +65,6 @@ REFUSED: dict[str, str] = {
         "vllm_guided_decoding_regex", "vllm_enable_sleep_mode")},
     "generation_batch_size": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
     "steps_per_generation": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
-    "gradient_accumulation_steps": "TRL's accumulation also sets the generation batch; use grad_accum knowingly",
     "num_train_epochs": "training length is all_steps (alias max_steps)",
     "delta": "two-sided clipping (delta) is not implemented",
     "sync_ref_model": "the reference model is frozen on the ref server",
@@ -69,7 +74,7 @@ REFUSED: dict[str, str] = {
     "use_liger_loss": "the loss is trainer/objective/grpo.py",
     "wandb_log_unique_prompts": "completions.jsonl and the W&B table log every completion",
     "shuffle_dataset": "the prompt sampler always shuffles (seeded)",
-    "ds3_gather_for_generation": "ZeRO-3 generation gathers always", "model_init_kwargs": "not supported",
+    "ds3_gather_for_generation": "ZeRO-3 generation gathers always",
     "lr_scheduler_kwargs": "use lr_schedule and warmup_steps",
     "fp16": "precision comes from ds_config", "optim": "the optimizer is AdamW from ds_config",
     "adam_beta1": "set betas in ds_config", "adam_beta2": "set betas in ds_config",

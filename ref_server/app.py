@@ -137,7 +137,7 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
     token = resolve_token(cfg) if token is None else token
     if model is None:
         t0 = time.time()
-        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        model = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, options=cfg.load_options())
         p = next(model.parameters())
         log.info("model %s loaded in %.1f s (%.1fM params, %s on %s)", cfg.model, time.time() - t0,
                  sum(q.numel() for q in model.parameters()) / 1e6, str(p.dtype).replace("torch.", ""), p.device)

@@ -14,15 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.knobs import build_parser, knob, load_config
+from common.model_options import ModelLoading
 
 TOKEN_ENV = "GRPO_REF_TOKEN"
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(ModelLoading):
     """Reference-model server for GRPO: scores uploaded rollouts with a frozen model
     (per-token reference logprobs) and hands the scored batches out FIFO.
-    Flags take dashes or underscores (--max-queue = --max_queue); a bare boolean flag means true."""
+    Flags take dashes or underscores (--max-queue = --max_queue); a bare boolean flag means true.
+    The model loads with trust_remote_code / attn_implementation / revision / model_init_kwargs, the trainer's
+    options of those names (launch.sh passes the trainer's on: common/placement_cli.py PLAN_REF_ARGS)."""
 
     model: str | None = knob(None, "Reference model: a Hugging Face id or local directory ('tiny' = the "
                                       "embedded tiny Qwen2). Required.")
@@ -76,7 +79,7 @@ class ServerConfig:
             (self.stall_warn > 0, "stall_warn must be > 0"),
             (self.placement_file is None or Path(self.placement_file).is_file(),
              f"placement_file {self.placement_file} not found"),
-        ]
+        ] + self.loading_checks()
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"ref_server config: {msg}")

@@ -6,17 +6,17 @@ Exit code 0 when nobody is stalled, 3 when someone is, 1 when the server cannot 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
+from common.cli import ArgumentParser
 from common.client import RefClient, RefServerError
 from ref_server.status import format_table
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh status", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="launch.sh status", description=__doc__.split("\n\n")[0])
     p.add_argument("--ref-url", default="http://127.0.0.1:59875", help="ref server URL (default: %(default)s)")
     p.add_argument("--token-file", help="file with the bearer token (default: $GRPO_REF_TOKEN)")
     p.add_argument("--stall-warn", type=float, help="seconds of silence that count as stalled (server's default)")

@@ -158,7 +158,7 @@ def test_bad_file(tmp_path):
     ("Q_batch_size", 0, "Q_batch_size must be >= 1"),
     ("advantage_mode", "zscore", "unknown advantage_mode 'zscore'"),
     ("aggregation", "sum", "unknown aggregation 'sum'"),
-    ("lr_schedule", "linear", "unknown lr_schedule 'linear'"),
+    ("lr_schedule", "step", "unknown lr_schedule 'step'"),
     ("beta", -0.1, "beta must be >= 0"),
     ("eps_low", 1.0, "eps_low in"),
     ("eps_low", -0.1, "eps_low in"),
@@ -216,3 +216,98 @@ def test_to_dict_from_dict_round_trip(tmp_path):
     assert json.loads(json.dumps(d)) == d  # JSON-able: can be written next to a run
     assert from_dict(GRPOConfig, d) == c
     assert load_config(GRPOConfig, ["--config", write(tmp_path, d)]) == c
+
+
+# --- issue 31: the command line a user types ------------------------------------------------------------------
+def test_dashes_and_underscores_are_one_option(tmp_path):
+    a = load_config(GRPOConfig, ["--max-new-tokens", "64", "--num-pre-Q=4", "--reward-fns", "format",
+                                 "--learning-rate", "3e-5", "--max_grad-norm", "0.5"])
+    b = load_config(GRPOConfig, ["--max_new_tokens", "64", "--num_pre_Q=4", "--reward_fns", "format",
+                                 "--learning_rate", "3e-5", "--max_grad_norm", "0.5"])
+    assert a == b and (a.max_new_tokens, a.num_pre_Q, a.lr, a.grad_clip) == (64, 4, 3e-5, 0.5)
+    # values are never rewritten, and launch.sh's --local-rank spelling is dropped like --local_rank
+    c = load_config(GRPOConfig, ["--system-prompt=--keep-me--", "--local-rank", "1"], ignore_unknown=("local_rank",))
+    assert c.system_prompt == "--keep-me--"
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--num_generation", "4"], "unknown option --num_generation (did you mean --num_generations?)"),
+    (["--num-generation", "4"], "unknown option --num-generation (did you mean --num_generations?)"),
+    (["--max_new_token", "4"], "unknown option --max_new_token (did you mean --max_new_tokens?)"),
+    (["--lr_sched", "cosine"], "unknown option --lr_sched"),
+])
+def test_no_prefix_abbreviation_and_one_line_naming_the_close_option(argv, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        load_config(GRPOConfig, argv, prog="trainer/main.py")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainer/main.py: error: ") and hint in err, err
+
+
+def test_unknown_key_in_a_file_suggests_the_close_name(tmp_path):
+    with pytest.raises(ValueError, match=r"'num_generation': did you mean 'num_generations'\?"):
+        load_config(GRPOConfig, ["--config", write(tmp_path, {"num_generation": 4})])
+
+
+def test_help_is_grouped_by_section_with_a_description(capsys, monkeypatch):
+    from common.config_sections import SECTIONS
+
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit):
+        load_config(GRPOConfig, ["--help"], prog="trainer/main.py")
+    out = capsys.readouterr().out
+    assert "GRPOConfig(model: str" not in out  # not the dataclass signature
+    assert out.splitlines()[2].startswith("Every option of the trainer ranks")
+    assert len(out.splitlines()[0]) < 120  # the usage line does not list every option
+    titles = [t for t, _, _ in SECTIONS]
+    assert titles[:3] == ["model and data", "rewards", "generation"] and "health" in titles
+    at = [out.index(f"\n{t}:\n") for t in titles]
+    assert at == sorted(at)  # each section once, in order
+    for title, _, names in SECTIONS:  # each field is listed in its own section
+        start, end = out.index(f"\n{title}:\n"), min([i for i in at if i > out.index(f"\n{title}:\n")] or [len(out)])
+        for name in names:
+            assert f"  --{name} " in out[start:end], (title, name)
+
+
+def test_every_field_has_a_section():
+    from common.config_sections import SECTIONS
+
+    placed = [n for _, _, names in SECTIONS for n in names]
+    fields = [f.name for f in dataclasses.fields(GRPOConfig)]
+    assert sorted(placed) == sorted(fields), (set(fields) - set(placed), set(placed) - set(fields))
+
+
+def test_trainer_main_errors_are_one_line_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    bad_json = write(tmp_path, {"lr": 1e-5, "beta": "high"})
+    cases = [(["--bad_key", "1"], "unknown option --bad_key"),
+             (["--num-generation", "4"], "did you mean --num_generations?"),
+             (["--beta", "-1"], "config: beta must be >= 0"),
+             (["--config", bad_json], "field 'beta' must be float"),
+             (["--config", write(tmp_path, {"lerning_rate": 1}, "b.json")],
+              "'lerning_rate': did you mean 'learning_rate'?"),
+             (["--config", str(tmp_path / "missing.json")], "config file not found"),
+             (["genonly", "--lr_scheduler_type", "warmup_stable_decay"], "lr_scheduler_type='warmup_stable_decay'")]
+    for argv, want in cases:
+        r = subprocess.run([sys.executable, str(REPO / "trainer" / "main.py"), *argv], cwd=tmp_path,
+                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and want in r.stderr, (argv, r.stderr)
+        assert r.stderr.startswith("trainer/main.py: error: "), r.stderr
+
+
+def test_trainer_help_says_which_option_a_position_means():
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    r = subprocess.run([sys.executable, str(REPO / "trainer" / "main.py"), "--help"], cwd=REPO,
+                       env=subprocess_env(COLUMNS="120"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    assert "./launch.sh train [launch.sh options] -- [these options]" in r.stdout
+    assert "./launch.sh train --config F" in r.stdout and "dashes or underscores" in r.stdout

@@ -3,6 +3,7 @@ and on the command line; unsupported names and values are refused by name; both 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,11 @@ CASES = [
     ("seed", 7, "seed", 7),
     ("max_steps", 30, "all_steps", 30),
     ("logging_steps", 5, "log_every", 5),
+    ("lr_scheduler_type", "linear", "lr_schedule", "linear"),            # issue 31: refused before
+    ("gradient_accumulation_steps", 4, "grad_accum", 4),                  # issue 31: refused before
+    ("model_revision", "v1.0", "revision", "v1.0"),                      # TRL ModelConfig's name
+    ("trust_remote_code", True, "trust_remote_code", True),               # TRL GRPOConfig's name, ours too
+    ("attn_implementation", "eager", "attn_implementation", "eager"),
 ]
 
 
@@ -87,7 +93,8 @@ def test_unsupported_trl_names_are_refused_by_name(name, value):
         from_dict(GRPOConfig, {name: value})
 
 
-@pytest.mark.parametrize("alias, value", [("scale_rewards", "sometimes"), ("lr_scheduler_type", "linear")])
+@pytest.mark.parametrize("alias, value", [("scale_rewards", "sometimes"),
+                                          ("lr_scheduler_type", "cosine_with_restarts")])
 def test_unsupported_values_are_refused_with_the_name(alias, value):
     with pytest.raises(ValueError, match=f"{alias}={value!r}"):
         from_dict(GRPOConfig, {alias: value})
@@ -116,3 +123,59 @@ def test_new_data_and_reward_fields_validate():
         load_config(GRPOConfig, ["--prompt_format", "raw", "--system_prompt", "Be brief."])
     with pytest.raises(ValueError, match="reward_timeout"):
         load_config(GRPOConfig, ["--reward_timeout", "-1"])
+
+
+# --- issue 31: TRL's defaults in one file, and the ones that differ from ours documented ---------------------------
+TRL_DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "trl_defaults.json"
+
+
+def test_trl_defaults_file_is_a_config_we_accept():
+    c = load_config(GRPOConfig, ["--config", str(TRL_DEFAULTS)])  # validates
+    # TRL 1.16's GRPOConfig defaults (trl/trainer/grpo_config.py + TrainingArguments), read through our names
+    assert (c.lr, c.lr_schedule, c.beta, c.temperature, c.max_new_tokens, c.num_pre_Q) == \
+        (1e-6, "linear", 0.0, 1.0, 512, 8)
+    assert (c.loss_type, c.aggregation, c.eps_low, c.eps_high, c.mu, c.advantage_mode) == \
+        ("dapo", "dapo", 0.2, 0.2, 1, "grpo")
+    assert (c.grad_accum, c.log_every, c.save_steps, c.gradient_checkpointing, c.bf16) == (1, 10, 500, True, True)
+
+
+def test_every_default_that_differs_from_trl_is_in_the_docs_table():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
+    table = doc.split("## Defaults that differ from TRL 1.16")[1].split("\n\n")[2]
+    trl, ours = load_config(GRPOConfig, ["--config", str(TRL_DEFAULTS)]), GRPOConfig()
+    for name in json.loads(TRL_DEFAULTS.read_text()):
+        field = trl_aliases.ALIASES.get(name, (name,))[0]
+        if getattr(trl, field) != getattr(ours, field):
+            assert f"| `{name}`" in table, f"TRL default of {name} differs from ours ({getattr(trl, field)!r} vs " \
+                                          f"{getattr(ours, field)!r}) but docs/trl.md's table does not say so"
+
+
+def test_gradient_accumulation_steps_says_how_it_differs_from_trl():
+    hint = trl_aliases.ALIASES["gradient_accumulation_steps"][2]
+    assert "steps_per_generation" in hint and "grad_accum" in hint
+    assert "gradient_accumulation_steps" not in trl_aliases.REFUSED and "model_init_kwargs" not in trl_aliases.REFUSED
+    # both names for one knob is still an error
+    with pytest.raises(ValueError, match="'gradient_accumulation_steps'.*'grad_accum'"):
+        load_config(GRPOConfig, ["--gradient_accumulation_steps", "2", "--grad_accum", "2"])
+
+
+def test_model_init_kwargs_is_a_json_object_and_owned_keys_are_refused(tmp_path):
+    c = load_config(GRPOConfig, ["--model_init_kwargs", '{"use_cache": false, "revision": "v2"}'])
+    assert c.model_init_kwargs == {"use_cache": False, "revision": "v2"}
+    assert c.load_options() == {"use_cache": False, "revision": "v2", "trust_remote_code": False}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model_init_kwargs": {"attn_implementation": "eager"}, "trust_remote_code": True,
+                                "model_revision": "abc"}))
+    assert load_config(GRPOConfig, ["--config", str(path)]).load_options() == \
+        {"attn_implementation": "eager", "trust_remote_code": True, "revision": "abc"}
+    with pytest.raises(SystemExit):
+        load_config(GRPOConfig, ["--model_init_kwargs", "[1, 2]"])  # not an object
+    for bad, match in [('{"torch_dtype": "bfloat16"}', "torch_dtype .precision is bf16"),
+                       ('{"device_map": "auto"}', "device_map .placement"),
+                       ('{"revision": "a"}', "sets revision='a' but the option of that name says 'b'")]:
+        with pytest.raises(ValueError, match=match):
+            load_config(GRPOConfig, ["--model_init_kwargs", bad, "--revision", "b"])
+    with pytest.raises(ValueError, match="vLLM workers"):
+        load_config(GRPOConfig, ["--gen_backend", "vllm", "--model_init_kwargs", '{"use_cache": false}'])
+    assert load_config(GRPOConfig, ["--gen_backend", "vllm", "--model_init_kwargs", '{"revision": "x"}']).revision \
+        is None  # allowed with vLLM (it takes revision); the field stays unset, the options carry it

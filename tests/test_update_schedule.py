@@ -77,3 +77,17 @@ def test_no_engine_logprobs_still_clips_against_the_first_pass():
         assert torch.equal(moved.grad, torch.zeros(1, 2))  # clipped: no gradient past 1 + eps
     with pytest.raises(ValueError, match="old_logps=engine.*batch b has none"):
         first_pass(logps, None, mask, GRPOConfig(old_logps="engine"), "b")
+
+
+def test_linear_schedule_decays_to_zero_at_all_steps_like_transformers():
+    """TRL's default lr_scheduler_type (issue 31): transformers' get_linear_schedule_with_warmup after our warmup."""
+    f = lr_lambda(GRPOConfig(all_steps=5, lr_schedule="linear", warmup_steps=1))
+    assert [f(k) for k in range(6)] == [1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    g = lr_lambda(GRPOConfig(all_steps=4, lr_schedule="linear"))
+    assert [g(k) for k in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ref = get_linear_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=4)
+    assert [ref.lr_lambdas[0](k) for k in range(5)] == [g(k) for k in range(5)]

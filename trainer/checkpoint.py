@@ -20,11 +20,12 @@ from trainer.dist.gather import GATHER_BUCKET_BYTES, state_copies
 log = logging.getLogger("trainer")
 
 
-def source_dtype(model_path: str) -> torch.dtype | None:
-    """The dtype the checkpoint's config.json declares (None when it declares none)."""
-    from transformers import AutoConfig
+def source_dtype(model_path: str, options: dict | None = None) -> torch.dtype | None:
+    """The dtype the checkpoint's config.json declares (None when it declares none); `options`: the model's
+    loading options (trust_remote_code, revision)."""
+    from common.modeling import load_model_config
 
-    dt = getattr(AutoConfig.from_pretrained(model_path), "dtype", None)
+    dt = getattr(load_model_config(model_path, options), "dtype", None)
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)
     return dt if isinstance(dt, torch.dtype) else None

@@ -50,9 +50,11 @@ def lr_lambda(cfg: GRPOConfig):
     def f(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
+        total = max(1, cfg.all_steps - cfg.warmup_steps)
         if cfg.lr_schedule == "cosine":
-            total = max(1, cfg.all_steps - cfg.warmup_steps)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup_steps) / total)))
+        if cfg.lr_schedule == "linear":  # transformers' get_linear_schedule_with_warmup: 0 at all_steps
+            return max(0.0, (cfg.all_steps - step) / total)
         return 1.0
     return f
 
@@ -98,7 +100,7 @@ def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
     # copy of each rank's partition. Loaded in bf16 straight away: no transient fp32 copy of the whole model.
     bf16 = bool(ds_cfg.get("bf16", {}).get("enabled"))
     model = prepare_policy(load_model(model_path, device="cpu", dtype="bfloat16" if bf16 else "float32",
-                                      trainable=True), cfg)
+                                      trainable=True, options=cfg.load_options()), cfg)
     zero_stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -13,7 +12,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.cli import ArgumentParser
 from common.config import GRPOConfig
+from common.knobs import parse_bool, parse_dict
 from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
 from trainer.data import ColumnSpec, Example, load_examples
 from trainer.dist.comm import all_reduce_int
@@ -78,8 +79,9 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description="Greedy pass@1 accuracy and format rate (GSM8K test split or any "
-                                            "JSONL of {prompt, ground_truth}).")
+    p = ArgumentParser(prog="python -m trainer.evaluate", description="Greedy pass@1 accuracy and format rate "
+                                                                      "(GSM8K test split or any JSONL of {prompt, "
+                                                                      "ground_truth}).")
     p.add_argument("--model", required=True, help="HF model directory or id ('tiny' = embedded default).")
     p.add_argument("--data", default="openai/gsm8k", help="Hub id, directory with {split}.jsonl, or a file.")
     p.add_argument("--split", default="test", help="Split to evaluate.")
@@ -96,15 +98,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gen-backend", default="hf", choices=["hf", "vllm"], help="Generation engine.")
     p.add_argument("--vllm-dtype", default="auto", help="vLLM dtype (auto, bfloat16, float16, float32).")
     p.add_argument("--out", default=None, help="Write the JSON summary (with sample completions) here.")
+    # how the model loads: the trainer's options of the same names (common/model_options.py)
+    p.add_argument("--trust-remote-code", type=parse_bool, default=False, help="Allow the checkpoint's own code.")
+    p.add_argument("--attn-implementation", default=None, help="from_pretrained attention kernel (eager, sdpa...).")
+    p.add_argument("--revision", default=None, help="Hub revision of the model and its tokenizer.")
+    p.add_argument("--model-init-kwargs", type=parse_dict, default=None, help="More from_pretrained arguments "
+                                                                              "(a JSON object).")
     a = p.parse_args(argv)
     path = resolve_model_path(a.model)
-    tok = load_tokenizer(path)
+    cfg = GRPOConfig(model=path, gen_backend=a.gen_backend, vllm_dtype=a.vllm_dtype, max_new_tokens=a.max_new_tokens,
+                     max_prompt_length=4096, device=a.device, prompt_format=a.prompt_format,
+                     trust_remote_code=a.trust_remote_code, attn_implementation=a.attn_implementation,
+                     revision=a.revision, model_init_kwargs=a.model_init_kwargs).validate()
+    tok = load_tokenizer(path, cfg.load_options())
     if a.gen_backend == "vllm":
-        cfg = GRPOConfig(model=path, gen_backend="vllm", vllm_dtype=a.vllm_dtype, max_new_tokens=a.max_new_tokens,
-                         max_prompt_length=4096, device=a.device, prompt_format=a.prompt_format).validate()
         model = make_engine(cfg, path, tokenizer=tok)
     else:
-        model = load_model(path, device=a.device, dtype=a.dtype)
+        model = load_model(path, device=a.device, dtype=a.dtype, options=cfg.load_options())
     columns = ColumnSpec(a.prompt_column, a.answer_column, a.prompt_template, a.prompt_format)
     examples = load_examples(a.data, split=a.split, limit=a.limit, columns=columns)
     res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,

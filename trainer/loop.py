@@ -159,10 +159,10 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         resolve_model_path(cfg.model)
     torch.distributed.barrier()  # each host's leader builds the tiny model once; its other ranks find it cached
     model_path = resolve_model_path(cfg.model)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, cfg.load_options())
     engine, zero_stage, start_step = build_engine(cfg, deepspeed, model_path, on_gpu)
     policy = engine.module
-    hf_dtype = source_dtype(model_path)  # HF checkpoints in the model's own dtype
+    hf_dtype = source_dtype(model_path, cfg.load_options())  # HF checkpoints in the model's own dtype
     setup_row = model_summary(policy, rank)
     vocab = policy.get_output_embeddings().weight.shape[0] if zero_stage != 3 else policy.config.vocab_size
 

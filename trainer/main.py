@@ -19,7 +19,18 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path.pop(0)
 
 from common.config import GRPOConfig  # noqa: E402
-from common.knobs import load_config  # noqa: E402
+from common.knobs import load_config_or_exit  # noqa: E402
+
+DESCRIPTION = """GRPO trainer: the DeepSpeed ranks (started by `deepspeed trainer/main.py`), or with `genonly`
+first, one generate-only worker. Usually started by launch.sh. Every option below is a GRPOConfig field
+(common/config.py); option names take dashes or underscores and are never abbreviated."""
+EPILOG = """Through launch.sh these options go after `--`:
+    ./launch.sh train [launch.sh options] -- [these options]
+Before `--` an option is launch.sh's own (./launch.sh --help). Where both have a name, the position says which:
+    ./launch.sh train --config F        launch.sh's; it passes --config F on, here, to the ranks and the workers
+    ./launch.sh train --ref-model M     the ref server's model (launch.sh's); after `--`, --ref_model is this one
+    ./launch.sh train --worker-dtype D  launch.sh's; it passes --worker_dtype D on, here
+A value given twice wins the second time: `./launch.sh train --config A -- --config B` reads B."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "genonly":
         mode, argv = "genonly", argv[1:]
     # the deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway
-    cfg = load_config(GRPOConfig, argv, prog="trainer/main.py [genonly]", ignore_unknown=("local_rank",))
+    cfg = load_config_or_exit(GRPOConfig, argv, prog="trainer/main.py", ignore_unknown=("local_rank",),
+                              description=DESCRIPTION, epilog=EPILOG)
     if mode == "genonly":
         from trainer.worker import genonly
         genonly(cfg)

@@ -41,7 +41,7 @@ def genonly(cfg: GRPOConfig) -> None:
     signal.signal(signal.SIGINT, on_signal)
     torch.manual_seed(cfg.seed + 1000 + cfg.worker_id)
     model_path = resolve_model_path(cfg.model)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, cfg.load_options())
     ref_host = urlparse(cfg.ref_server.split(",")[0]).hostname  # named by the address that reaches the server
     client = make_client(cfg, f"worker{cfg.worker_id}", "worker", host=host_label(ref_host))
     client.wait_ready(timeout=300)
@@ -58,7 +58,8 @@ def genonly(cfg: GRPOConfig) -> None:
     syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
               if cfg.sync_steps else None)
     # LoRA runs publish adapters only (merged into W0 here); a delta brings only the tensors that changed
-    load_policy = policy_loader(engine, model_path, held=lambda: syncer.held)
+    load_policy = policy_loader(engine, model_path, held=lambda: syncer.held,
+                                revision=cfg.load_options().get("revision"))
 
     rounds = uploaded = skipped = timeouts = gen_tokens = 0
     gen_s = 0.0

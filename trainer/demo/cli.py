@@ -27,6 +27,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from common.cli import ArgumentParser
 from trainer.demo.phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(  # dashes or underscores, no abbreviations, one-line errors (common/cli.py)
         prog="./launch.sh demo", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="R1-Zero/R1 in miniature: tiny model -> cold-start SFT -> eval -> GRPO (ref server + "
                     "genonly worker + deepspeed ranks) -> eval, with summary.json and plot.png in the run "
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from common.config import GRPOConfig
-    from common.knobs import load_config
+    from common.knobs import load_config_or_exit
     from trainer.metrics import read_metrics
 
     on_gpu = torch.cuda.is_available()
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.grpo_steps is not None:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
-    cfg = load_config(GRPOConfig, trainer_args + extra)
+    cfg = load_config_or_exit(GRPOConfig, trainer_args + extra, prog="./launch.sh demo --")
     a.data = cfg.data
     eval_bs = a.eval_batch_size or (DEFAULTS["eval_batch_size"] if a.tiny else cfg.gen_batch_size)
     eval_limit = a.eval_limit or ((QUICK if a.quick else DEFAULTS)["eval_limit"] if a.tiny else cfg.eval_limit)

@@ -42,8 +42,8 @@ def run_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch_size:
     from trainer.data import load_examples
     from trainer.evaluate import evaluate
 
-    tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, device=device, dtype="auto")
+    tok = load_tokenizer(model_dir, cfg.load_options())
+    model = load_model(model_dir, device=device, dtype="auto", options=cfg.load_options())
     res = evaluate(model, tok, load_examples(data, split=split, limit=limit), system_prompt=cfg.system_prompt,
                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=batch_size, num_samples=5, progress=False)
@@ -110,8 +110,8 @@ def cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str,
         if not all(sols.values()):
             raise SystemExit(f"--sft-steps: {a.data} has no worked solutions to train on")
         solution_fn = lambda p: _r1_format(sols[p])  # noqa: E731
-    tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, device=device, dtype="float32", trainable=True)
+    tok = load_tokenizer(model_dir, cfg.load_options())
+    model = load_model(model_dir, device=device, dtype="float32", trainable=True, options=cfg.load_options())
     sp = _system_prompt(cfg.system_prompt)
 
     def on_step(i: int, loss: float) -> bool:

@@ -8,7 +8,6 @@ rewards).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.cli import ArgumentParser
 from common.modeling import load_model, load_tokenizer
 from trainer.example import Example
 from trainer.rollout import encode_prompts
@@ -65,7 +65,7 @@ def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str
 def main(argv: list[str] | None = None) -> None:
     from trainer.demo.arith import load_arith, solution_text
 
-    p = argparse.ArgumentParser(description="Cold-start SFT on the synthetic arithmetic task (R1 format).")
+    p = ArgumentParser(description="Cold-start SFT on the synthetic arithmetic task (R1 format).")
     p.add_argument("--model", required=True, help="Start model (HF dir or 'tiny').")
     p.add_argument("--out", required=True, help="Where to save the SFT model (HF directory).")
     p.add_argument("--steps", type=int, default=250)

@@ -1,6 +1,6 @@
 """One command per host role (issue 23): what `./launch.sh ref-server | trainer-host | workers` runs.
 
-    ./launch.sh ref-server   --host 10.0.0.1 --token-file secret.txt --ref-model M
+    ./launch.sh ref-server   --host 10.0.0.1 --token-file secret.txt --ref-model M [-- --trust_remote_code true]
     ./launch.sh trainer-host --nodes 2 --node-rank R --master-addr 10.0.0.2 --master-port 29511 \
                              --ref-url http://10.0.0.1:59875 --token-file secret.txt --workers 1 -- --model M ...
     ./launch.sh workers      --ref-url http://10.0.0.1:59875 --token-file secret.txt --workers 1 -- --model M ...
@@ -13,6 +13,8 @@ per-node mode (`deepspeed --no_ssh --node_rank R`; no ssh between hosts): start 
 Relative paths are taken from where launch.sh is run (GRPO_CALLER_DIR).
 """
 from __future__ import annotations
+
+from common.cli import ArgumentParser, canonical
 
 import argparse
 import os
@@ -39,7 +41,7 @@ def trainer_args(extra: list[str]) -> list[str]:
     """Arguments after `--`: path-valued flags that name something where the user is are made absolute."""
     out = list(extra)
     for i, a in enumerate(out[:-1]):
-        if a in PATH_FLAGS and os.path.exists(caller_path(out[i + 1]) or ""):
+        if canonical(a) in PATH_FLAGS and os.path.exists(caller_path(out[i + 1]) or ""):
             out[i + 1] = caller_path(out[i + 1])
     return out
 
@@ -56,7 +58,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="launch.sh", description=__doc__,
+    p = ArgumentParser(prog="launch.sh", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="role", required=True)
     r = sub.add_parser("ref-server", help="the reference model server (python -m ref_server)")
@@ -94,11 +96,13 @@ def token_env(args: argparse.Namespace) -> dict:
     return env
 
 
-def ref_server(args: argparse.Namespace) -> list[str]:
+def ref_server(args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
+    """`extra` (after --): more ref server options, e.g. how the model loads (--trust_remote_code true,
+    --revision R: the trainer hosts' options of the same names)."""
     cmd = [sys.executable, "-m", "ref_server", "--model", caller_path(args.ref_model) if
            os.path.exists(caller_path(args.ref_model)) else args.ref_model, "--host", args.host,
            "--port", str(args.port), "--device", args.ref_device, "--dtype", args.ref_dtype]
-    return cmd + (["--token-file", caller_path(args.token_file)] if args.token_file else [])
+    return cmd + (["--token-file", caller_path(args.token_file)] if args.token_file else []) + list(extra)
 
 
 def trainer_host(args: argparse.Namespace, extra: list[str], env: dict) -> list[str]:
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     env = token_env(args)
     if args.role == "workers":
         return workers(args, extra, env)
-    cmd = ref_server(args) if args.role == "ref-server" else trainer_host(args, extra, env)
+    cmd = ref_server(args, extra) if args.role == "ref-server" else trainer_host(args, extra, env)
     print("[launch] " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
     os.chdir(ROOT)
     os.execvpe(cmd[0], cmd, env)

@@ -38,8 +38,9 @@ class HFEngine(GenEngine):
 
     @classmethod
     def from_config(cls, cfg, model_path: str, *, model=None, tokenizer=None) -> HFEngine:
-        tok = tokenizer or load_tokenizer(model_path)
-        model = model if model is not None else load_model(model_path, device=cfg.device, dtype=cfg.worker_dtype)
+        tok = tokenizer or load_tokenizer(model_path, cfg.load_options())
+        model = model if model is not None else load_model(model_path, device=cfg.device, dtype=cfg.worker_dtype,
+                                                           options=cfg.load_options())
         chat = cfg.prompt_format != "r1zero"  # templated prompts also stop at the template's turn end
         return cls(model, tok, model_eos_ids(tok, model, chat=chat), temperature=cfg.temperature, top_p=cfg.top_p,
                    top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size)

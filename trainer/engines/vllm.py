@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
+from common.model_options import tokenizer_options
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_tokenizer
 from trainer.engines.base import EngineDied, GenEngine, Sample, cut_at_eos, ignored_generation_settings
@@ -125,9 +126,10 @@ class VLLMEngine(GenEngine):
         _set_cpu_env(cfg)
         llvmlite_survives_vllm_scan()
         LLM, _, _ = import_vllm()
-        tok = tokenizer or load_tokenizer(model_path)
+        tok = tokenizer or load_tokenizer(model_path, cfg.load_options())
+        hub = tokenizer_options(cfg.load_options())  # trust_remote_code, revision (validated: nothing else)
         try:
-            gen_cfg = GenerationConfig.from_pretrained(model_path)
+            gen_cfg = GenerationConfig.from_pretrained(model_path, **hub)
         except OSError:  # a checkpoint without generation_config.json: nothing to ignore
             gen_cfg = None
         ignored = ignored_generation_settings(gen_cfg)
@@ -141,7 +143,8 @@ class VLLMEngine(GenEngine):
             llm = LLM(model=model_path, tokenizer=model_path, dtype=cfg.vllm_dtype, enforce_eager=cfg.vllm_eager,
                       max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       logprobs_mode=logprobs_mode(cfg), generation_config="vllm", seed=cfg.seed + cfg.worker_id,
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, trust_remote_code=bool(hub.get("trust_remote_code")),
+                      revision=hub.get("revision"), tokenizer_revision=hub.get("revision"))
         except Exception as e:  # vLLM raises many types; name the model and the fix, keep the cause
             cause = " ".join(str(e).split())  # vLLM's message may list every supported architecture
             raise RuntimeError(f"vLLM cannot serve model {model_path!r}: use gen_backend='hf' for it, or check "

@@ -30,10 +30,10 @@ class BaseCheckpoint:
     """The base model's safetensors files: tensor names (read once, headers only) and tensors by name, cast to
     `dtype` as they are read (None: as stored)."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype | None = None):
+    def __init__(self, model_path: str, dtype: torch.dtype | None = None, revision: str | None = None):
         from safetensors import safe_open
 
-        self.dir, self.dtype = local_model_dir(model_path), dtype
+        self.dir, self.dtype = local_model_dir(model_path, revision), dtype  # the revision the model was loaded at
         self.files = sorted(Path(self.dir).glob("*.safetensors"))
         if not self.files:
             raise FileNotFoundError(f"no *.safetensors in {self.dir} (model {model_path!r}): cannot read the "
@@ -81,7 +81,7 @@ def layer_companions(merged: Iterable[str], fused: dict[str, list[str]], availab
     return sorted(n for n in available if n.rsplit(".", 1)[0] in modules and n not in merged)
 
 
-def policy_loader(engine, model_path: str, held=None):
+def policy_loader(engine, model_path: str, held=None, revision: str | None = None):
     """The weight-sync `apply(tensors, metadata)` of a genonly worker: full weights go to the engine as they
     are; an adapter blob is merged into W0 and sent with its layers' companions (see the module docstring);
     a delta (only the tensors that changed) is sent with its layers' companions read from `held()`, the
@@ -96,7 +96,7 @@ def policy_loader(engine, model_path: str, held=None):
 
     def base() -> BaseCheckpoint:
         if "ckpt" not in state:  # first adapter sync only: a full-weight run never reads the checkpoint
-            state["ckpt"] = BaseCheckpoint(model_path, dtype=engine.weight_dtype())  # the engine's, not wider
+            state["ckpt"] = BaseCheckpoint(model_path, dtype=engine.weight_dtype(), revision=revision)  # engine's dtype
             log.info("LoRA sync: W0 from %s, kept in %s; fused engine layers %s", state["ckpt"].dir,
                      state["ckpt"].dtype, fused() or "none")
         return state["ckpt"]
