@@ -29,7 +29,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"]),
     ("run, checkpoints, eval and logs", "How long, where things go, when to evaluate and log.", [
         "all_steps", "seed", "output_dir", "save_steps", "save_total_limit", "resume", "eval_steps", "eval_before",
-        "eval_limit", "eval_max_new_tokens", "log_every", "wandb", "log_stall_every"]),
+        "eval_limit", "eval_max_new_tokens", "log_every", "wandb", "report_to", "wandb_project", "run_name",
+        "log_completions", "log_completions_steps", "num_completions_to_print", "log_stall_every"]),
     ("workers and sync", "The ref server, genonly workers and the policy weights they get.", [
         "ref_server", "ref_token", "ref_timeout", "num_gen_workers", "get_wait", "max_staleness", "sync_steps",
         "sync_delta", "sync_delta_max_share", "sync_dir", "worker_rounds", "worker_max_queued", "worker_id",
