@@ -130,8 +130,8 @@ def wait_for_ranks(client, cfg: GRPOConfig, poll: float = 0.5) -> None:
     """Block until cfg.wait_for_ranks ranks are ready at the ref server (GET /status); past
     cfg.wait_for_ranks_timeout, exit non-zero naming what is missing."""
     n, t0 = cfg.wait_for_ranks, time.monotonic()
-    log.info("waiting for %d trainer rank(s) to be ready before building the generation engine: this worker shares "
-             "a GPU with them (wait_for_ranks; at most %.0f s)", n, cfg.wait_for_ranks_timeout)
+    log.info("waiting for %d trainer rank(s) to be ready before this worker builds its engine, as it shares a GPU "
+             "with them (wait_for_ranks; at most %.0f s)", n, cfg.wait_for_ranks_timeout)
     last, beat_at = "no answer from GET /status yet", 0.0
     while True:
         try:
@@ -140,7 +140,7 @@ def wait_for_ranks(client, cfg: GRPOConfig, poll: float = 0.5) -> None:
                 beat_at = time.monotonic() + cfg.heartbeat_s
             ready = ready_ranks(client.status(timeout=10), fresh_s=2 * cfg.heartbeat_s + 5)
             if len(ready) >= n:
-                log.info("trainer rank(s) ready after %.1f s (%s): building the generation engine",
+                log.info("trainer rank(s) ready after %.1f s (%s): building the engine now",
                          time.monotonic() - t0, ", ".join(ready))
                 return
             last = f"ready so far: {', '.join(ready) or 'none'}"
