@@ -191,8 +191,9 @@ def workers(args: argparse.Namespace, extra: list[str], env: dict) -> int:
                "--ref_server", args.ref_url, "--worker_id", str(wid), "--output_dir", str(run_dir)]
         with open(run_dir / f"worker{wid}.log", "ab") as log:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=wenv, stdout=log, stderr=subprocess.STDOUT))
-        print(f"[launch] worker{wid} (pid {procs[-1].pid}) -> {run_dir}/worker{wid}.log "
-              f"{where or '(environment unchanged)'} {' '.join(plan_args)}", file=sys.stderr)
+        given = " ".join([where, *plan_args]).strip()
+        print(f"[launch] worker{wid} (pid {procs[-1].pid}) -> {run_dir}/worker{wid}.log"
+              + (f" ({given})" if given else ""), file=sys.stderr)
 
     def stop(signum, _frame) -> None:
         for p in procs:
