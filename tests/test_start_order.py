@@ -15,8 +15,6 @@ import pytest
 import requests
 from conftest import REPO, find_free_port, subprocess_env
 
-from trainer.worker import ready_ranks
-
 WORKER = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--reward_fns", "toy_rewards:digit_fraction",
           "--max_new_tokens", "4", "--num_pre_Q", "4", "--Q_batch_size", "1", "--temperature", "1.0",
           "--heartbeat_s", "1", "--train_zero_spread", "true"]
@@ -43,6 +41,7 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen, log: Path)
 
 
 def test_ready_ranks_are_those_with_a_recent_heartbeat():
+    from trainer.worker import ready_ranks
     rows = [{"id": "trainer-rank1", "role": "rank", "last_heartbeat_ago_s": 0.5, "state": "training step 3"},
             {"id": "trainer-rank0", "role": "rank", "last_heartbeat_ago_s": 2.0, "state": "starting"},
             {"id": "trainer-rank2", "role": "rank", "last_heartbeat_ago_s": None, "state": ""},  # a /get only
@@ -80,6 +79,7 @@ def test_the_worker_builds_its_engine_only_after_the_rank_is_ready(start_server,
         assert worker.poll() is None and "generation engine: " not in log.read_text()  # no rank: still waiting
 
         def rank_ready() -> bool:
+            from trainer.worker import ready_ranks
             return bool(ready_ranks(requests.get(srv.url + "/status", timeout=10).json(), fresh_s=60))
 
         assert not rank_ready()
