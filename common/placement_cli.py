@@ -48,7 +48,7 @@ def detect_gpus() -> tuple[list[int], str]:
     return [int(v) for v in items][:len(found)], f"{how}, CUDA_VISIBLE_DEVICES={visible}"
 
 
-def _gpu_list(text: str) -> list[int]:
+def gpu_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; 2 on CPU)")
     p.add_argument("--ref-device", default="auto")
     p.add_argument("--no-ref", action="store_true", help="the ref server runs elsewhere (--ref-url)")
-    p.add_argument("--worker-gpus", type=_gpu_list, default=None)
-    p.add_argument("--rank-gpus", type=_gpu_list, default=None)
+    p.add_argument("--worker-gpus", type=gpu_list, default=None)
+    p.add_argument("--rank-gpus", type=gpu_list, default=None)
     p.add_argument("--share-gpu", action="store_true")
     p.add_argument("--json", default=None, help="write the plan here (the ref server's --placement-file)")
     p.add_argument("--check-torch", action="store_true", help="fail when GPUs are planned but torch has no CUDA")

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.placement_cli import gpu_list
 from trainer.dist.nodes import address_towards, interface_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: trainer/dist/hosts.py
@@ -47,13 +48,6 @@ def trainer_args(extra: list[str]) -> list[str]:
         if a in PATH_FLAGS and os.path.exists(caller_path(out[i + 1]) or ""):
             out[i + 1] = caller_path(out[i + 1])
     return out
-
-
-def gpu_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,2 (got {text!r})") from None
 
 
 def common_flags(p: argparse.ArgumentParser, run_dir: bool = True, run_dir_required: bool = True) -> None:
