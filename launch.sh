@@ -10,8 +10,9 @@
 #   ./launch.sh trainer-host --nodes N --node-rank R --master-addr ADDR [--master-port P] [--gpus G]
 #               --ref-url URL --run-dir DIR [--workers W] [--token-file F] [-- trainer args]
 #                                                  this host's ranks (deepspeed --no_ssh --node_rank R)
-#   ./launch.sh workers --ref-url URL --run-dir DIR [--workers N] [--first-id K] [--token-file F] [-- args]
-#                                                  genonly workers on this host
+#   ./launch.sh workers --ref-url URL --run-dir DIR [--workers N] [--first-id K] [--token-file F]
+#               [--worker-gpus L] [--share-gpu] [--print-plan] [-- args]
+#                                                  genonly workers on this host, each on GPU(s) of its own
 #   ./launch.sh ROLE --help                        that role's options
 #
 # train options:
@@ -19,7 +20,8 @@
 #   --config FILE      trainer config JSON (passed to trainer/main.py and the workers)
 #   --workers N        genonly workers to start on this machine (default 1)
 #   --gpus N           trainer ranks on this machine (default 2 on CPU; on GPUs: the GPUs the others leave)
-#   --worker-gpus L    GPU indices for the workers, one each (e.g. 2,3; default: the highest free GPUs)
+#   --worker-gpus L    GPU indices for the workers, in order, vllm_tensor_parallel_size each (e.g. 2,3; default:
+#                      the highest free GPUs)
 #   --rank-gpus L      GPU indices for the ranks (deepspeed --include localhost:L; default: the lowest free GPUs)
 #   --share-gpu        let processes share GPUs (vLLM workers there get a memory fraction that fits)
 #   --print-plan       print the placement plan (which process gets which GPU) and exit without starting anything
@@ -32,8 +34,10 @@
 #   --token-file F     bearer token file shared by server and clients
 #   --master-port P    DeepSpeed rendezvous port (default: a free one)
 # Placement: every process gets its own GPU(s) (common/placement.py): ref server on the highest GPU, workers below
-# it, ranks from GPU 0; each sees only its GPUs (CUDA_VISIBLE_DEVICES). The plan is printed at start, written to
-# RUN_DIR/placement.json and shown by the ref server's /status. One GPU: all share it (said so). No GPU: CPU.
+# it (vllm_tensor_parallel_size GPUs each), ranks from GPU 0; each sees only its GPUs (CUDA_VISIBLE_DEVICES). The
+# plan is printed at start, written to RUN_DIR/placement.json and shown by the ref server's /status. One GPU: all
+# share it (said so); a vLLM worker sharing a GPU with the ranks builds its engine once they are ready
+# (--wait_for_ranks, docs/gpus.md). No GPU: CPU. `launch.sh workers` places a worker host's workers the same way.
 # GRPO_PYTHON=/path/to/python: use that interpreter and its packages as they are (no scripts/setup.sh, no .venv).
 # Everything this script starts is stopped on exit, error or Ctrl-C; each process logs to RUN_DIR/<name>.log
 # (an earlier attempt's log is kept as <name>.log.1, .2, ...). Relative paths (--run-dir, --config, --token-file,

@@ -193,6 +193,9 @@ class GRPOConfig(ModelLoading):
     vllm_max_model_len: int | None = knob(None, "vLLM max model length (prompt + completion); default "
                                                 "max_prompt_length + max_new_tokens.")
     vllm_gpu_memory_utilization: float = knob(0.5, "vLLM share of GPU memory for weights + KV cache (CUDA only).")
+    vllm_tensor_parallel_size: int = knob(1, "TRL name: GPUs one vLLM worker spans (vLLM's tensor_parallel_size, "
+                                             "for a model too big for one GPU). launch.sh's placement gives each "
+                                             "worker this many GPUs of its own (docs/gpus.md).")
     vllm_kv_cache_gb: int = knob(1, "vLLM KV cache space in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE, unless set).")
     vllm_cpu_threads_bind: str = knob("nobind", "VLLM_CPU_OMP_THREADS_BIND on CPU (unless set): 'nobind' lets "
                                                 "the OS place threads, right when other processes share cores; "
@@ -261,6 +264,13 @@ class GRPOConfig(ModelLoading):
                                       "30 min): a rank whose peer died leaves a collective after this, naming it.")
     heartbeat_s: float = knob(10.0, "Ranks and workers send a heartbeat to the ref server this often (seconds) "
                                     "while they have nothing else to say.")
+    wait_for_ranks: int = knob(0, "genonly: build the generation engine only once this many trainer ranks are "
+                                  "ready (have sent their first heartbeat to the ref server: engine built, first "
+                                  "weights published). launch.sh sets it for a vLLM worker that shares a GPU with "
+                                  "a rank: vLLM's memory profiling fails if another process frees GPU memory "
+                                  "meanwhile (docs/gpus.md). 0 = start at once.")
+    wait_for_ranks_timeout: float = knob(1800.0, "genonly: seconds to wait for those ranks before the worker "
+                                                 "exits non-zero, saying which are missing.")
     weight_fetch_retries: int = knob(5, "genonly: a weight download that breaks or fails its checksum is retried "
                                         "this many times (the worker keeps its current weights meanwhile).")
 
@@ -314,6 +324,7 @@ class GRPOConfig(ModelLoading):
             (self.vllm_max_model_len is None or self.vllm_max_model_len >= 2, "vllm_max_model_len must be >= 2"),
             (0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]"),
             (self.vllm_kv_cache_gb > 0, "vllm_kv_cache_gb must be > 0"),
+            (self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size must be >= 1 (GPUs per vLLM worker)"),
             (self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 (or null = off)"),
             (self.tis_cap is None or self.compute_gen_logps, "tis_cap needs compute_gen_logps (engine logprobs)"),
         ]
@@ -339,6 +350,8 @@ class GRPOConfig(ModelLoading):
             (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
             (self.micro_batch_size >= 0, "micro_batch_size must be >= 0 rows (0 = the whole batch at once)"),
             (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
+            (self.wait_for_ranks >= 0, "wait_for_ranks must be >= 0 (0 = do not wait)"),
+            (self.wait_for_ranks_timeout > 0, "wait_for_ranks_timeout must be > 0 seconds"),
         ]
         extra = sorted(set(self.load_options()) - {"trust_remote_code", "revision", "attn_implementation"})
         checks += self.loading_checks() + [  # --- issue 31: how every process loads the model ---

@@ -15,7 +15,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("generation", "Rollouts: group size, lengths, sampling and the engine of the genonly workers.", [
         "num_pre_Q", "Q_batch_size", "max_prompt_length", "max_new_tokens", "temperature", "top_p", "top_k",
         "gen_backend", "gen_batch_size", "compute_gen_logps", "worker_dtype", "vllm_dtype", "vllm_eager",
-        "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_cpu_threads_bind"]),
+        "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_cpu_threads_bind",
+        "vllm_tensor_parallel_size"]),
     ("objective", "The GRPO loss: KL, clipping, advantages, aggregation, off-policy correction, variants.", [
         "beta", "loss_type", "eps_low", "eps_high", "advantage_mode", "aggregation", "mu", "mask_truncated",
         "train_zero_spread", "logp_temperature", "old_logps", "vllm_importance_sampling_correction",
@@ -34,7 +35,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("workers and sync", "The ref server, genonly workers and the policy weights they get.", [
         "ref_server", "ref_token", "ref_timeout", "num_gen_workers", "get_wait", "max_staleness", "sync_steps",
         "sync_delta", "sync_delta_max_share", "sync_dir", "worker_rounds", "worker_max_queued", "worker_id",
-        "device", "weight_fetch_retries"]),
+        "device", "weight_fetch_retries", "wait_for_ranks", "wait_for_ranks_timeout"]),
     ("health", "Stalls, dead peers and bad batches: found, named, stopped.", [
         "stall_warn", "stall_timeout", "max_rejected_batches", "dist_timeout", "heartbeat_s"]),
 ]

@@ -5,7 +5,8 @@ plan, write it as JSON (the ref server shows it in GET /status) and hand launch.
         [--rank-gpus 0,1] [--share-gpu] [--json RUN_DIR/placement.json] [--check-torch] -- TRAINER ARGS...
 
 stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_REF_ARGS[], PLAN_WORKER_ENV[],
-PLAN_WORKER_ARGS[], PLAN_DS[]); stderr: the plan, for people.
+PLAN_WORKER_ARGS[], PLAN_DS[]); stderr: the plan, for people. A worker host (`launch.sh workers`,
+trainer/dist/hosts.py) calls plan_for / announce / worker_launch from Python.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 from common.cli import ArgumentParser
-from common.placement import Plan, describe, plan_placement
+from common.placement import Placed, Plan, describe, plan_placement
 
 
 def detect_gpus() -> tuple[list[int], str]:
@@ -48,11 +49,63 @@ def detect_gpus() -> tuple[list[int], str]:
     return [int(v) for v in items][:len(found)], f"{how}, CUDA_VISIBLE_DEVICES={visible}"
 
 
-def _gpu_list(text: str) -> list[int]:
+def gpu_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,2 (got {text!r})") from None
+
+
+def worker_launch(w: Placed) -> tuple[str, list[str]]:
+    """A worker's environment prefix (CUDA_VISIBLE_DEVICES=..., or "" to leave it) and its extra trainer/main.py
+    arguments: what `launch.sh train` and `launch.sh workers` start it with, and what --print-plan shows."""
+    env = f"CUDA_VISIBLE_DEVICES={w.cuda_visible_devices}" if w.cuda_visible_devices is not None else ""
+    extra = [] if not w.gpus else ["--device", w.device]
+    if w.vllm_gpu_memory_utilization is not None:
+        extra += ["--vllm_gpu_memory_utilization", f"{w.vllm_gpu_memory_utilization:g}"]
+    if w.waits_for_ranks:  # shares a GPU with the ranks: vLLM profiles once they are up (docs/gpus.md)
+        extra += ["--wait_for_ranks", str(w.waits_for_ranks)]
+    return env, extra
+
+
+def plan_line(w: Placed) -> str:
+    """`worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0`: one worker of --print-plan (launch.sh train prints the
+    same from the shell variables)."""
+    env, extra = worker_launch(w)
+    return f"{w.name}: {env or '(environment unchanged)'} {' '.join(extra)}"
+
+
+def plan_for(cfg, gpus: list[int], **kwargs) -> Plan:
+    """plan_placement for a run's config: its vLLM fraction (when the user set one), whether the workers run vLLM,
+    GPUs per worker (vllm_tensor_parallel_size)."""
+    from common.config import GRPOConfig
+
+    user_fraction = cfg.vllm_gpu_memory_utilization
+    if user_fraction == GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default:
+        user_fraction = None  # not set by the user: the plan may lower it on a shared GPU
+    vllm = cfg.gen_backend == "vllm"
+    return plan_placement(gpus, vllm_workers=vllm, vllm_fraction=user_fraction,
+                          tp=cfg.vllm_tensor_parallel_size if vllm else 1, **kwargs)
+
+
+def check_torch(plan: Plan, how: str) -> None:
+    """GPUs planned but a torch without CUDA: say so before anything starts."""
+    if plan.gpus:
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"{len(plan.gpus)} GPU(s) found ({how}) but this torch ({torch.__version__}) has "
+                             f"no CUDA: install a CUDA build (GRPO_TORCH, see README) or hide the GPUs with "
+                             f"CUDA_VISIBLE_DEVICES=")
+
+
+def announce(plan: Plan, how: str, json_path: str | None) -> None:
+    """Print the plan for people (stderr) and write it as JSON where asked."""
+    doc = dict(plan.to_json(), found_by=how)
+    print("[launch] " + describe(doc).replace("\n", "\n[launch] ") + f"\n[launch]   GPUs found by: {how}",
+          file=sys.stderr)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def shell_vars(plan: Plan, ref_args: list[str] | None = None) -> str:
@@ -65,10 +118,8 @@ def shell_vars(plan: Plan, ref_args: list[str] | None = None) -> str:
     lines = [f"PLAN_REF_ENV={q(ref_env)}", f"PLAN_REF_DEVICE={q(ref.device if ref else '')}"]
     envs, args = [], []
     for w in plan.workers:
-        envs.append(q(f"CUDA_VISIBLE_DEVICES={w.cuda_visible_devices}") if w.cuda_visible_devices is not None else "''")
-        extra = [] if not w.gpus else ["--device", w.device]
-        if w.vllm_gpu_memory_utilization is not None:
-            extra += ["--vllm_gpu_memory_utilization", f"{w.vllm_gpu_memory_utilization:g}"]
+        env, extra = worker_launch(w)
+        envs.append(q(env))
         args.append(q(" ".join(extra)))
     lines += [f"PLAN_REF_ARGS=({' '.join(q(a) for a in ref_args or [])})"]
     lines += [f"PLAN_WORKER_ENV=({' '.join(envs)})", f"PLAN_WORKER_ARGS=({' '.join(args)})",
@@ -85,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; 2 on CPU)")
     p.add_argument("--ref-device", default="auto")
     p.add_argument("--no-ref", action="store_true", help="the ref server runs elsewhere (--ref-url)")
-    p.add_argument("--worker-gpus", type=_gpu_list, default=None)
-    p.add_argument("--rank-gpus", type=_gpu_list, default=None)
+    p.add_argument("--worker-gpus", type=gpu_list, default=None)
+    p.add_argument("--rank-gpus", type=gpu_list, default=None)
     p.add_argument("--share-gpu", action="store_true")
     p.add_argument("--json", default=None, help="write the plan here (the ref server's --placement-file)")
     p.add_argument("--check-torch", action="store_true", help="fail when GPUs are planned but torch has no CUDA")
@@ -100,28 +151,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[launch] trainer options: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     try:
+        if a.gpus is not None and a.gpus < 1:
+            raise ValueError(f"--gpus {a.gpus}: a run needs at least one rank")
         gpus, how = detect_gpus()
-        user_fraction = cfg.vllm_gpu_memory_utilization
-        if user_fraction == GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default:
-            user_fraction = None  # not set by the user: the plan may lower it on a shared GPU
-        plan = plan_placement(gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device, start_ref=not a.no_ref,
-                              worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus, share=a.share_gpu,
-                              vllm_workers=cfg.gen_backend == "vllm", vllm_fraction=user_fraction)
-        if a.check_torch and plan.gpus:
-            import torch
-            if not torch.cuda.is_available():
-                raise ValueError(f"{len(plan.gpus)} GPU(s) found ({how}) but this torch ({torch.__version__}) has "
-                                 f"no CUDA: install a CUDA build (GRPO_TORCH, see README) or hide the GPUs with "
-                                 f"CUDA_VISIBLE_DEVICES=")
+        plan = plan_for(cfg, gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device, start_ref=not a.no_ref,
+                        worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus, share=a.share_gpu)
+        if a.check_torch:
+            check_torch(plan, how)
     except ValueError as e:
         print(f"[launch] placement: {e}", file=sys.stderr)
         return 2
-    doc = dict(plan.to_json(), found_by=how)
-    print("[launch] " + describe(doc).replace("\n", "\n[launch] ") + f"\n[launch]   GPUs found by: {how}",
-          file=sys.stderr)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    announce(plan, how, a.json)
     print(shell_vars(plan, cfg.cli_args()))
     return 0
 

@@ -2,8 +2,8 @@
 
 Every alias maps to exactly one of our fields (some with a value translation); names TRL shares with us
 (`beta`, `temperature`, `seed`, `loss_type`, `top_entropy_quantile`, the `vllm_importance_sampling_*` fields,
-`trust_remote_code`, `model_init_kwargs`, ...) need no alias. A TRL name we cannot honour is refused by name,
-never ignored; giving an alias and our own name for the same knob in one place is an error.
+`trust_remote_code`, `model_init_kwargs`, `vllm_tensor_parallel_size`, ...) need no alias. A TRL name we cannot
+honour is refused by name, never ignored; giving an alias and our own name for the same knob in one place is an error.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ REFUSED: dict[str, str] = {
                          "use_transformers_paged", "chat_template_kwargs")},
     **{n: "vLLM is configured with gen_backend and its own fields, not TRL's vllm_* options" for n in (
         "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
-        "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_model_impl",
+        "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_model_impl",
         "vllm_guided_decoding_regex", "vllm_enable_sleep_mode")},
     "generation_batch_size": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",
     "steps_per_generation": "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here",

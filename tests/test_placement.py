@@ -228,3 +228,105 @@ def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     gpus, how = detect_gpus()
     assert gpus == [] and "CUDA_VISIBLE_DEVICES=1" in how
+
+
+# ------------------------------------------------------------------ worker hosts, workers spanning GPUs (issue 30)
+@pytest.mark.parametrize("n,kwargs,want", [
+    (4, dict(workers=2), {"worker0": [3], "worker1": [2]}),
+    (8, dict(workers=4, first_worker=2), {"worker2": [7], "worker3": [6], "worker4": [5], "worker5": [4]}),
+    (8, dict(workers=2, tp=4), {"worker0": [4, 5, 6, 7], "worker1": [0, 1, 2, 3]}),
+    (8, dict(workers=3, worker_gpus=[0, 1, 2]), {"worker0": [0], "worker1": [1], "worker2": [2]}),
+])
+def test_a_worker_host_gives_each_worker_its_own_gpus(n, kwargs, want):
+    plan = plan_placement(range(n), ranks=0, start_ref=False, **kwargs)
+    assert plan.ranks is None and plan.ref is None and plan.mode == "own"
+    assert {p.name: list(p.gpus) for p in plan.processes} == want
+    assert_no_gpu_shared(plan)
+    for w in plan.workers:  # each sees only its GPUs; vLLM's tensor-parallel workers take cuda:0..tp-1
+        assert w.cuda_visible_devices == ",".join(map(str, w.gpus)) and w.device == "cuda:0"
+        assert w.waits_for_ranks == 0
+
+
+def test_workers_spanning_gpus_in_a_training_run():
+    plan = plan_placement(range(8), workers=2, tp=2)
+    assert where(plan) == {"ref_server": [7], "worker0": [5, 6], "worker1": [3, 4], "ranks": [0, 1, 2],
+                           "ds": "--include localhost:0,1,2"}
+    assert_no_gpu_shared(plan)
+    with pytest.raises(ValueError, match=r"needs 6 GPUs \(ref server 1, workers 1 x 4 GPUs each, ranks 1\)"):
+        plan_placement(range(4), workers=1, tp=4)
+    with pytest.raises(ValueError, match="give 2 each"):
+        plan_placement(range(8), workers=2, tp=2, worker_gpus=[4, 5, 6])
+    with pytest.raises(ValueError, match="only 4 GPU"):
+        plan_placement(range(4), workers=1, tp=8, share=True)
+    shared = plan_placement(range(2), workers=1, tp=2, share=True)
+    assert where(shared)["worker0"] == [0, 1] and shared.workers[0].vllm_gpu_memory_utilization == 0.3
+
+
+def test_a_vllm_worker_waits_for_the_ranks_only_where_it_shares_their_gpu():
+    one = plan_placement([0], workers=1)
+    assert one.workers[0].waits_for_ranks == 1 and "once the 1 rank(s) are ready" in describe(one.to_json())
+    shared = plan_placement(range(4), workers=2, share=True, rank_gpus=[0, 1])  # worker1 on GPU 1 with a rank
+    assert [w.waits_for_ranks for w in shared.workers] == [0, 2]
+    assert all(w.waits_for_ranks == 0 for w in plan_placement(range(4), workers=1).workers)  # own GPUs: no wait
+    assert plan_placement([0], workers=1, vllm_workers=False).workers[0].waits_for_ranks == 0  # HF: no profiling
+    assert plan_placement([0], workers=2, ranks=0, start_ref=False).workers[0].waits_for_ranks == 0  # no ranks
+
+
+def workers_plan_of(tmp_path, n: int, *args: str) -> subprocess.CompletedProcess:
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(["bash", str(REPO / "launch.sh"), "workers", "--print-plan", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("n,args,want", [
+    (4, ["--workers", "4"], ["worker0: CUDA_VISIBLE_DEVICES=3 --device cuda:0",
+                             "worker1: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
+                             "worker2: CUDA_VISIBLE_DEVICES=1 --device cuda:0",
+                             "worker3: CUDA_VISIBLE_DEVICES=0 --device cuda:0"]),
+    (8, ["--workers", "2", "--first-id", "3", "--", "--gen_backend", "vllm", "--vllm_tensor_parallel_size", "4"],
+     ["worker3: CUDA_VISIBLE_DEVICES=4,5,6,7 --device cuda:0",
+      "worker4: CUDA_VISIBLE_DEVICES=0,1,2,3 --device cuda:0"]),
+    (8, ["--workers", "2", "--worker-gpus", "2,5"], ["worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
+                                                     "worker1: CUDA_VISIBLE_DEVICES=5 --device cuda:0"]),
+    (4, ["--workers", "2", "--share-gpu", "--worker-gpus", "1,1", "--", "--gen_backend", "vllm"],
+     ["worker0: CUDA_VISIBLE_DEVICES=1 --device cuda:0 --vllm_gpu_memory_utilization 0.15",
+      "worker1: CUDA_VISIBLE_DEVICES=1 --device cuda:0 --vllm_gpu_memory_utilization 0.15"]),
+])
+def test_launch_workers_prints_each_workers_own_gpus(tmp_path, n, args, want):
+    """`./launch.sh workers --print-plan` on a worker host with 4 or 8 GPUs: one line per worker, in the format of
+    `launch.sh train --print-plan` (before: no plan, every worker on GPU 0)."""
+    proc = workers_plan_of(tmp_path, n, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == want
+    assert f"placement: {n} GPU(s)" in proc.stderr and "[launch] worker" not in proc.stderr  # nothing started
+    assert not list(tmp_path.glob("**/placement.json"))
+
+
+def test_launch_workers_refuses_a_plan_that_does_not_fit(tmp_path):
+    proc = workers_plan_of(tmp_path, 4, "--workers", "5")
+    assert proc.returncode == 2 and not proc.stdout
+    assert "needs 5 GPUs" in proc.stderr and "--share-gpu" in proc.stderr
+    proc = workers_plan_of(tmp_path, 4, "--workers", "1", "--worker-gpus", "7")
+    assert proc.returncode == 2 and "GPU(s) [7]" in proc.stderr
+
+
+def test_launch_train_gives_a_tensor_parallel_worker_its_gpus(tmp_path):
+    proc = plan_of(tmp_path, 8, "--workers", "2", "--", "--gen_backend", "vllm", "--vllm_tensor_parallel_size", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=7 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=5,6 --device cuda:0",
+                                        "worker1: CUDA_VISIBLE_DEVICES=3,4 --device cuda:0",
+                                        "trainer: deepspeed --include localhost:0,1,2"]
+    one = plan_of(tmp_path, 1, "--workers", "1", "--", "--gen_backend", "vllm")
+    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0 --vllm_gpu_memory_utilization 0.3 --wait_for_ranks 1" \
+        in one.stdout.splitlines()
+
+
+def test_a_tensor_parallel_worker_pinned_to_one_gpu_is_refused(tiny_model_dir):
+    from common.config import GRPOConfig
+    from trainer.engines import make_engine
+    cfg = GRPOConfig(model=str(tiny_model_dir), gen_backend="vllm", device="cuda:1",
+                     vllm_tensor_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="spanning 2 GPUs"):
+        make_engine(cfg, str(tiny_model_dir))

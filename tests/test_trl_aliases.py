@@ -86,6 +86,17 @@ def test_both_names_for_one_knob_is_an_error(tmp_path):
         load_config(GRPOConfig, ["--config", str(path)])
 
 
+def test_vllm_tensor_parallel_size_is_ours_too(tmp_path):
+    """TRL's vllm_tensor_parallel_size (GPUs per vLLM worker) is a field of ours (issue 30; refused before)."""
+    assert load_config(GRPOConfig, ["--vllm_tensor_parallel_size", "2"]).vllm_tensor_parallel_size == 2
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"vllm_tensor_parallel_size": 4}))
+    assert load_config(GRPOConfig, ["--config", str(path)]).vllm_tensor_parallel_size == 4
+    assert GRPOConfig().vllm_tensor_parallel_size == 1 and "vllm_tensor_parallel_size" not in trl_aliases.REFUSED
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size must be >= 1"):
+        load_config(GRPOConfig, ["--vllm_tensor_parallel_size", "0"])
+
+
 @pytest.mark.parametrize("name, value", [("use_vllm", True), ("min_p", 0.1), ("num_train_epochs", 1),
                                          ("generation_batch_size", 16), ("sync_ref_model", True)])
 def test_unsupported_trl_names_are_refused_by_name(name, value):

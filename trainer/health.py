@@ -83,6 +83,9 @@ class Heartbeat:
             self._failing = True
 
     def _run(self) -> None:
+        # the first beat at once: a rank is in the status table as soon as it is up, and a worker sharing its GPU
+        # waits for that (trainer/worker.py wait_for_ranks)
+        self.beat()
         while not self._stop.wait(self.every):
             self.beat()
 

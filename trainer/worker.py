@@ -1,5 +1,10 @@
 """Generate-only worker: sample groups with the current policy, reward them, upload them to the ref
-server, and follow the policy weights rank 0 publishes (between rounds)."""
+server, and follow the policy weights rank 0 publishes (between rounds).
+
+A worker that shares a GPU with trainer ranks (launch.sh's plan passes --wait_for_ranks N) builds its engine
+only once N ranks are ready, i.e. have sent their first heartbeat to the ref server (trainer/loop.py starts it
+after the engine is built and the first weights are published): vLLM's memory profiling must not overlap a rank
+initialising on the same GPU (docs/gpus.md)."""
 from __future__ import annotations
 
 import json
@@ -53,6 +58,8 @@ def genonly(cfg: GRPOConfig) -> None:
         resume.restore(sampler, json.loads(state_path.read_text()))
         log.info("data order resumed from %s: epoch %d", state_path, sampler.epoch)
     scorer = RewardScorer.from_config(cfg)
+    if cfg.wait_for_ranks:
+        wait_for_ranks(client, cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
     syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
@@ -110,3 +117,39 @@ def genonly(cfg: GRPOConfig) -> None:
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
              "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,
              gen_tokens / max(gen_s, 1e-9))
+
+
+def ready_ranks(status: dict, fresh_s: float) -> list[str]:
+    """The trainer ranks that are up: they have sent a heartbeat (the first comes once a rank's engine is built),
+    recently (a crashed earlier attempt's rows on a long-lived server do not count), and are not done."""
+    return sorted(r["id"] for r in status.get("participants", []) if r.get("role") == "rank"
+                  and r.get("last_heartbeat_ago_s") is not None and r["last_heartbeat_ago_s"] <= fresh_s
+                  and r.get("state") != "done")
+
+
+def wait_for_ranks(client, cfg: GRPOConfig, poll: float = 0.5) -> None:
+    """Block until cfg.wait_for_ranks ranks are ready at the ref server (GET /status); past
+    cfg.wait_for_ranks_timeout, exit non-zero naming what is missing."""
+    n, t0 = cfg.wait_for_ranks, time.monotonic()
+    log.info("waiting for %d trainer rank(s) to be ready before this worker builds its engine, as it shares a GPU "
+             "with them (wait_for_ranks; at most %.0f s)", n, cfg.wait_for_ranks_timeout)
+    last, beat_at = "no answer from GET /status yet", 0.0
+    while True:
+        try:
+            if time.monotonic() >= beat_at:  # in the status table meanwhile, not stalled
+                client.heartbeat(f"waiting for {n} trainer rank(s) to be ready (shares their GPU)")
+                beat_at = time.monotonic() + cfg.heartbeat_s
+            ready = ready_ranks(client.status(timeout=10), fresh_s=2 * cfg.heartbeat_s + 5)
+            if len(ready) >= n:
+                log.info("trainer rank(s) ready after %.1f s (%s): building the engine now",
+                         time.monotonic() - t0, ", ".join(ready))
+                return
+            last = f"ready so far: {', '.join(ready) or 'none'}"
+        except RefServerError as e:  # the server answered /health already: a hiccup, keep asking
+            last = f"GET /status failed: {e}"
+        if time.monotonic() - t0 > cfg.wait_for_ranks_timeout:
+            log.error("worker%d: %d trainer rank(s) not ready after %.0f s (%s); this worker shares a GPU with them "
+                      "and builds its engine only once they are (wait_for_ranks_timeout, docs/gpus.md)", cfg.worker_id,
+                      n, cfg.wait_for_ranks_timeout, last)
+            raise SystemExit(1)
+        time.sleep(poll)

@@ -4,6 +4,11 @@
     ./launch.sh trainer-host --nodes 2 --node-rank R --master-addr 10.0.0.2 --master-port 29511 \
                              --ref-url http://10.0.0.1:59875 --token-file secret.txt --workers 1 -- --model M ...
     ./launch.sh workers      --ref-url http://10.0.0.1:59875 --token-file secret.txt --workers 1 -- --model M ...
+    ./launch.sh workers      --workers 4 --print-plan -- --gen_backend vllm     # which GPU each would get
+
+A worker host places its workers as `launch.sh train` does (common/placement.py): each on GPU(s) of its own
+(vllm_tensor_parallel_size per worker), from the highest GPU down, or --worker-gpus; the plan is printed at
+start and written to RUN_DIR/placement.json.
 
 Each host keeps its own --run-dir (no shared filesystem): the ref server relays the policy weights to the
 workers over HTTP, every trainer host writes its own ranks' DeepSpeed shards there (and its own `latest`),
@@ -24,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.placement_cli import gpu_list
 from trainer.dist.nodes import address_towards, interface_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: trainer/dist/hosts.py
@@ -46,11 +52,11 @@ def trainer_args(extra: list[str]) -> list[str]:
     return out
 
 
-def common_flags(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
+def common_flags(p: argparse.ArgumentParser, run_dir: bool = True, run_dir_required: bool = True) -> None:
     p.add_argument("--token-file", help="bearer token file (required by a server bound off loopback); "
                                         "default: $GRPO_REF_TOKEN")
     if run_dir:
-        p.add_argument("--run-dir", required=True, help="this host's own run directory (logs, checkpoints)")
+        p.add_argument("--run-dir", required=run_dir_required, help="this host's own run directory (logs, checkpoints)")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -80,12 +86,21 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     t.add_argument("--config", help="trainer config JSON")
     common_flags(t)
     w = sub.add_parser("workers", help="genonly workers on this host")
-    w.add_argument("--ref-url", required=True, help="the ref server's URL")
+    w.add_argument("--ref-url", help="the ref server's URL (required unless --print-plan)")
     w.add_argument("--workers", type=int, default=1, help="workers to start on this host")
     w.add_argument("--first-id", type=int, default=0, help="worker id of the first (ids are unique in a run)")
     w.add_argument("--config", help="trainer config JSON")
-    common_flags(w)
+    w.add_argument("--worker-gpus", type=gpu_list, default=None,
+                   help="GPU indices for the workers, in order, vllm_tensor_parallel_size each (e.g. 0,1; default: "
+                        "from the highest GPU down)")
+    w.add_argument("--share-gpu", action="store_true", help="let workers share GPUs (vLLM's memory fraction is "
+                                                            "lowered to fit)")
+    w.add_argument("--print-plan", action="store_true", help="print which GPU(s) each worker would get and exit "
+                                                             "without starting anything")
+    common_flags(w, run_dir_required=False)  # not needed to print a plan
     args = p.parse_args(argv)
+    if args.role == "workers" and not args.print_plan and not (args.ref_url and args.run_dir):
+        w.error("--ref-url and --run-dir are required (unless --print-plan)")
     return args, trainer_args(extra)
 
 
@@ -131,18 +146,52 @@ def trainer_host(args: argparse.Namespace, extra: list[str], env: dict) -> list[
             "--num_gen_workers", str(args.workers), "--output_dir", str(run_dir)]
 
 
+def worker_plan(args: argparse.Namespace, cfg_args: list[str], extra: list[str]):
+    """This host's placement (common/placement.py): its workers only, no ref server, no ranks. Printed; written to
+    RUN_DIR/placement.json when the workers start."""
+    from common.config import GRPOConfig
+    from common.knobs import load_config
+    from common.placement_cli import announce, check_torch, detect_gpus, plan_for
+
+    cfg = load_config(GRPOConfig, [*cfg_args, *extra])
+    gpus, how = detect_gpus()
+    plan = plan_for(cfg, gpus, workers=args.workers, ranks=0, start_ref=False, worker_gpus=args.worker_gpus,
+                    share=args.share_gpu, first_worker=args.first_id)
+    if not args.print_plan:
+        check_torch(plan, how)
+    announce(plan, how, None if args.print_plan else str(Path(caller_path(args.run_dir)) / "placement.json"))
+    return plan
+
+
 def workers(args: argparse.Namespace, extra: list[str], env: dict) -> int:
     """Start the workers (each logs to RUN_DIR/workerN.log), wait for all; a signal stops them all."""
+    from common.placement_cli import plan_line, worker_launch
+
+    cfg = ["--config", caller_path(args.config)] if args.config else []
+    try:
+        plan = worker_plan(args, cfg, extra)
+    except ValueError as e:
+        print(f"[launch] placement: {e}", file=sys.stderr)
+        return 2
+    if args.print_plan:  # what each worker would be started with; nothing is started
+        print("\n".join(plan_line(w) for w in plan.workers))
+        return 0
     run_dir = Path(caller_path(args.run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = ["--config", caller_path(args.config)] if args.config else []
     procs = []
-    for wid in range(args.first_id, args.first_id + args.workers):
-        cmd = [sys.executable, str(ROOT / "trainer" / "main.py"), "genonly", *cfg, *extra,
+    for wid, placed in zip(range(args.first_id, args.first_id + args.workers), plan.workers):
+        where, plan_args = worker_launch(placed)
+        wenv = dict(env)
+        if where:  # CUDA_VISIBLE_DEVICES=...: this worker sees only its GPU(s)
+            key, value = where.split("=", 1)
+            wenv[key] = value
+        cmd = [sys.executable, str(ROOT / "trainer" / "main.py"), "genonly", *cfg, *extra, *plan_args,
                "--ref_server", args.ref_url, "--worker_id", str(wid), "--output_dir", str(run_dir)]
         with open(run_dir / f"worker{wid}.log", "ab") as log:
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        print(f"[launch] worker{wid} (pid {procs[-1].pid}) -> {run_dir}/worker{wid}.log", file=sys.stderr)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=wenv, stdout=log, stderr=subprocess.STDOUT))
+        given = " ".join([where, *plan_args]).strip()
+        print(f"[launch] worker{wid} (pid {procs[-1].pid}) -> {run_dir}/worker{wid}.log"
+              + (f" ({given})" if given else ""), file=sys.stderr)
 
     def stop(signum, _frame) -> None:
         for p in procs:

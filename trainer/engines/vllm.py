@@ -80,6 +80,11 @@ def visible_devices_for(device: str, visible: str | None) -> str | None:
 def _place(cfg) -> None:
     """Put the engine on cfg.device (launch.sh's plan gives each worker its GPU as CUDA_VISIBLE_DEVICES and
     cuda:0; a worker started by hand may name cuda:N). Must run before this process touches CUDA."""
+    tp = cfg.vllm_tensor_parallel_size
+    if tp > 1 and cfg.device not in ("auto", "cuda", "cuda:0"):
+        raise ValueError(f"device {cfg.device} with vllm_tensor_parallel_size {tp}: a worker spanning {tp} GPUs "
+                         f"takes the first {tp} it sees; start it with CUDA_VISIBLE_DEVICES naming them (launch.sh's "
+                         f"placement does) and device cuda:0")
     visible = visible_devices_for(cfg.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if visible is not None:
         if torch.cuda.is_initialized():
@@ -144,13 +149,14 @@ class VLLMEngine(GenEngine):
                       max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       logprobs_mode=logprobs_mode(cfg), generation_config="vllm", seed=cfg.seed + cfg.worker_id,
                       enable_prefix_caching=False, trust_remote_code=bool(hub.get("trust_remote_code")),
-                      revision=hub.get("revision"), tokenizer_revision=hub.get("revision"))
+                      revision=hub.get("revision"), tokenizer_revision=hub.get("revision"),
+                      tensor_parallel_size=cfg.vllm_tensor_parallel_size)
         except Exception as e:  # vLLM raises many types; name the model and the fix, keep the cause
             cause = " ".join(str(e).split())  # vLLM's message may list every supported architecture
             raise RuntimeError(f"vLLM cannot serve model {model_path!r}: use gen_backend='hf' for it, or check "
                                f"vllm_dtype/vllm_max_model_len. Cause: {type(e).__name__}: {cause[:400]}") from e
-        log.info("vLLM engine up in %.1f s (dtype %s, eager %s, max_model_len %d)", time.time() - t0,
-                 cfg.vllm_dtype, cfg.vllm_eager, max_len)
+        log.info("vLLM engine up in %.1f s (dtype %s, eager %s, max_model_len %d, tensor_parallel_size %d)",
+                 time.time() - t0, cfg.vllm_dtype, cfg.vllm_eager, max_len, cfg.vllm_tensor_parallel_size)
         gen_eos = gen_cfg.eos_token_id if gen_cfg is not None else None
         gen_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
         eos = sorted(set(model_eos_ids(tok, chat=cfg.prompt_format != "r1zero")) | set(gen_eos))
