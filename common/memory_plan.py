@@ -97,7 +97,8 @@ class TrainSettings:
     checkpointing: bool
     chunk_tokens: int        # logp_chunk_tokens
     lora_params: int = 0     # > 0: LoRA, only these train
-    bucket: int = DS_BUCKET  # reduce/allgather bucket elements (stages 1, 2)
+    bucket: int = DS_BUCKET  # reduce bucket elements (stages 1, 2)
+    overlap_comm: bool = False
     stage3_live: int = DS_STAGE3_LIVE
     stage3_prefetch: int = DS_STAGE3_PREFETCH
     generate_rows: int = 0   # ranks that generate their own rollouts (no genonly workers): HF generate's rows
@@ -112,6 +113,19 @@ def logits_bytes(shape: ModelShape, e: int, rows: int, chunk_tokens: int, grad: 
 
 def kv_cache_bytes(shape: ModelShape, e: int, rows: int, seq_len: int) -> int:
     return rows * seq_len * shape.layers * 2 * shape.kv_dim * e
+
+
+def activation_bytes(shape: ModelShape, s: TrainSettings) -> int:
+    """What one micro-batch's forward keeps for backward, at its peak, with the chunked LM head's logits."""
+    e = 2 if s.bf16 else 4
+    tokens = s.micro_rows * s.seq_len
+    per_layer = shape.act_bytes_per_token_layer(e)
+    if s.checkpointing:  # each layer's input kept, one layer's activations alive while it is recomputed
+        act = tokens * (shape.layers * e * shape.hidden + per_layer)
+    else:
+        act = tokens * shape.layers * per_layer
+    act += tokens * 3 * e * shape.hidden  # final norm's output, the hidden states' gradient, the picked states
+    return act + logits_bytes(shape, e, s.micro_rows, s.chunk_tokens, grad=True)
 
 
 def rank_parts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
@@ -129,19 +143,12 @@ def rank_parts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     step = part(n * 4) if s.bf16 else 0  # the step casts the (partition's) bf16 gradient to fp32
     if s.stage == 0:
         step = n * 4 if s.bf16 else 0
-    tokens = s.micro_rows * s.seq_len
-    per_layer = shape.act_bytes_per_token_layer(e)
-    if s.checkpointing:  # each layer's input kept, one layer's activations alive while it is recomputed
-        act = tokens * (shape.layers * e * shape.hidden + per_layer)
-    else:
-        act = tokens * shape.layers * per_layer
-    act += tokens * 3 * e * shape.hidden  # final norm's output, the hidden states' gradient, the picked states
-    act += logits_bytes(shape, e, s.micro_rows, s.chunk_tokens, grad=True)
+    act = activation_bytes(shape, s)
     gen = kv_cache_bytes(shape, e, s.generate_rows, s.seq_len) if s.generate_rows else 0
     if s.stage == 3:
         buffers = (min(s.stage3_live, n_all) + s.stage3_prefetch) * e
-    elif s.stage in (1, 2):
-        buffers = 2 * s.bucket * e
+    elif s.stage in (1, 2):  # contiguous_gradients' reduce bucket (a second one with overlap_comm)
+        buffers = (2 if s.overlap_comm else 1) * s.bucket * e
     else:
         buffers = 0
     # not at once: backward's activations are freed before the step's fp32 gradients, generation runs alone

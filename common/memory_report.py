@@ -76,6 +76,7 @@ def train_settings(cfg, ds: dict, shape: ModelShape, world: int, workers: int, m
         lora_params=shape.lora_params(cfg.lora_r, list(cfg.lora_target_modules)) if cfg.lora_r > 0 else 0,
         seq_len=cfg.max_prompt_length + cfg.max_new_tokens, completion_len=cfg.max_new_tokens, checkpointing=gc,
         chunk_tokens=cfg.logp_chunk_tokens, bucket=int(zero.get("reduce_bucket_size", 500_000_000)),
+        overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
         stage3_live=int(zero.get("stage3_max_live_parameters", 1_000_000_000)),
         stage3_prefetch=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
         generate_rows=min(cfg.gen_batch_size, cfg.Q_batch_size * cfg.num_pre_Q) if own_gen else 0)
