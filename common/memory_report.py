@@ -88,12 +88,12 @@ def memory_report(cfg, plan: Plan, ref_model: str | None = None, ref_dtype: str 
     try:
         shape = ModelShape.from_config(cfg.model)
         ref_shape = shape if (ref_model or cfg.model) == cfg.model else ModelShape.from_config(ref_model)
+        ds = json.loads(Path(cfg.ds_config).read_text())
     except (OSError, ValueError, AttributeError) as e:
-        rep.lines.append(f"memory estimate: cannot read the model's config.json ({type(e).__name__}: {e}); no "
-                         f"estimate, the ranks pick micro_batch_size/gradient_checkpointing at start")
+        rep.lines.append(f"memory estimate: cannot read the model's config.json or ds_config ({type(e).__name__}: "
+                         f"{e}); no estimate, the ranks pick micro_batch_size/gradient_checkpointing at start")
         return rep
     mem, how = gpu_memory()
-    ds = json.loads(Path(cfg.ds_config).read_text())
     rows = cfg.train_batch_groups * cfg.num_pre_Q
     seq = cfg.max_prompt_length + cfg.max_new_tokens
     others: dict[int, list[tuple[str, int, str]]] = {}  # GPU -> (process, bytes, how) of every non-rank process
