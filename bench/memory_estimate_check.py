@@ -1,7 +1,8 @@
 """The memory estimate (common/memory_plan.py) against one CPU rank's measured peak: one DeepSpeed rank (gloo,
 world 1) builds the engine as trainer/engine.py does and takes one train_step on a synthetic batch whose rows are
 all full length (prompt + completion, the estimate's worst case). The peak is the process's VmHWM (peak RSS)
-over that step, reset just before it (/proc/self/clear_refs 5), less its RSS before the model was loaded.
+of the second step (Adam's states exist), reset before it (/proc/self/clear_refs 5), less the RSS before the
+model was loaded: over forward + backward and over the optimizer step apart (engine.step is wrapped to read it).
 Last line: one JSON object (estimate by part, measured, ratio). CPU only: no CUDA context, no allocator cache.
 
     .venv/bin/python bench/memory_estimate_check.py --model tiny --rows 4 --prompt 64 --completion 64
@@ -62,7 +63,7 @@ def main() -> None:
 
     from common.config import GRPOConfig
     from common.knobs import load_config
-    from common.memory_plan import ModelShape, rank_parts
+    from common.memory_plan import ModelShape, TrainSettings, activation_bytes, rank_parts, step_bytes
     from common.memory_report import train_settings
     from common.modeling import resolve_model_path
     from common.protocol import ScoredBatch
@@ -84,27 +85,45 @@ def main() -> None:
                         prompt_lens=torch.full((B,), P), completion_lens=torch.full((B,), T),
                         advantages=torch.linspace(-1, 1, B), gen_logps=-torch.rand(B, T, generator=g),
                         policy_version=0, batch_id="mem", ref_logps=-torch.rand(B, T, generator=g))
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak of the step alone from here
+    marks: list[int] = []
+    inner_step = engine.step
+
+    def step() -> None:  # the peak of forward + backward, then the peak of the optimizer step, apart
+        marks.append(status_kib("VmHWM"))
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        inner_step()
+        marks.append(status_kib("VmHWM"))
+        Path("/proc/self/clear_refs").write_text("5")
+
+    engine.step = step
+    train_step(engine, batch, cfg)  # the first step creates Adam's states: the second is the steady state
+    static = status_kib("VmRSS")
+    marks.clear()
+    Path("/proc/self/clear_refs").write_text("5")
     t0 = time.time()
     train_step(engine, batch, cfg)
     step_s = time.time() - t0
-    peak, after_step = status_kib("VmHWM"), status_kib("VmRSS")
+    fwd_bwd_peak, step_peak = marks
     shape = ModelShape.from_config(model)
     micro = min(cfg.micro_batch_size or B, B)
-    parts = rank_parts(shape, train_settings(cfg, ds_config_for(cfg, on_gpu), shape, world, 1, micro,
-                                             bool(cfg.gradient_checkpointing)))
+    settings = train_settings(cfg, ds_config_for(cfg, on_gpu), shape, world, 1, micro,
+                              bool(cfg.gradient_checkpointing))
+    settings = TrainSettings(**{**settings.__dict__, "adam_temp_bytes": 8, "generate_rows": 0})  # CPU torch AdamW
+    parts = rank_parts(shape, settings)
+    static_est = sum(v for k, v in parts.items() if k in ("weights", "gradients", "optimizer", "buffers"))
+    act, stp = activation_bytes(shape, settings), step_bytes(shape, settings)
     gib = 1 << 30
+    r = lambda x: round(x / gib, 3)  # noqa: E731
     out = {"model": a.model, "params_b": round(shape.params() / 1e9, 4), "zero_stage": stage, "world": world,
-           "bf16": bool(ds_config_for(cfg, on_gpu)["bf16"]["enabled"]), "rows": B, "micro": micro,
-           "tokens_per_row": P + T, "gradient_checkpointing": bool(cfg.gradient_checkpointing),
-           "logp_chunk_tokens": cfg.logp_chunk_tokens,
-           "estimate_gib": {k: round(v / gib, 3) for k, v in parts.items()},
-           "estimate_total_gib": round(sum(parts.values()) / gib, 3),
-           "measured_peak_gib": round((peak - base) / gib, 3),
-           "measured_after_build_gib": round((after_build - base) / gib, 3),
-           "measured_after_step_gib": round((after_step - base) / gib, 3),
-           "estimate_over_measured": round(sum(parts.values()) / max(peak - base, 1), 3), "step_s": round(step_s, 1),
-           "base_rss_gib": round(base / gib, 3)}
+           "bf16": settings.bf16, "rows": B, "micro": micro, "tokens_per_row": P + T,
+           "gradient_checkpointing": bool(cfg.gradient_checkpointing), "logp_chunk_tokens": cfg.logp_chunk_tokens,
+           "estimate_gib": {k: r(v) for k, v in parts.items()}, "estimate_peak_gib": r(sum(parts.values())),
+           "measured_peak_gib": r(max(fwd_bwd_peak, step_peak) - base),
+           "static": {"estimate": r(static_est), "measured": r(static - base)},
+           "fwd_bwd_peak": {"estimate": r(static_est + act), "measured": r(fwd_bwd_peak - base)},
+           "step_peak": {"estimate": r(static_est + stp), "measured": r(step_peak - base)},
+           "estimate_over_measured": round(sum(parts.values()) / (max(fwd_bwd_peak, step_peak) - base), 3),
+           "after_build_gib": r(after_build - base), "step_s": round(step_s, 1), "base_rss_gib": r(base)}
     print(json.dumps(out))
     torch.distributed.destroy_process_group()
 

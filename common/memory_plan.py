@@ -102,12 +102,17 @@ class TrainSettings:
     stage3_live: int = DS_STAGE3_LIVE
     stage3_prefetch: int = DS_STAGE3_PREFETCH
     generate_rows: int = 0   # ranks that generate their own rollouts (no genonly workers): HF generate's rows
+    # torch AdamW's temporaries per stepped parameter: 4 with foreach (CUDA: sqrt(v), divided in place), 8 with the
+    # single-tensor path (CPU: sqrt(v) and its quotient alive at once); ds_config.json asks for torch_adam
+    adam_temp_bytes: int = 4
 
 
-def logits_bytes(shape: ModelShape, e: int, rows: int, chunk_tokens: int, grad: bool) -> int:
-    """One chunk of the chunked LM head (common/logprobs.py): rows x (chunk_tokens // rows) positions x vocab.
-    Forward: e-byte logits, their fp32 copy, exp for logsumexp; backward adds their gradients (fp32 and e)."""
-    positions = rows * max(1, chunk_tokens // max(rows, 1))
+def logits_bytes(shape: ModelShape, e: int, rows: int, completion_len: int, chunk_tokens: int,
+                 grad: bool) -> int:
+    """One chunk of the chunked LM head (common/logprobs.py): rows x min(completion, chunk_tokens // rows)
+    positions x vocab. Forward: e-byte logits, their fp32 copy, exp for logsumexp; backward adds their gradients
+    (fp32 and e)."""
+    positions = rows * min(completion_len, max(1, chunk_tokens // max(rows, 1)))
     return positions * shape.vocab * ((2 * e + 12) if grad else (e + 8))
 
 
@@ -125,7 +130,15 @@ def activation_bytes(shape: ModelShape, s: TrainSettings) -> int:
     else:
         act = tokens * shape.layers * per_layer
     act += tokens * 3 * e * shape.hidden  # final norm's output, the hidden states' gradient, the picked states
-    return act + logits_bytes(shape, e, s.micro_rows, s.chunk_tokens, grad=True)
+    return act + logits_bytes(shape, e, s.micro_rows, s.completion_len, s.chunk_tokens, grad=True)
+
+
+def step_bytes(shape: ModelShape, s: TrainSettings) -> int:
+    """The optimizer step's transients: ZeRO 1-3 flatten the partition's gradient into a new fp32 tensor (stage 0
+    in bf16: FP16_Optimizer's fp32 gradients), and Adam's sqrt(v) is a temporary as large as what it steps."""
+    n = s.lora_params or shape.params()
+    stepped = n / s.world if s.stage > 0 else n
+    return int(stepped * ((4 if (s.bf16 or s.stage > 0) else 0) + s.adam_temp_bytes))
 
 
 def rank_parts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
@@ -140,9 +153,7 @@ def rank_parts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     # Adam's m and v in fp32, and the fp32 master copy: bf16 always has one; in fp32 ZeRO 1-3 clone the partition
     master = 4 if (s.bf16 or s.stage > 0) else 0
     optim = part(n * (8 + master)) if s.stage > 0 else n * (8 + master)  # stage 0 (bf16: FP16_Optimizer) whole
-    step = part(n * 4) if s.bf16 else 0  # the step casts the (partition's) bf16 gradient to fp32
-    if s.stage == 0:
-        step = n * 4 if s.bf16 else 0
+    step = step_bytes(shape, s)
     act = activation_bytes(shape, s)
     gen = kv_cache_bytes(shape, e, s.generate_rows, s.seq_len) if s.generate_rows else 0
     if s.stage == 3:
@@ -164,7 +175,7 @@ def ref_parts(shape: ModelShape, e: int, rows: int, seq_len: int, completion_len
     layer = tokens * (3 * e * shape.hidden + e * 3 * shape.intermediate + e * 3 * shape.q_dim)
     return {"weights": shape.params() * e,
             "activations": int(layer + tokens * e * shape.hidden
-                               + logits_bytes(shape, e, rows, chunk_tokens, grad=False))}
+                               + logits_bytes(shape, e, rows, completion_len, chunk_tokens, grad=False))}
 
 
 def hf_worker_parts(shape: ModelShape, e: int, rows: int, seq_len: int) -> dict:
