@@ -3,7 +3,8 @@
 The formula (docs/gpus.md, "Memory estimate", derives each term and compares it with measured peaks):
 
     rank        = weights + gradients + optimizer states (under the ZeRO stage and world size)
-                  + max(activations + chunked LM-head logits at one micro-batch, the optimizer step's fp32 grads)
+                  + max(activations + chunked LM-head logits at one micro-batch, the optimizer step's transients,
+                        the KV cache of the ranks' own generation)
                   + ZeRO buffers + CUDA context
     ref server  = weights (its dtype) + one forward's transients + CUDA context
     vLLM worker = vllm_gpu_memory_utilization x the GPU (what vLLM reserves; its weights must leave KV room)

@@ -82,19 +82,9 @@ def train_settings(cfg, ds: dict, shape: ModelShape, world: int, workers: int, m
         generate_rows=min(cfg.gen_batch_size, cfg.Q_batch_size * cfg.num_pre_Q) if own_gen else 0)
 
 
-def memory_report(cfg, plan: Plan, ref_model: str | None = None, ref_dtype: str = "auto") -> Report:
-    """The estimate and verdict for `plan` (a GPU plan) and the GRPOConfig `cfg`."""
-    rep = Report()
-    try:
-        shape = ModelShape.from_config(cfg.model)
-        ref_shape = shape if (ref_model or cfg.model) == cfg.model else ModelShape.from_config(ref_model)
-        ds = json.loads(Path(cfg.ds_config).read_text())
-    except (OSError, ValueError, AttributeError) as e:
-        rep.lines.append(f"memory estimate: cannot read the model's config.json or ds_config ({type(e).__name__}: "
-                         f"{e}); no estimate, the ranks pick micro_batch_size/gradient_checkpointing at start")
-        return rep
-    mem, how = gpu_memory()
-    rows = cfg.train_batch_groups * cfg.num_pre_Q
+def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict[int, int] | None,
+            ref_dtype: str) -> tuple[dict[int, list[tuple[str, int, str]]], list[str]]:
+    """({GPU: [(process, bytes, how)]} of the ref server and the workers, the vLLM workers that cannot start)."""
     seq = cfg.max_prompt_length + cfg.max_new_tokens
     others: dict[int, list[tuple[str, int, str]]] = {}  # GPU -> (process, bytes, how) of every non-rank process
     short: list[str] = []  # vLLM workers whose weights do not fit in their fraction
@@ -121,6 +111,24 @@ def memory_report(cfg, plan: Plan, ref_model: str | None = None, ref_dtype: str 
             parts = with_context(hf_worker_parts(shape, _dtype_bytes(cfg.worker_dtype),
                                                  min(cfg.gen_batch_size, cfg.Q_batch_size * cfg.num_pre_Q), seq), True)
             others.setdefault(g, []).append((w.name, sum(parts.values()), describe_parts(parts)))
+    return others, short
+
+
+def memory_report(cfg, plan: Plan, ref_model: str | None = None, ref_dtype: str = "auto") -> Report:
+    """The estimate and verdict for `plan` (a GPU plan) and the GRPOConfig `cfg`."""
+    rep = Report()
+    try:
+        shape = ModelShape.from_config(cfg.model)
+        ref_shape = shape if (ref_model or cfg.model) == cfg.model else ModelShape.from_config(ref_model)
+        ds = json.loads(Path(cfg.ds_config).read_text())
+    except (OSError, ValueError, AttributeError) as e:
+        rep.lines.append(f"memory estimate: cannot read the model's config.json or ds_config ({type(e).__name__}: "
+                         f"{e}); no estimate, the ranks pick micro_batch_size/gradient_checkpointing at start")
+        return rep
+    mem, how = gpu_memory()
+    rows = cfg.train_batch_groups * cfg.num_pre_Q
+    seq = cfg.max_prompt_length + cfg.max_new_tokens
+    others, short = _others(cfg, plan, shape, ref_shape, mem, ref_dtype)
 
     def rank_need(micro: int, gc: bool) -> dict[str, int]:
         s = train_settings(cfg, ds, shape, plan.num_ranks, len(plan.workers), micro, gc)
