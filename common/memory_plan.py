@@ -136,10 +136,14 @@ def activation_bytes(shape: ModelShape, s: TrainSettings) -> int:
 
 def step_bytes(shape: ModelShape, s: TrainSettings) -> int:
     """The optimizer step's transients: ZeRO 1-3 flatten the partition's gradient into a new fp32 tensor (stage 0
-    in bf16: FP16_Optimizer's fp32 gradients), and Adam's sqrt(v) is a temporary as large as what it steps."""
+    in bf16: FP16_Optimizer's fp32 gradients), and Adam's sqrt(v) is a temporary as large as what it steps. ZeRO 1-3
+    also hold one more gradient-sized copy (e bytes) at the step's peak: measured on CPU (docs/gpus.md, 0.9 GiB in
+    bf16 and 1.8 GiB in fp32 for the 0.5B shape), not yet pinned to a tensor in DeepSpeed's code."""
     n = s.lora_params or shape.params()
-    stepped = n / s.world if s.stage > 0 else n
-    return int(stepped * ((4 if (s.bf16 or s.stage > 0) else 0) + s.adam_temp_bytes))
+    e = 2 if s.bf16 else 4
+    if s.stage == 0:
+        return int(n * ((4 if s.bf16 else 0) + s.adam_temp_bytes))
+    return int(n / s.world * (e + 4 + s.adam_temp_bytes))
 
 
 def rank_parts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:

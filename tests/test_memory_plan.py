@@ -50,8 +50,9 @@ def test_qwen7b_parameters_and_rank_memory_match_a_hand_computation(qwen7b):
     # gradient checkpointing keeps one bf16 hidden state per token and layer, plus one layer recomputed
     gc = activation_bytes(shape, TrainSettings(**{**s.__dict__, "checkpointing": True}))
     assert 0.9 < gc / (tokens * L * 2 * h + act / L + logits) < 1.1
-    # ... where the step is the larger transient: the fp32 gradient partition and Adam's sqrt(v), 4 + 4 bytes / 8
-    assert rank_parts(shape, TrainSettings(**{**s.__dict__, "checkpointing": True}))["optimizer_step"] == n
+    # ... where the step is the larger transient: the fp32 gradient partition, Adam's sqrt(v) and a bf16 gradient
+    # copy (measured on CPU), 4 + 4 + 2 bytes / 8 ranks
+    assert rank_parts(shape, TrainSettings(**{**s.__dict__, "checkpointing": True}))["optimizer_step"] == n * 10 // 8
     assert parts["activations"] / GIB == pytest.approx(17.3, abs=0.5)  # 2 rows x 1024 tokens of a 7B: 17 GiB
 
 
@@ -118,7 +119,7 @@ def test_print_plan_on_24gb_gpus_says_what_would_not_fit_and_refuses(tmp_path, q
     assert "its weights do not fit in its fraction, it would NOT start" in proc.stderr  # vLLM 0.5 x 24 GB < 14 GiB
     assert "ref_server weights 14.2 + activations 2.7 + cuda_context 0.5 = 17.4 GiB; GPU 3: 24.0 GiB: fits" \
            in proc.stderr
-    assert "memory: the ranks need 92.8 GiB each even at micro_batch_size 1 with gradient checkpointing" \
+    assert "memory: the ranks need 99.9 GiB each even at micro_batch_size 1 with gradient checkpointing" \
            in proc.stderr and "GPU 0 leaves them 21.6 GiB" in proc.stderr
     explicit = print_plan(tmp_path, 4, 24564, "--workers", "1", "--", "--model", str(qwen7b),
                           "--micro_batch_size", "1", "--gradient_checkpointing", "true")
