@@ -24,7 +24,8 @@
 #                      the highest free GPUs)
 #   --rank-gpus L      GPU indices for the ranks (deepspeed --include localhost:L; default: the lowest free GPUs)
 #   --share-gpu        let processes share GPUs (vLLM workers there get a memory fraction that fits)
-#   --print-plan       print the placement plan (which process gets which GPU) and exit without starting anything
+#   --print-plan       print the placement plan (which process gets which GPU) and each process's memory
+#                      estimate (docs/gpus.md), and exit without starting anything
 #   --ref-url URL      use a running ref server instead of starting one
 #   --ref-model M      model for the ref server (default: the trainer's --model, or 'tiny')
 #   --ref-device D     device for the ref server (auto, cpu, cuda:N; default auto)
@@ -136,7 +137,8 @@ fi
 [ -n "$GPUS" ] && PLAN_FLAGS+=(--gpus "$GPUS")
 [ -n "$REF_URL" ] && PLAN_FLAGS+=(--no-ref)
 [ -z "$PRINT_PLAN" ] && PLAN_FLAGS+=(--json "$RUN_DIR/placement.json" --check-torch)
-PLAN=$("$PY" -m common.placement_cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" -- \
+PLAN=$("$PY" -m common.placement_cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
+  --ref-model "$REF_MODEL" --ref-dtype "$REF_DTYPE" -- \
   "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
 eval "$PLAN"
 if [ -n "$PRINT_PLAN" ]; then  # what each process would be started with, then nothing is started
@@ -144,7 +146,7 @@ if [ -n "$PRINT_PLAN" ]; then  # what each process would be started with, then n
   for w in $(seq 0 $((WORKERS - 1))); do
     [ "$WORKERS" -gt 0 ] && echo "worker$w: ${PLAN_WORKER_ENV[$w]:-(environment unchanged)} ${PLAN_WORKER_ARGS[$w]}"
   done
-  echo "trainer: deepspeed ${PLAN_DS[*]}"
+  echo "trainer: deepspeed ${PLAN_DS[*]}${PLAN_TRAIN_ARGS[*]:+ ${PLAN_TRAIN_ARGS[*]}}"
   exit 0
 fi
 mkdir -p "$RUN_DIR"
@@ -250,7 +252,7 @@ echo "[launch] trainer: deepspeed ${PLAN_DS[*]} (log: $RUN_DIR/trainer.log)" >&2
 # Ctrl-C / SIGINT to this script would otherwise wait for the whole run. Own process group, like the
 # others, so that cleanup stops the launcher and every rank.
 setsid deepspeed "${PLAN_DS[@]}" --master_port "$MASTER_PORT" trainer/main.py "${CFG_ARGS[@]}" "${EXTRA[@]}" \
-  --ref_server "$REF_URL" --num_gen_workers "$WORKERS" --output_dir "$RUN_DIR" > >(tee "$RUN_DIR/trainer.log") 2>&1 &
+  "${PLAN_TRAIN_ARGS[@]}" --ref_server "$REF_URL" --num_gen_workers "$WORKERS" --output_dir "$RUN_DIR" > >(tee "$RUN_DIR/trainer.log") 2>&1 &
 TRAINER=$!
 PIDS+=("$TRAINER")
 set +e

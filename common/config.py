@@ -109,16 +109,20 @@ class GRPOConfig(ModelLoading):
     grad_clip: float = knob(1.0, "Gradient norm clip.")
     grad_accum: int = knob(1, "Training batches (each train_batch_groups groups) whose gradients make one optimizer "
                               "update: a step fetches grad_accum batches per rank (DeepSpeed accumulation).")
-    micro_batch_size: int = knob(0, "Rows (completions) per forward/backward on a rank: the training batch is split "
-                                    "into micro-batches whose gradients are accumulated into ONE optimizer update per "
-                                    "step, with the same gradient as the whole batch for every aggregation "
-                                    "(trainer/objective/microbatch.py). 0 = the whole batch at once. TRL: "
-                                    "per_device_train_batch_size.")
+    micro_batch_size: int | None = knob(None, "Rows (completions) per forward/backward on a rank: the training batch "
+                                              "is split into micro-batches whose gradients are accumulated into ONE "
+                                              "optimizer update per step, with the same gradient as the whole batch "
+                                              "for every aggregation (trainer/objective/microbatch.py). 0 = the whole "
+                                              "batch at once. null (unset) = the whole batch on CPU; on GPUs the "
+                                              "largest that fits the memory estimate (docs/gpus.md). TRL: "
+                                              "per_device_train_batch_size.")
     zero_stage: int | None = knob(None, "Override the ZeRO stage of ds_config (2 by default; 3 works).")
     bf16: bool | None = knob(None, "Ranks in bf16 under DeepSpeed (bf16 weights, fp32 master copy and Adam state): "
                                    "true/false override ds_config's bf16.enabled; null keeps it (ds_config.json: "
                                    "auto = on GPUs with bf16). true on CPU needs it to fit a 0.5B model in 24 GiB.")
-    gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool | None = knob(None, "Recompute activations in backward to save memory. null (unset) = "
+                                                     "off on CPU; on GPUs on only where no micro-batch fits without it "
+                                                     "(the memory estimate, docs/gpus.md).")
     ds_config: str = knob("ds_config.json", "DeepSpeed config file (batch, precision and optimizer fields "
                                             "are filled from this config).")
     logp_chunk_tokens: int = knob(1024, "Positions per chunk in the per-token logprob computation "
@@ -348,7 +352,8 @@ class GRPOConfig(ModelLoading):
             (self.max_rejected_batches >= 0, "max_rejected_batches must be >= 0 (0 = never stop for them)"),
             (self.dist_timeout > 0, "dist_timeout must be > 0 seconds"),
             (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
-            (self.micro_batch_size >= 0, "micro_batch_size must be >= 0 rows (0 = the whole batch at once)"),
+            (self.micro_batch_size is None or self.micro_batch_size >= 0,
+             "micro_batch_size must be >= 0 rows (0 = the whole batch at once; null = picked to fit)"),
             (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
             (self.wait_for_ranks >= 0, "wait_for_ranks must be >= 0 (0 = do not wait)"),
             (self.wait_for_ranks_timeout > 0, "wait_for_ranks_timeout must be > 0 seconds"),

@@ -5,7 +5,8 @@ plan, write it as JSON (the ref server shows it in GET /status) and hand launch.
         [--rank-gpus 0,1] [--share-gpu] [--json RUN_DIR/placement.json] [--check-torch] -- TRAINER ARGS...
 
 stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_REF_ARGS[], PLAN_WORKER_ENV[],
-PLAN_WORKER_ARGS[], PLAN_DS[]); stderr: the plan, for people. A worker host (`launch.sh workers`,
+PLAN_WORKER_ARGS[], PLAN_DS[], PLAN_TRAIN_ARGS[]: micro_batch_size/gradient_checkpointing picked to fit
+(common/memory_report.py)); stderr: the plan and its memory estimate, for people. A worker host (`launch.sh workers`,
 trainer/dist/hosts.py) calls plan_for / announce / worker_launch from Python.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 from common.cli import ArgumentParser
+from common.memory_report import Report, memory_report
 from common.placement import Placed, Plan, describe, plan_placement
 
 
@@ -104,8 +106,13 @@ def announce(plan: Plan, how: str, json_path: str | None) -> None:
     print("[launch] " + describe(doc).replace("\n", "\n[launch] ") + f"\n[launch]   GPUs found by: {how}",
           file=sys.stderr)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
+        write_plan(plan, how, json_path)
+
+
+def write_plan(plan: Plan, how: str, json_path: str) -> None:
+    """RUN_DIR/placement.json: the plan the ref server's /status shows."""
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(dict(plan.to_json(), found_by=how), indent=1) + "\n")
 
 
 def shell_vars(plan: Plan, ref_args: list[str] | None = None) -> str:
@@ -141,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share-gpu", action="store_true")
     p.add_argument("--json", default=None, help="write the plan here (the ref server's --placement-file)")
     p.add_argument("--check-torch", action="store_true", help="fail when GPUs are planned but torch has no CUDA")
+    p.add_argument("--ref-model", default=None, help="the ref server's model, for the memory estimate")
+    p.add_argument("--ref-dtype", default="auto", help="the ref server's dtype, for the memory estimate")
     a = p.parse_args(argv)
     from common.config import GRPOConfig
     from common.knobs import load_config
@@ -161,8 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"[launch] placement: {e}", file=sys.stderr)
         return 2
-    announce(plan, how, a.json)
+    announce(plan, how, None)
+    memory = memory_report(cfg, plan, a.ref_model, a.ref_dtype) if plan.gpus else Report()  # CPU: no estimate
+    for line in memory.lines:
+        print(f"[launch] {line}", file=sys.stderr)
+    if memory.refusal:
+        print(f"[launch] memory: {memory.refusal}", file=sys.stderr)
+        return 2
+    if a.json:
+        write_plan(plan, how, a.json)
     print(shell_vars(plan, cfg.cli_args()))
+    print(f"PLAN_TRAIN_ARGS=({' '.join(shlex.quote(x) for x in memory.trainer_args)})")  # values picked to fit
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 from common.config import GRPOConfig
 from common.modeling import load_model
 from trainer.dist import nodes
+from trainer.memory_defaults import resolve_memory_defaults
 from trainer.objective.microbatch import micro_batches_per_step, micro_rows
 
 log = logging.getLogger("trainer")
@@ -96,6 +97,9 @@ def prepare_policy(model, cfg: GRPOConfig):
 def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
     """The policy under DeepSpeed. Returns (engine, zero_stage, start_step); start_step > 0 after a resume."""
     ds_cfg = ds_config_for(cfg, on_gpu)
+    if on_gpu and (cfg.micro_batch_size is None or cfg.gradient_checkpointing is None):
+        resolve_memory_defaults(cfg, ds_cfg, model_path, on_gpu)  # unset on GPUs: picked to fit
+        ds_cfg = ds_config_for(cfg, on_gpu)
     # bf16 under DeepSpeed (auto on GPUs, or --bf16 true on CPU): bf16 weights, fp32 master
     # copy of each rank's partition. Loaded in bf16 straight away: no transient fp32 copy of the whole model.
     bf16 = bool(ds_cfg.get("bf16", {}).get("enabled"))
