@@ -3,6 +3,8 @@
 #
 #   ./launch.sh demo [--run-dir DIR] [--seed N] [--model M --data D ...]   the CPU demo (see README)
 #   ./launch.sh train [options] [-- trainer args...]                        a training run
+#   ./launch.sh check [options] [-- trainer args...]                        check config, model, data, rewards,
+#                                                    placement, port and disk in seconds (no weights loaded)
 #   ./launch.sh status [--ref-url URL] [--token-file F] [--json]             the run's status table (GET /status)
 #
 # Several hosts (one command per host; each keeps its own --run-dir, no shared filesystem; README "Multi-node"):
@@ -34,6 +36,11 @@
 #   --port P           port of the ref server started here (default 59875)
 #   --token-file F     bearer token file shared by server and clients
 #   --master-port P    DeepSpeed rendezvous port (default: a free one)
+#   --keep-going       a genonly worker that exits does not end the run (a loud line; /status shows it exited);
+#                      by default it ends the run with its name, exit code and last log lines
+# Options before `--` are launch.sh's (dashes or underscores); trainer options go after `--` (a trainer option
+# given before it is refused, naming where it goes). `--config F` is passed on as the trainer's --config.
+# Before anything starts, `train` runs the checks of `check` (trainer/check.py) and stops on a failure.
 # Placement: every process gets its own GPU(s) (common/placement.py): ref server on the highest GPU, workers below
 # it (vllm_tensor_parallel_size GPUs each), ranks from GPU 0; each sees only its GPUs (CUDA_VISIBLE_DEVICES). The
 # plan is printed at start, written to RUN_DIR/placement.json and shown by the ref server's /status. One GPU: all
@@ -55,7 +62,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 MODE=$1; shift
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
-  demo|train|status|ref-server|trainer-host|workers) ;;
+  demo|train|check|status|ref-server|trainer-host|workers) ;;
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
@@ -83,6 +90,7 @@ esac
 
 RUN_DIR="runs/$(date +%Y%m%d-%H%M%S)"; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
 PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=(); REF_DTYPE=auto; WORKER_DTYPE=""; PLAN_FLAGS=(); PRINT_PLAN=""
+KEEP_GOING=""
 from_caller() {  # a path the user typed, relative to where they ran us (we cd'ed to the repository)
   case "$1" in /*|"") printf '%s' "$1" ;; *) printf '%s' "$CALLER_DIR/$1" ;; esac
 }
@@ -93,7 +101,8 @@ maybe_path() {  # a --model/--data value: a path when it names something there o
   esac
 }
 while [ $# -gt 0 ]; do
-  case "$1" in
+  opt=$1; [ "${opt#--}" != "$opt" ] && opt="--$(printf '%s' "${opt#--}" | tr _ -)"  # --run_dir == --run-dir
+  case "$opt" in
     --run-dir) RUN_DIR=$(from_caller "$2"); shift 2 ;;
     --config) CONFIG=$(from_caller "$2"); shift 2 ;;
     --workers) WORKERS=$2; shift 2 ;;
@@ -109,14 +118,23 @@ while [ $# -gt 0 ]; do
     --port) PORT=$2; shift 2 ;;
     --token-file) TOKEN_FILE=$(from_caller "$2"); shift 2 ;;
     --master-port) MASTER_PORT=$2; shift 2 ;;
+    --keep-going) KEEP_GOING=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
-    *) echo "unknown option '$1'" >&2; usage; exit 2 ;;
+    *) if "$PY" -c "import sys; from common.config import GRPOConfig as C; sys.exit(0 if sys.argv[1] in C.__dataclass_fields__ else 1)" "$(printf '%s' "${opt#--}" | tr - _)" 2>/dev/null; then
+         echo "[launch] '$1' is a trainer option: put it after '--' (./launch.sh $MODE [launch options] -- $1 ...)" >&2
+       else
+         echo "[launch] unknown option '$1' (./launch.sh $MODE --help lists them; trainer options go after '--')" >&2
+       fi
+       exit 2 ;;
   esac
 done
-for i in "${!EXTRA[@]}"; do  # path-valued trainer flags: relative to the caller too
-  case "${EXTRA[$i]}" in
-    --model|--ref_model|--data|--ds_config|--sync_dir) j=$((i + 1)); [ $j -lt ${#EXTRA[@]} ] && EXTRA[$j]=$(maybe_path "${EXTRA[$j]}") ;;
+for i in "${!EXTRA[@]}"; do  # path-valued trainer flags (either spelling, or --flag=value): relative to the caller too
+  arg=${EXTRA[$i]}; flag=$(printf '%s' "${arg%%=*}" | tr - _)
+  case "$flag" in
+    __model|__ref_model|__data|__eval_data|__ds_config|__sync_dir)
+      if [ "$arg" != "${arg#*=}" ]; then EXTRA[$i]="${arg%%=*}=$(maybe_path "${arg#*=}")"
+      else j=$((i + 1)); [ $j -lt ${#EXTRA[@]} ] && EXTRA[$j]=$(maybe_path "${EXTRA[$j]}"); fi ;;
   esac
 done
 [ -n "$WORKER_DTYPE" ] && EXTRA+=(--worker_dtype "$WORKER_DTYPE")  # workers load in it, rank 0 publishes in it
@@ -126,8 +144,8 @@ if [ -z "$REF_MODEL" ]; then
   REF_MODEL=$("$PY" - "${CFG_ARGS[@]}" "${EXTRA[@]}" <<'PYEOF'
 import sys
 from common.config import GRPOConfig
-from common.knobs import load_config
-cfg = load_config(GRPOConfig, sys.argv[1:])
+from common.knobs import load_config_or_exit
+cfg = load_config_or_exit(GRPOConfig, sys.argv[1:], prog="trainer/main.py")  # a bad config: one line, exit 2
 print(cfg.ref_model or cfg.model)
 PYEOF
 )
@@ -136,7 +154,7 @@ fi
 # PLAN_WORKER_ARGS[w] and PLAN_DS (deepspeed --include ... or --num_gpus N); prints the plan.
 [ -n "$GPUS" ] && PLAN_FLAGS+=(--gpus "$GPUS")
 [ -n "$REF_URL" ] && PLAN_FLAGS+=(--no-ref)
-[ -z "$PRINT_PLAN" ] && PLAN_FLAGS+=(--json "$RUN_DIR/placement.json" --check-torch)
+[ -z "$PRINT_PLAN" ] && [ "$MODE" = train ] && PLAN_FLAGS+=(--json "$RUN_DIR/placement.json" --check-torch)
 PLAN=$("$PY" -m common.placement_cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
   --ref-model "$REF_MODEL" --ref-dtype "$REF_DTYPE" -- \
   "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
@@ -149,13 +167,21 @@ if [ -n "$PRINT_PLAN" ]; then  # what each process would be started with, then n
   echo "trainer: deepspeed ${PLAN_DS[*]}${PLAN_TRAIN_ARGS[*]:+ ${PLAN_TRAIN_ARGS[*]}}"
   exit 0
 fi
+# The checks of trainer/check.py (config, model, data, rewards, port, disk): `check` stops here, `train` goes on
+# only if they pass (the placement plan above was the first check).
+CHECK_ARGS=(--run-dir "$RUN_DIR" --port "$PORT"); [ -n "$REF_URL" ] && CHECK_ARGS+=(--ref-url "$REF_URL")
+if [ "$MODE" = check ]; then
+  exec "$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}"
+fi
+"$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}" | sed 's/^/[check] /' >&2 || {
+  echo "[launch] a check failed (above): nothing was started" >&2; exit 2; }
 mkdir -p "$RUN_DIR"
 rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
   MASTER_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 fi
 
-PIDS=()
+PIDS=(); declare -A NAMES=()  # every process started here, and its name (pid -> name) for the watch below
 cleanup() {
   local code=$?
   trap - EXIT INT TERM
@@ -189,6 +215,7 @@ start() {  # start NAME CMD...: own process group, log to RUN_DIR/NAME.log
   rotate "$name"
   setsid "$@" >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
+  NAMES[$!]=$name
   echo "[launch] $name (pid $!) -> $RUN_DIR/$name.log" >&2
 }
 
@@ -203,7 +230,7 @@ if [ -z "$REF_URL" ]; then
   NONCE=$("$PY" -c "import secrets; print(secrets.token_hex(8))")  # /health echoes it: our server, no stranger's
   start ref_server env $PLAN_REF_ENV "$PY" -m ref_server --model "$REF_MODEL" --port "$PORT" \
     --device "$PLAN_REF_DEVICE" --dtype "$REF_DTYPE" --run-nonce "$NONCE" --placement-file "$RUN_DIR/placement.json" \
-    "${TOKEN_ARGS[@]}"
+    "${TOKEN_ARGS[@]}" "${PLAN_REF_ARGS[@]}"
   REF_PID=${PIDS[-1]}
 fi
 echo "[launch] waiting for $REF_URL/health" >&2
@@ -255,6 +282,28 @@ setsid deepspeed "${PLAN_DS[@]}" --master_port "$MASTER_PORT" trainer/main.py "$
   "${PLAN_TRAIN_ARGS[@]}" --ref_server "$REF_URL" --num_gen_workers "$WORKERS" --output_dir "$RUN_DIR" > >(tee "$RUN_DIR/trainer.log") 2>&1 &
 TRAINER=$!
 PIDS+=("$TRAINER")
+# Watch every child until the trainer ends: a ref server that exits, or a worker that fails, ends the run with
+# its name, exit code and last log lines (--keep-going: a worker's exit is a loud line and its row in /status).
+while kill -0 "$TRAINER" 2>/dev/null; do
+  for pid in "${!NAMES[@]}"; do
+    kill -0 "$pid" 2>/dev/null && continue
+    name=${NAMES[$pid]}; unset "NAMES[$pid]"
+    set +e; wait "$pid"; code=$?; set -e
+    if [ "$code" = 0 ] && [ "$name" != ref_server ]; then
+      echo "[launch] $name finished (exit 0) while the trainer runs on" >&2; continue
+    fi
+    echo "[launch] $name exited with code $code while the trainer was running; last lines of $RUN_DIR/$name.log:" >&2
+    tail -n 15 "$RUN_DIR/$name.log" | sed 's/^/    /' >&2
+    if [ -n "$KEEP_GOING" ] && [ "$name" != ref_server ]; then
+      echo "[launch] !!! --keep-going: the run goes on WITHOUT $name (the ranks generate for themselves after get_wait)" >&2
+      "$PY" -m trainer.dist.exits "$REF_URL" "$name" "$code" || true
+      continue
+    fi
+    echo "$name exited with code $code: $(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300) (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
+    exit 3
+  done
+  sleep 1
+done
 set +e
 wait "$TRAINER"
 rc=$?

@@ -66,12 +66,11 @@ def _specs(cfg: GRPOConfig) -> list[str]:
 
 
 def check_model(c: Checker) -> str:
-    from transformers import AutoConfig
-
-    from common.modeling import load_tokenizer, resolve_model_path
-    c.model_path = resolve_model_path(c.cfg.model)
-    conf = AutoConfig.from_pretrained(c.model_path)
-    c.tokenizer = load_tokenizer(c.model_path)
+    from common.modeling import load_model_config, load_tokenizer, resolve_model_path
+    path = resolve_model_path(c.cfg.model)
+    conf = load_model_config(path, c.cfg.load_options())  # as every process loads it: revision, remote code
+    c.tokenizer = load_tokenizer(path, c.cfg.load_options())
+    c.model_path = path  # the disk check sizes it
     return (f"{type(conf).__name__}: {conf.num_hidden_layers} layers, hidden {conf.hidden_size}, vocab "
             f"{conf.vocab_size}; tokenizer {len(c.tokenizer)} tokens, eos {c.tokenizer.eos_token!r}, "
             f"pad {c.tokenizer.pad_token!r}")
@@ -118,22 +117,22 @@ def check_port(port: int) -> str:
     return f"{port} is free"
 
 
-def model_bytes(model_path: str) -> int:
+def model_bytes(model_path: str, options: dict | None = None) -> int:
     """The checkpoint's size on disk when it is a local folder, else parameters x 2 bytes (bf16) from config."""
     folder = Path(model_path)
     if folder.is_dir():
         files = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")]
         if files:
             return sum(p.stat().st_size for p in files)
-    from transformers import AutoConfig
-    conf = AutoConfig.from_pretrained(model_path)
+    from common.modeling import load_model_config
+    conf = load_model_config(model_path, options)
     h, n, v = conf.hidden_size, conf.num_hidden_layers, conf.vocab_size
     inter = getattr(conf, "intermediate_size", 4 * h)
     return 2 * (v * h * (1 if getattr(conf, "tie_word_embeddings", False) else 2) + n * (4 * h * h + 3 * h * inter))
 
 
 def check_disk(c: Checker, run_dir: Path) -> str:
-    need = 2 * model_bytes(c.model_path)
+    need = 2 * model_bytes(c.model_path, c.cfg.load_options())
     where = run_dir
     while not where.exists():
         where = where.parent

@@ -19,16 +19,17 @@ Relative paths are taken from where launch.sh is run (GRPO_CALLER_DIR).
 """
 from __future__ import annotations
 
-from common.cli import ArgumentParser, canonical
-
 import argparse
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from common.cli import ArgumentParser, canonical
+from common.client import RefServerError
 from common.placement_cli import gpu_list
 from trainer.dist.nodes import address_towards, interface_of
 
@@ -97,6 +98,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                                             "lowered to fit)")
     w.add_argument("--print-plan", action="store_true", help="print which GPU(s) each worker would get and exit "
                                                              "without starting anything")
+    w.add_argument("--keep-going", action="store_true", help="a worker that exits does not stop the others (a "
+                                                             "loud line; /status shows it exited); default: the "
+                                                             "first that fails stops them all, naming itself")
     common_flags(w, run_dir_required=False)  # not needed to print a plan
     args = p.parse_args(argv)
     if args.role == "workers" and not args.print_plan and not (args.ref_url and args.run_dir):
@@ -200,11 +204,42 @@ def workers(args: argparse.Namespace, extra: list[str], env: dict) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    codes = [p.wait() for p in procs]
-    bad = {f"worker{args.first_id + i}": c for i, c in enumerate(codes) if c}
-    if bad:
-        print(f"[launch] workers that failed: {bad} (logs in {run_dir})", file=sys.stderr)
-    return 1 if bad else 0
+    return watch({f"worker{args.first_id + i}": p for i, p in enumerate(procs)}, run_dir, args.ref_url,
+                 args.keep_going, stop)
+
+
+def watch(procs: dict, run_dir: Path, ref_url: str, keep_going: bool, stop) -> int:
+    """Until every worker has exited: one that fails is named with its exit code and last log lines, and stops
+    the others (exit 3), unless keep_going (a loud line, and its row in the ref server's /status says so)."""
+    from trainer.dist.exits import last_lines, mark_exited
+
+    alive, failed = dict(procs), {}
+    while alive:
+        for name, p in list(alive.items()):
+            code = p.poll()
+            if code is None:
+                continue
+            del alive[name]
+            if code == 0:
+                print(f"[launch] {name} finished (exit 0)", file=sys.stderr)
+                continue
+            failed[name] = code
+            print(f"[launch] {name} exited with code {code}; last lines of {run_dir}/{name}.log:\n"
+                  f"{last_lines(run_dir / f'{name}.log')}", file=sys.stderr)
+            if not keep_going:
+                print(f"[launch] stopping the other workers ({name} failed; --keep-going to go on without it)",
+                      file=sys.stderr)
+                stop(signal.SIGTERM, None)
+                for q in alive.values():
+                    q.wait()
+                return 3
+            print(f"[launch] !!! --keep-going: this host goes on WITHOUT {name}", file=sys.stderr)
+            try:
+                mark_exited(ref_url, name, code)
+            except RefServerError as e:  # the loud line above stands; the status row is a courtesy
+                print(f"[launch] could not mark {name} exited in /status: {e.message}", file=sys.stderr)
+        time.sleep(0.5)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
