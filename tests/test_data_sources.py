@@ -211,6 +211,8 @@ def test_eval_steps_on_one_file_needs_eval_data(tmp_path):
     c = load_config(GRPOConfig, ["--data", data, "--eval_steps", "10", "--eval_data", held])
     assert run_data.eval_examples(c) == load_examples(held)
     assert run_data.eval_examples(load_config(GRPOConfig, ["--data", data])) == []  # no eval asked: none loaded
+    with pytest.raises(ValueError, match="one file with no eval split"):  # a caller that skipped validate()
+        run_data.eval_examples(GRPOConfig(data=data, eval_before=True))
 
 
 def test_eval_on_a_folder_or_dataset_without_an_eval_split_is_refused_at_load(tmp_path):

@@ -10,6 +10,7 @@ Both are checked against the reward functions before anything runs: a built-in t
 from __future__ import annotations
 
 from trainer.data import ColumnSpec, Example, load_examples
+from trainer.data_files import is_data_file
 from trainer.rewards.registry import load_reward_fns, needs_ground_truth
 
 
@@ -41,6 +42,9 @@ def eval_examples(cfg) -> list[Example]:
     if not (cfg.eval_steps or cfg.eval_before):
         return []
     source = cfg.eval_data or cfg.data
+    if cfg.eval_data is None and is_data_file(cfg.data):  # config.validate says the same; here for callers without it
+        raise ValueError(f"eval on held-out rows, but data {cfg.data!r} is one file with no eval split: give "
+                         f"eval_data (a file, folder or hub id)")
     try:
         examples = load_examples(source, split=cfg.eval_split, limit=cfg.eval_limit,
                                  columns=ColumnSpec.from_config(cfg), config=cfg.dataset_config)
