@@ -210,6 +210,7 @@ def test_eval_steps_on_one_file_needs_eval_data(tmp_path):
         assert "\n" not in str(e.value)
     c = load_config(GRPOConfig, ["--data", data, "--eval_steps", "10", "--eval_data", held])
     assert run_data.eval_examples(c) == load_examples(held)
+    assert len(run_data.train_examples(c, limit=1)) == 1 and len(run_data.eval_examples(c, limit=0)) == 0
     assert run_data.eval_examples(load_config(GRPOConfig, ["--data", data])) == []  # no eval asked: none loaded
     with pytest.raises(ValueError, match="one file with no eval split"):  # a caller that skipped validate()
         run_data.eval_examples(GRPOConfig(data=data, eval_before=True))

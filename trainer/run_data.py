@@ -30,15 +30,16 @@ def check_ground_truths(reward_fns, examples: list[Example], what: str) -> None:
                              f"that need none (format, a judge or length reward of yours), or set answer_column")
 
 
-def train_examples(cfg) -> list[Example]:
-    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit,
+def train_examples(cfg, limit: int | None = None) -> list[Example]:
+    """The training examples (`limit`: the first rows only, e.g. for `launch.sh check`; default data_limit)."""
+    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit if limit is None else limit,
                              columns=ColumnSpec.from_config(cfg), config=cfg.dataset_config)
     check_ground_truths(cfg.reward_fns, examples, _label(cfg.data, cfg.data_split))
     return examples
 
 
-def eval_examples(cfg) -> list[Example]:
-    """The held-out examples of eval_steps / eval_before ([] when neither is set)."""
+def eval_examples(cfg, limit: int | None = None) -> list[Example]:
+    """The held-out examples of eval_steps / eval_before ([] when neither is set; `limit` as in train_examples)."""
     if not (cfg.eval_steps or cfg.eval_before):
         return []
     source = cfg.eval_data or cfg.data
@@ -46,7 +47,7 @@ def eval_examples(cfg) -> list[Example]:
         raise ValueError(f"eval on held-out rows, but data {cfg.data!r} is one file with no eval split: give "
                          f"eval_data (a file, folder or hub id)")
     try:
-        examples = load_examples(source, split=cfg.eval_split, limit=cfg.eval_limit,
+        examples = load_examples(source, split=cfg.eval_split, limit=cfg.eval_limit if limit is None else limit,
                                  columns=ColumnSpec.from_config(cfg), config=cfg.dataset_config)
     except (FileNotFoundError, ValueError) as e:
         where = "eval_data" if cfg.eval_data else "data"
