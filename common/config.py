@@ -18,6 +18,8 @@ from common.model_options import ModelLoading
 LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
               "dapo": ("clip", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "seq_mean"),
               "luspo": ("clip", "luspo")}
+# Files `data` and `eval_data` may name (trainer/data_files.py reads them); such a file has no splits.
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".csv", ".parquet")
 
 
 @dataclass
@@ -34,10 +36,18 @@ class GRPOConfig(ModelLoading):
                               "embedded tiny Qwen2 model (python -m common.tiny_model).")
     ref_model: str | None = knob(None, "Reference model for the ref server (defaults to `model`).")
     data: str = knob("openai/gsm8k", "Training data: a hub id (datasets.load_dataset), a directory with "
-                                     "{split}.jsonl/.parquet, or one .jsonl/.parquet file. 'arith' = the "
-                                     "built-in synthetic arithmetic task.")
+                                     "{split}.jsonl/.json/.csv/.parquet, or one .jsonl, .json (array or lines), "
+                                     ".json.gz or .csv or .parquet file. 'arith' = the built-in synthetic "
+                                     "arithmetic task. Rows without an answer column are prompt-only (ground "
+                                     "truth None; docs/data.md).")
+    dataset_config: str | None = knob(None, "TRL name: the configuration (subset) of a hub dataset, or of a "
+                                            "dataset folder whose README.md lists `configs:` (openai/gsm8k "
+                                            "gets 'main' without it). Applies to data and eval_data.")
     data_split: str = knob("train", "Split used for training.")
     eval_split: str = knob("test", "Split used for evaluation.")
+    eval_data: str | None = knob(None, "Eval data for eval_steps/eval_before, in the forms `data` takes (a "
+                                       "folder or hub id gives its eval_split). Default: data's eval_split; a "
+                                       "single-file data has none: eval never runs on training rows.")
     data_limit: int | None = knob(None, "Use at most this many training examples.")
     system_prompt: str | None = knob("default", "System prompt for the chat template; 'default' = the R1-style "
                                                     "prompt in trainer/data.py; '' = no system message (a template "
@@ -168,16 +178,18 @@ class GRPOConfig(ModelLoading):
     log_stall_every: float = knob(30.0, "While nothing trains (all groups skipped), log cumulative rollout "
                                         "counts every this many seconds.")
     # --- data, prompts and rewards (issue 13; reward_timeout from issue 16) ------------------------------
-    prompt_format: str = knob("chat", "How a prompt becomes model input: chat (question + system prompt through "
-                                      "the chat template), messages (the row's prompt is a [{role, content}] "
-                                      "conversation, templated as is), raw (the prompt string verbatim, already "
-                                      "templated, e.g. ReasonRL), r1zero (plain-text R1-Zero template, base "
-                                      "models). See trainer/prompt_formats.py.")
+    prompt_format: str = knob("auto", "How a prompt becomes model input: auto (messages where the prompt "
+                                      "column holds a message list, else chat), chat (question + system prompt "
+                                      "through the chat template), messages (the row's prompt is a [{role, "
+                                      "content}] conversation, templated as is), raw (the prompt string verbatim, "
+                                      "already templated, e.g. ReasonRL), r1zero (plain-text R1-Zero template, "
+                                      "base models). See trainer/prompt_formats.py.")
     prompt_column: str | None = knob(None, "Dataset column holding the prompt (default: detected: prompt, "
                                            "question or problem).")
     answer_column: str | None = knob(None, "Dataset column(s) holding the answer (default: detected: "
                                            "ground_truth, answer (GSM8K ####), solution (MATH \\boxed{}), "
-                                           "nums,target (Countdown)). 'a,b' passes several as a JSON object.")
+                                           "nums,target (Countdown); none of them: prompt-only rows, ground "
+                                           "truth None). 'a,b' passes several as a JSON object.")
     prompt_template: str | None = knob(None, "Build the prompt from the row's columns with str.format, e.g. "
                                              "'Using {nums}, make {target}.' (Countdown has no prompt column).")
     reward_weights: list = knob([], "One weight per reward function (default: all 1.0).")
@@ -424,8 +436,14 @@ class GRPOConfig(ModelLoading):
     def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
         n_fns = len(self.reward_fns) if isinstance(self.reward_fns, list) else len(str(self.reward_fns).split(","))
         return [
-            (self.prompt_format in ("chat", "messages", "raw", "r1zero"),
-             f"unknown prompt_format {self.prompt_format!r}; use chat, messages, raw or r1zero"),
+            (self.prompt_format in ("auto", "chat", "messages", "raw", "r1zero"),
+             f"unknown prompt_format {self.prompt_format!r}; use auto, chat, messages, raw or r1zero"),
+            (self.dataset_config is None or (isinstance(self.dataset_config, str) and self.dataset_config.strip()),
+             "dataset_config must be a configuration name (or null)"),
+            (not (self.eval_steps or self.eval_before) or self.eval_data
+             or not str(self.data).lower().endswith(DATA_FILE_SUFFIXES),
+             f"eval_steps/eval_before evaluate on held-out rows, but data {self.data!r} is one file with no eval "
+             f"split: give eval_data (a file, folder or hub id), or set eval_steps 0 and eval_before false"),
             (self.prompt_format not in ("raw", "r1zero") or self.system_prompt in ("default", "", None),
              f"prompt_format {self.prompt_format!r} takes the prompt as it is: a system_prompt cannot be added "
              f"(set system_prompt to '')"),

@@ -8,7 +8,8 @@ from __future__ import annotations
 SECTIONS: list[tuple[str, str, list[str]]] = [
     ("model and data", "What is trained, on what, and how a row becomes a prompt.", [
         "model", "ref_model", "trust_remote_code", "attn_implementation", "revision", "model_init_kwargs",
-        "data", "data_split", "eval_split", "data_limit", "prompt_format", "prompt_column", "answer_column",
+        "data", "dataset_config", "data_split", "eval_data", "eval_split", "data_limit", "prompt_format",
+        "prompt_column", "answer_column",
         "prompt_template", "system_prompt"]),
     ("rewards", "Reward functions and their shaping.", [
         "reward_fns", "reward_weights", "reward_timeout", "overlong_buffer", "overlong_penalty"]),

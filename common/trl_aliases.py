@@ -28,6 +28,10 @@ def _pick(table: dict, trl_name: str):
 
 # TRL name -> (our field, value translation or None, what it means for --help)
 ALIASES: dict[str, tuple[str, Any, str]] = {
+    # TRL's script arguments for the data (`trl grpo --dataset_name ...`); dataset_config is our field's own name
+    "dataset_name": ("data", None, "training data: hub id, folder or file"),
+    "dataset_train_split": ("data_split", None, "training split"),
+    "dataset_test_split": ("eval_split", None, "evaluation split"),
     "num_generations": ("num_pre_Q", None, "completions per prompt"),
     "max_completion_length": ("max_new_tokens", None, "completion length cap"),
     "learning_rate": ("lr", None, "peak learning rate"),

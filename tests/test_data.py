@@ -103,7 +103,7 @@ def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("row, msg", [
-    ({"text": "hello"}, "neither"),
+    ({"text": "hello"}, "none of the known layouts"),
     ({"question": "q", "answer": "no marker"}, "####"),
     ({"prompt": "", "ground_truth": "1"}, "non-empty"),
     ({"prompt": "p", "ground_truth": None}, "ground_truth must be"),
@@ -124,9 +124,9 @@ def test_missing_sources(tmp_path: Path) -> None:
         load_examples(str(tmp_path), split="validation")
     with pytest.raises(FileNotFoundError):
         load_examples("./no/such/dir")
-    (tmp_path / "x.csv").write_text("a,b\n")
+    (tmp_path / "x.txt").write_text("a,b\n")
     with pytest.raises(ValueError, match="unsupported file type"):
-        load_examples(str(tmp_path / "x.csv"))
+        load_examples(str(tmp_path / "x.txt"))
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no examples"):
         load_examples(str(tmp_path / "empty.jsonl"))

@@ -83,9 +83,11 @@ def test_messages_format(tmp_path, tok):
     conv = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
             {"role": "user", "content": "2+2"}]
     f = write_jsonl(tmp_path / "m.jsonl", [{"prompt": conv, "ground_truth": "4"}])
-    with pytest.raises(ValueError, match="messages"):
-        load_examples(f)  # a list prompt in a chat run: told to use messages
+    with pytest.raises(ValueError, match="'auto' or 'messages'"):
+        load_examples(f, columns=ColumnSpec(prompt_format="chat"))  # a list prompt in a chat run: told what fits
     ex = load_examples(f, columns=ColumnSpec(prompt_format="messages"))
+    assert load_examples(f) == ex  # the default (auto) finds the conversation itself
+    assert texts(tok, ex, "auto") == texts(tok, ex, "messages")
     want = "<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n<|im_start|>user\n2+2<|im_end|>\n" \
            "<|im_start|>assistant\n"
     assert texts(tok, ex, "messages") == [want]  # no system prompt added by default

@@ -46,3 +46,18 @@ def raises(prompts, completions, **kwargs):
 
 def neither(a, b, c):
     return 0.0
+
+
+def reward_len(completions, **kwargs):
+    """TRL's quickstart reward: prefer completions of 20 characters (prompt-only data, no ground truth)."""
+    return [-abs(20 - len(c)) for c in completions]
+
+
+def row_id(prompts, completions, id, **kwargs):
+    """The row's `id` column as the reward (a prompt-only row's other columns reach TRL-style rewards)."""
+    return [float(i) for i in id]
+
+
+def no_truth(completion, ground_truth):
+    """Ours-style: 1.0 when the ground truth arrived as None (a prompt-only row), else 0.0."""
+    return 1.0 if ground_truth is None else 0.0

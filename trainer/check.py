@@ -77,11 +77,14 @@ def check_model(c: Checker) -> str:
 
 
 def check_data(c: Checker) -> str:
-    from trainer.data import ColumnSpec, load_examples
+    from trainer import run_data
     from trainer.rollout import encode_prompts
     cfg = c.cfg
-    c.examples = load_examples(cfg.data, split=cfg.data_split, limit=3, columns=ColumnSpec.from_config(cfg))
-    read = f"{len(c.examples)} rows read, prompt format {cfg.prompt_format}"
+    # as the ranks and workers load it: dataset_config, the prompt-only refusals, the eval rows' rule
+    c.examples = run_data.train_examples(cfg, limit=3)
+    held_out = run_data.eval_examples(cfg, limit=3)
+    read = f"{len(c.examples)} rows read, prompt format {cfg.prompt_format}" + (
+        f"; eval rows from {cfg.eval_data or cfg.data} ({cfg.eval_split})" if held_out else "")
     if c.tokenizer is None:
         return read + " (prompts not rendered: no tokenizer)"
     kept, skipped = encode_prompts(c.tokenizer, c.examples, cfg.system_prompt, cfg.max_prompt_length,
@@ -96,8 +99,7 @@ def check_data(c: Checker) -> str:
 
 def check_rewards(c: Checker) -> str:
     from trainer.rewards.scoring import RewardScorer
-    scorer = RewardScorer(_specs(c.cfg), c.cfg.reward_weights, timeout=c.cfg.reward_timeout,
-                          conversational=c.cfg.prompt_format == "messages")
+    scorer = RewardScorer.from_config(c.cfg)  # as the workers build it
     try:
         if not c.examples:
             return f"{', '.join(scorer.names)} imported (no data row to score one completion)"

@@ -1,5 +1,6 @@
-"""Training/eval examples: loading (hub, local JSONL/Parquet, synthetic), prompts, sharded sampling.
+"""Training/eval examples: loading (hub, local files and folders, synthetic), prompts, sharded sampling.
 
+File formats are trainer/data_files.py; which examples a run trains and evaluates on is trainer/run_data.py.
 Row layouts found without configuration (prompt_column/answer_column/prompt_template override them):
     GSM8K      {"question": ..., "answer": "... #### 72"}   ground truth = text after the last ####, commas removed
     ReasonRL   {"prompt": ..., "ground_truth": ...}         used as-is (a dict/list ground truth is JSON-encoded,
@@ -7,28 +8,36 @@ Row layouts found without configuration (prompt_column/answer_column/prompt_temp
     MATH       {"problem": ..., "solution": "... \\boxed{3}"} ground truth = the last \\boxed{} of the solution
     Countdown  {"nums": [...], "target": N}                 ground truth = {"nums": [...], "target": N}; the
                                                              prompt comes from prompt_template
+    prompt-only {"prompt": ...} and no answer column         ground truth = None (judge or length rewards; the
+                                                             built-ins that need a ground truth refuse the data)
+A prompt that is a list of {"role", "content"} messages is conversational (prompt_format auto -> messages).
 Other fields of a row are kept in Example.meta; Example.columns (all but the prompt) go to TRL-style rewards.
 """
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from common.config import DATA_FILE_SUFFIXES
 from common.prompts import SYSTEM_PROMPT  # re-exported: the R1-style prompt (simple_GRPO's wording)
+from common.user_code import user_dir
+from trainer.data_files import is_data_file, read_rows, split_file
 from trainer.example import Example  # re-exported: what a loader returns
 from trainer.prompt_formats import build_prompt, check_messages  # re-exported: prompt formats live there
 from trainer.rewards.answers import last_boxed
 
 __all__ = ["Example", "ColumnSpec", "SYSTEM_PROMPT", "load_examples", "build_prompt", "PromptSampler"]
 
-# Hub datasets that need a config name (GSM8K has "main" and "socratic").
+log = logging.getLogger("trainer")
+
+# The configuration a hub dataset gets when dataset_config is not given (GSM8K has "main" and "socratic").
 _HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
-_FILE_SUFFIXES = (".jsonl", ".parquet")
 # Generated tasks by name -> "module:function(split) -> list[Example]".
 SYNTHETIC_SOURCES = {"arith": "trainer.demo.arith:load_arith"}
 
@@ -40,7 +49,7 @@ class ColumnSpec:
     prompt_column: str | None = None
     answer_column: str | None = None  # "a,b" = several columns, passed on as the JSON object {"a": .., "b": ..}
     prompt_template: str | None = None  # str.format over the row's columns, e.g. "Reach {target} with {nums}"
-    prompt_format: str = "chat"
+    prompt_format: str = "auto"
 
     @classmethod
     def from_config(cls, cfg) -> ColumnSpec:
@@ -51,19 +60,25 @@ class ColumnSpec:
 _LAYOUTS = (("prompt", "ground_truth"), ("question", "answer"), ("problem", "solution"), (None, "nums,target"))
 
 
-def _detect(row: dict, spec: ColumnSpec, where: str) -> tuple[str | None, str]:
+def _detect(row: dict, spec: ColumnSpec, where: str) -> tuple[str | None, str | None]:
+    """(prompt column, answer column); answer None = a prompt-only row."""
+    own_prompt = spec.prompt_column or ("prompt" if spec.prompt_template is None else None)
     if spec.answer_column is not None:
-        return spec.prompt_column or ("prompt" if spec.prompt_template is None else None), spec.answer_column
+        return own_prompt, spec.answer_column
     for pcol, acol in _LAYOUTS:
         if (spec.prompt_column or pcol) in row or pcol is None:
             if all(c in row for c in acol.split(",")):
                 return spec.prompt_column or pcol, acol
-    raise ValueError(f"{where}: row has none of the known layouts ('prompt'+'ground_truth', 'question'+'answer', "
-                     f"'problem'+'solution', 'nums'+'target'); set prompt_column/answer_column "
+    if own_prompt is None or own_prompt in row:  # TRL's prompt-only data: judge or length rewards need no answer
+        return own_prompt, None
+    raise ValueError(f"{where}: row has none of the known layouts ('prompt' alone or with 'ground_truth', "
+                     f"'question'+'answer', 'problem'+'solution', 'nums'+'target'); set prompt_column/answer_column "
                      f"(keys: {sorted(row)[:10]})")
 
 
-def _ground_truth(row: dict, acol: str, where: str) -> str:
+def _ground_truth(row: dict, acol: str | None, where: str) -> str | None:
+    if acol is None:
+        return None
     cols = [c.strip() for c in acol.split(",")]
     missing = [c for c in cols if c not in row]
     if missing:
@@ -98,10 +113,11 @@ def _prompt(row: dict, pcol: str | None, spec: ColumnSpec, where: str):
         raise ValueError(f"{where}: no prompt column {pcol!r} (keys: {sorted(row)[:10]}); set prompt_column, "
                          f"or prompt_template to build the prompt from other columns")
     prompt = row[pcol]
-    if spec.prompt_format == "messages":
+    if spec.prompt_format == "messages" or (spec.prompt_format == "auto" and isinstance(prompt, list)):
         check_messages(prompt, where)
     elif not isinstance(prompt, str) or not prompt.strip():
-        hint = " (a message list: use prompt_format 'messages')" if isinstance(prompt, list) else ""
+        hint = f" (a message list: use prompt_format 'auto' or 'messages', not {spec.prompt_format!r})" \
+            if isinstance(prompt, list) else ""
         raise ValueError(f"{where}: the prompt ({pcol!r}) must be a non-empty string{hint}")
     return prompt
 
@@ -112,7 +128,7 @@ def _row_to_example(row: Any, where: str, spec: ColumnSpec = ColumnSpec()) -> Ex
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     pcol, acol = _detect(row, spec, where)
     prompt, gt = _prompt(row, pcol, spec, where), _ground_truth(row, acol, where)
-    if not gt:
+    if acol is not None and not gt:
         raise ValueError(f"{where}: empty ground truth")
     meta = {k: v for k, v in row.items() if k not in (pcol, acol)}
     if acol == "answer":
@@ -121,83 +137,78 @@ def _row_to_example(row: Any, where: str, spec: ColumnSpec = ColumnSpec()) -> Ex
     return Example(prompt=prompt, ground_truth=gt, meta=meta, columns=columns)
 
 
-def _read_jsonl(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:
+def _read_file(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:
     out: list[Example] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-            out.append(_row_to_example(row, f"{path}:{lineno}", spec))
+    for where, row in read_rows(path):
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(_row_to_example(row, where, spec))
     return out
 
 
-def _read_parquet(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:
-    import pyarrow.parquet as pq  # a dependency of `datasets`; reads without touching the HF cache
-
-    rows = pq.read_table(path).to_pylist()
-    rows = rows if limit is None else rows[:limit]
-    return [_row_to_example(r, f"{path}:row {i}", spec) for i, r in enumerate(rows, 1)]
-
-
-def _read_file(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path, limit, spec)
-    if path.suffix == ".parquet":
-        return _read_parquet(path, limit, spec)
-    raise ValueError(f"{path}: unsupported file type (use .jsonl or .parquet)")
-
-
-def _split_file(directory: Path, split: str) -> Path:
-    """{split}.jsonl, else {split}.parquet, else one hub-style {split}-00000-of-00001.parquet shard."""
-    for name in (f"{split}.jsonl", f"{split}.parquet"):
-        if (directory / name).is_file():
-            return directory / name
-    shards = sorted(directory.rglob(f"{split}-*.parquet"))
-    if len(shards) == 1:
-        return shards[0]
-    if len(shards) > 1:
-        raise ValueError(f"{directory}: several parquet shards for split {split!r} ({len(shards)}); "
-                         f"merge them into {split}.parquet")
-    raise FileNotFoundError(f"{directory}: no {split}.jsonl or {split}.parquet for split {split!r}")
+def _check_uniform(examples: list[Example], source: str, split: str) -> None:
+    """One kind of row per data set: all with a ground truth or none (a row that lost its answer column must not
+    quietly become prompt-only), and under prompt_format auto all prompts text or all message lists."""
+    for what, kind in (("an answer", lambda e: e.ground_truth is not None),
+                       ("a message-list prompt", lambda e: isinstance(e.prompt, list))):
+        kinds = [kind(e) for e in examples]
+        if any(kinds) and not all(kinds):
+            i, j = kinds.index(True), kinds.index(False)
+            raise ValueError(f"data {source!r} (split {split!r}): example {i + 1} has {what} but example {j + 1} "
+                             f"has none; every row must have the same columns")
 
 
 # ----------------------------------------------------------------------------- public loader
-def _looks_local(source: str) -> bool:
-    return source.startswith((".", "/", "~")) or source.endswith(_FILE_SUFFIXES + (".json",))
+def _local_path(source: str) -> Path | None:
+    """The file or folder `source` names: absolute, or relative to the folder launch.sh ran in (GRPO_USER_DIR,
+    as reward files are found: common/user_code.py), else to this process's working folder."""
+    path = Path(source).expanduser()
+    for p in ([path] if path.is_absolute() else [user_dir() / path, path]):
+        if p.exists():
+            return p
+    return None
+
+
+def _card_only(folder: Path, split: str) -> bool:
+    """A dataset folder described by its README.md (`configs:`), with no {split}.<suffix> file of ours."""
+    return (folder / "README.md").is_file() and not any((folder / f"{split}{s}").is_file() for s in DATA_FILE_SUFFIXES)
 
 
 def load_examples(source: str, split: str = "train", limit: int | None = None,
-                  columns: ColumnSpec | None = None) -> list[Example]:
+                  columns: ColumnSpec | None = None, config: str | None = None) -> list[Example]:
     """Examples from `source`, first `limit` rows only when given.
 
     source: a SYNTHETIC_SOURCES name ("arith": the demo's task, trainer/demo/arith.py); an existing directory holding
-    {split}.jsonl / {split}.parquet; an existing .jsonl / .parquet file (split ignored);
-    otherwise a Hugging Face hub id loaded with datasets.load_dataset (needs internet or a
-    warm HF cache; "openai/gsm8k" uses its "main" config). `columns` maps the row layout (ColumnSpec).
+    {split}.jsonl / .json / .csv / .parquet (with `config`: a dataset folder whose README.md lists `configs:`, read
+    by datasets.load_dataset); an existing data file (split ignored; trainer/data_files.py); otherwise a Hugging
+    Face hub id loaded with datasets.load_dataset (needs internet or a warm HF cache; `config` names its
+    configuration, "openai/gsm8k" gets "main" without one). `columns` maps the row layout (ColumnSpec).
     """
     spec = columns or ColumnSpec()
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    path = None if source in SYNTHETIC_SOURCES else _local_path(source)
+    if config is not None and (source in SYNTHETIC_SOURCES or (path is not None and path.is_file())):
+        raise ValueError(f"dataset_config {config!r} picks a configuration of a hub dataset or a dataset folder; "
+                         f"data {source!r} has none (leave dataset_config unset)")
     if source in SYNTHETIC_SOURCES:
         examples = _load_synthetic(source, split)
         return examples if limit is None else examples[:limit]
-    path = Path(source).expanduser()
-    if path.is_dir():
-        examples = _read_file(_split_file(path, split), limit, spec)
-    elif path.is_file():
+    if path is not None and path.is_dir() and config is None and not _card_only(path, split):
+        examples = _read_file(split_file(path, split), limit, spec)
+    elif path is not None and path.is_file():
         examples = _read_file(path, limit, spec)
-    elif _looks_local(source):
-        raise FileNotFoundError(f"data source {source!r} does not exist")
+    elif path is None and (source.startswith((".", "/", "~")) or is_data_file(source)):
+        raise FileNotFoundError(f"data source {source!r} does not exist (relative paths start from {user_dir()})")
     else:
-        examples = _load_hub(source, split, limit, spec)
+        examples = _load_hub(str(path or source), split, limit, spec, config or _HUB_CONFIGS.get(source))
     if not examples and limit != 0:
         raise ValueError(f"data source {source!r} (split {split!r}) holds no examples")
+    _check_uniform(examples, source, split)
+    if examples and examples[0].ground_truth is None:
+        log.info("data %r (split %r): no answer column, prompt-only rows (ground truth None); columns for TRL-style "
+                 "rewards: %s; set answer_column if one of them is the answer", source, split,
+                 sorted(examples[0].columns))
     return examples
 
 
@@ -208,10 +219,10 @@ def _load_synthetic(name: str, split: str) -> list[Example]:
     return getattr(importlib.import_module(mod_name), fn_name)(split)
 
 
-def _load_hub(source: str, split: str, limit: int | None, spec: ColumnSpec) -> list[Example]:
+def _load_hub(source: str, split: str, limit: int | None, spec: ColumnSpec, config: str | None) -> list[Example]:
     import datasets
 
-    ds = datasets.load_dataset(source, _HUB_CONFIGS.get(source), split=split)
+    ds = datasets.load_dataset(source, config, split=split)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     return [_row_to_example(r, f"{source}[{split}] row {i}", spec) for i, r in enumerate(ds, 1)]

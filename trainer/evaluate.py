@@ -27,7 +27,7 @@ from trainer.rollout import encode_prompts
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
-             num_samples: int = 20, progress: bool = True, prompt_format: str = "chat", scorer=None) -> dict:
+             num_samples: int = 20, progress: bool = True, prompt_format: str = "auto", scorer=None) -> dict:
     """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0.
     With `scorer` (the run's RewardScorer: in-training eval) the completions are scored with the run's reward
     functions instead: "rewards" {name: [sum, completions it applied to, completions it scored > 0]} and
@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--system-prompt", default="default", help="'default' (R1-style), '' (none) or a text.")
-    p.add_argument("--prompt-format", default="chat", help="chat, messages, raw or r1zero (trainer/prompt_formats.py).")
+    p.add_argument("--prompt-format", default="auto",
+                   help="auto, chat, messages, raw or r1zero (trainer/prompt_formats.py).")
+    p.add_argument("--dataset-config", default=None, help="Configuration (subset) of a hub dataset or dataset folder.")
     p.add_argument("--prompt-column", default=None, help="Dataset column of the prompt (default: detected).")
     p.add_argument("--answer-column", default=None, help="Dataset column(s) of the answer (default: detected).")
     p.add_argument("--prompt-template", default=None, help="str.format template over the row's columns.")
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model = load_model(path, device=a.device, dtype=a.dtype, options=cfg.load_options())
     columns = ColumnSpec(a.prompt_column, a.answer_column, a.prompt_template, a.prompt_format)
-    examples = load_examples(a.data, split=a.split, limit=a.limit, columns=columns)
+    examples = load_examples(a.data, split=a.split, limit=a.limit, columns=columns, config=a.dataset_config)
     res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
                    batch_size=a.batch_size, prompt_format=a.prompt_format)
     res.update(model=a.model, data=a.data, split=a.split)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Example:
-    prompt: str | list  # text, or a message list [{"role", "content"}, ...] for prompt_format "messages"
-    ground_truth: str
+    prompt: str | list  # text, or a message list [{"role", "content"}, ...] (conversational: prompt_format messages)
+    ground_truth: str | None  # None: a prompt-only row (no answer column; judge or length rewards)
     meta: dict = field(default_factory=dict)  # the row's other columns (GSM8K: "solution" = the worked answer)
     columns: dict = field(default_factory=dict, compare=False)  # all columns but the prompt: TRL reward keywords
     index: int | None = None  # position in the loaded list, set by PromptSampler (batches log what they trained)

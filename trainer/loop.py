@@ -20,11 +20,10 @@ import torch
 from common.config import GRPOConfig
 from common.knobs import to_dict
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
-from trainer import resume
+from trainer import resume, run_data
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.completions import CompletionLog, completion_rows, gather_rows
-from trainer.data import ColumnSpec, load_examples
 from trainer.dist import comm, nodes
 from trainer.engine import build_engine, init_deepspeed
 from trainer.health import (
@@ -170,10 +169,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     torch.distributed.all_gather_object(peers, (nodes.host_label(), os.getpid()))
     client = make_client(cfg, f"{RANK_PRODUCER}{rank}", "rank", host=peers[rank][0])
     client.wait_ready(timeout=300)
-    columns = ColumnSpec.from_config(cfg)
-    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit, columns=columns)
-    eval_examples = load_examples(cfg.data, split=cfg.eval_split, limit=cfg.eval_limit, columns=columns) \
-        if (cfg.eval_steps or cfg.eval_before) else []
+    examples = run_data.train_examples(cfg)
+    eval_examples = run_data.eval_examples(cfg)  # held-out rows only: never the training rows
     scorer = RewardScorer.from_config(cfg)
     sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)
     stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")

@@ -1,5 +1,7 @@
 """Prompt formats: how an example's prompt becomes the text the policy continues (`prompt_format`).
 
+    auto      (the default) messages where the prompt is a list of messages, else chat: TRL's conversational
+              data needs no flag
     chat      question + system prompt through the tokenizer's chat template (the default)
               {"question": "What is 2+3?", "answer": "... #### 5"}
     messages  the row's prompt is a conversation, few-shot turns included, templated as is (a system prompt is
@@ -19,7 +21,7 @@ from __future__ import annotations
 from common.chat import render_without_system
 from common.prompts import SYSTEM_PROMPT
 
-PROMPT_FORMATS = ("chat", "messages", "raw", "r1zero")
+PROMPT_FORMATS = ("auto", "chat", "messages", "raw", "r1zero")
 
 # The R1-Zero template as in DeepSeek-R1 (Table 1) and Dr. GRPO's understand-r1-zero.
 R1ZERO_TEMPLATE = (
@@ -71,9 +73,17 @@ def check_not_templated(tokenizer, prompt: str) -> None:
                          f"to take it verbatim. Prompt: {prompt[:200]!r}")
 
 
+def resolve_format(prompt_format: str, prompt) -> str:
+    """The format of this prompt: 'auto' is messages for a message list, else chat; others are themselves."""
+    if prompt_format == "auto":
+        return "messages" if isinstance(prompt, list) else "chat"
+    return prompt_format
+
+
 def build_prompt(tokenizer, prompt, system_prompt: str | None = SYSTEM_PROMPT, prompt_format: str = "chat") -> str:
     """The text the policy continues. `system_prompt` is used by chat (and messages, when given; callers
     pass None there for the config's 'default'); raw and r1zero ignore it (config.validate refuses one)."""
+    prompt_format = resolve_format(prompt_format, prompt)
     if prompt_format == "raw":
         return prompt
     if prompt_format == "r1zero":

@@ -20,6 +20,7 @@ from trainer.data import Example, build_prompt
 from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
+from trainer.prompt_formats import resolve_format
 
 
 @dataclass
@@ -36,14 +37,14 @@ class RolloutStats:
 
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
-                   prompt_format: str = "chat") -> tuple[list[tuple[Example, list[int]]], int]:
+                   prompt_format: str = "auto") -> tuple[list[tuple[Example, list[int]]], int]:
     """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
     dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages."""
     kept, skipped = [], 0
-    if system_prompt == "default":
-        system_prompt = SYSTEM_PROMPT if prompt_format == "chat" else None
     for ex in examples:
-        text = build_prompt(tokenizer, ex.prompt, system_prompt, prompt_format)
+        fmt = resolve_format(prompt_format, ex.prompt)  # auto: messages for a message list, else chat
+        system = (SYSTEM_PROMPT if fmt == "chat" else None) if system_prompt == "default" else system_prompt
+        text = build_prompt(tokenizer, ex.prompt, system, fmt)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             skipped += 1

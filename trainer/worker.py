@@ -19,8 +19,8 @@ from common.client import RefServerError
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer, resolve_model_path
 from common.weight_sync import WeightSync
-from trainer import resume
-from trainer.data import ColumnSpec, PromptSampler, load_examples
+from trainer import resume, run_data
+from trainer.data import PromptSampler
 from trainer.dist.nodes import host_label
 from trainer.engines import EngineDied, make_engine
 from trainer.health import Heartbeat
@@ -50,8 +50,7 @@ def genonly(cfg: GRPOConfig) -> None:
     ref_host = urlparse(cfg.ref_server.split(",")[0]).hostname  # named by the address that reaches the server
     client = make_client(cfg, f"worker{cfg.worker_id}", "worker", host=host_label(ref_host))
     client.wait_ready(timeout=300)
-    examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit,
-                             columns=ColumnSpec.from_config(cfg))
+    examples = run_data.train_examples(cfg)
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
     state_path = resume.worker_state_path(cfg.output_dir, cfg.worker_id)
     if cfg.resume and state_path.is_file():  # continue this worker's data order where it stopped

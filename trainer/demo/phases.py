@@ -38,13 +38,17 @@ def free_port() -> int:
 
 
 def run_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch_size: int, device: str) -> dict:
+    from dataclasses import replace
+
     from common.modeling import load_model, load_tokenizer
-    from trainer.data import load_examples
+    from trainer import run_data
     from trainer.evaluate import evaluate
 
+    # held-out rows chosen as the trainer chooses them (eval_data, else data's split; never the training rows)
+    examples = run_data.eval_examples(replace(cfg, data=data, eval_split=split, eval_limit=limit, eval_before=True))
     tok = load_tokenizer(model_dir, cfg.load_options())
     model = load_model(model_dir, device=device, dtype="auto", options=cfg.load_options())
-    res = evaluate(model, tok, load_examples(data, split=split, limit=limit), system_prompt=cfg.system_prompt,
+    res = evaluate(model, tok, examples, system_prompt=cfg.system_prompt,
                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=batch_size, num_samples=5, progress=False)
     del model

@@ -9,6 +9,15 @@ from typing import NamedTuple
 
 MAX_NUMBER_DIGITS = 100  # longer "numbers" are unparseable: keeps Fraction maths and int() cheap
 
+
+def need_ground_truth(ground_truth: str | None, reward: str) -> str:
+    """The ground truth of a reward that compares against one; prompt-only rows (None) are refused by name. The run
+    refuses such data before it starts (trainer/run_data.py); this is the same line for direct callers."""
+    if ground_truth is None:
+        raise ValueError(f"reward {reward!r} needs a ground truth, and this example has none (prompt-only data: no "
+                         f"answer column); use rewards that need none, or set answer_column")
+    return ground_truth
+
 # ----------------------------------------------------------------------------- number reading
 # A number as people write it: optional sign, optional currency, 1,234 separators, decimals,
 # and an optional "/ denominator". ASCII digits only ([0-9], not \d, which matches any script).

@@ -13,6 +13,7 @@ from trainer.rewards.answers import (
     answer_span,
     find_numbers,
     last_boxed,
+    need_ground_truth,
     norm_str,
     normalise,
     parse_number,
@@ -29,7 +30,7 @@ def reward_correct(completion: str, ground_truth: str) -> float:
     "-1/2" == "-0.5", "50%" == "50". A ground truth that holds no single number is compared
     as a normalised string (case, whitespace and a trailing period ignored).
     """
-    gt = ground_truth.rsplit("####", 1)[-1]  # tolerate a raw GSM8K solution
+    gt = need_ground_truth(ground_truth, "correct").rsplit("####", 1)[-1]  # tolerate a raw GSM8K solution
     gt_norm = normalise(last_boxed(gt) or gt)
     gt_ms = find_numbers(gt_norm)
     span = answer_span(completion)
@@ -72,7 +73,7 @@ def reward_total(completion: str, ground_truth: str) -> float:
 
 def reward_contains(completion: str, ground_truth: str) -> float:
     """1.0 if the ground-truth string occurs in the completion, else 0.0 (a toy task for smoke tests)."""
-    return 1.0 if ground_truth in completion else 0.0
+    return 1.0 if need_ground_truth(ground_truth, "contains") in completion else 0.0
 
 
 def reward_math_verify(completion: str, ground_truth: str) -> float | None:
@@ -80,4 +81,4 @@ def reward_math_verify(completion: str, ground_truth: str) -> float | None:
     parse (not applicable). See trainer/rewards/mathverify.py."""
     from trainer.rewards.mathverify import math_verify_reward  # lazy: sympy is slow to import
 
-    return math_verify_reward(completion, ground_truth)
+    return math_verify_reward(completion, need_ground_truth(ground_truth, "math_verify"))

@@ -10,7 +10,7 @@ import unicodedata
 from collections import Counter
 from fractions import Fraction
 
-from trainer.rewards.answers import extract_answer
+from trainer.rewards.answers import extract_answer, need_ground_truth
 
 MAX_EXPR_CHARS = 200
 MAX_EXPR_DEPTH = 32
@@ -84,7 +84,7 @@ def reward_countdown(completion: str, ground_truth: str) -> float:
     ground_truth: JSON {"numbers": [3, 5, 7], "target": 22}. An optional "= ..." tail in the
     answer is ignored (the left side is what is evaluated); × and ÷ are read as * and /.
     """
-    numbers, target = parse_countdown_truth(ground_truth)
+    numbers, target = parse_countdown_truth(need_ground_truth(ground_truth, "countdown"))
     expr = extract_answer(completion)
     res = None if expr is None else evaluate_countdown(unicodedata.normalize("NFKC", expr))
     if res is None:

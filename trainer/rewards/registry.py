@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 
 from common.user_code import load_object
-from trainer.rewards.builtin import reward_contains, reward_correct, reward_format, reward_math_verify
+from trainer.rewards.builtin import reward_contains, reward_correct, reward_format, reward_math_verify, reward_total
 from trainer.rewards.countdown import reward_countdown
 
 RewardFn = Callable[[str, str], float]
@@ -24,6 +24,14 @@ REWARD_FNS: dict[str, RewardFn] = {
     "contains": reward_contains,
     "math_verify": reward_math_verify,
 }
+
+
+# Built-ins that compare against the ground truth: prompt-only data (no answer column) is refused for them.
+NEEDS_GROUND_TRUTH = (reward_correct, reward_contains, reward_countdown, reward_math_verify, reward_total)
+
+
+def needs_ground_truth(fn: RewardFn) -> bool:
+    return any(fn is f for f in NEEDS_GROUND_TRUTH)
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:

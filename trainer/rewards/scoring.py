@@ -71,7 +71,7 @@ def _short(x, n: int = 300) -> str:
 class RewardScorer:
     """The run's reward functions, ready to score groups (one worker process when reward_timeout > 0)."""
 
-    def __init__(self, specs, weights: list | None = None, timeout: float = 10.0, conversational: bool = False):
+    def __init__(self, specs, weights: list | None = None, timeout: float = 10.0, conversational: bool | None = None):
         specs = specs.split(",") if isinstance(specs, str) else list(specs)
         self.specs = [s.strip() for s in specs]
         self.fns = load_reward_fns(self.specs)
@@ -93,7 +93,8 @@ class RewardScorer:
 
     @classmethod
     def from_config(cls, cfg) -> RewardScorer:
-        return cls(cfg.reward_fns, cfg.reward_weights, cfg.reward_timeout, cfg.prompt_format == "messages")
+        conversational = {"messages": True, "auto": None}.get(cfg.prompt_format, False)
+        return cls(cfg.reward_fns, cfg.reward_weights, cfg.reward_timeout, conversational)
 
     def close(self) -> None:
         self.caller.close()
@@ -104,7 +105,9 @@ class RewardScorer:
 
     def _trl_kwargs(self, idx: int, example, completions: list[str], completion_ids: list | None) -> dict:
         n = len(completions)
-        comps = [[{"role": "assistant", "content": c}] for c in completions] if self.conversational else completions
+        # conversational None (prompt_format auto): as TRL, message completions for a message-list prompt
+        conv = isinstance(example.prompt, list) if self.conversational is None else self.conversational
+        comps = [[{"role": "assistant", "content": c}] for c in completions] if conv else completions
         kwargs = {col: [v] * n for col, v in example.columns.items()}
         kwargs.update(prompts=[example.prompt] * n, completions=comps)
         if completion_ids is not None:
