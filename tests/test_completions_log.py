@@ -102,19 +102,22 @@ def test_eval_scores_with_the_runs_reward_functions(one_rank, tok, monkeypatch):
     """run_eval with the run's scorer: eval_reward/<name> per function and their weighted mean; accuracy only
     where a correctness reward is configured, equal to the built-in GSM8K-style eval's when it is `correct`."""
     from trainer.loop import run_eval
-    monkeypatch.syspath_prepend(os.path.dirname(__file__))  # toy_rewards
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))  # toy_rewards, trl_rewards: here and
+    monkeypatch.setenv("GRPO_USER_DIR", os.path.dirname(__file__))  # in the reward process
     model = load_model(resolve_model_path("tiny"), device="cpu", dtype="float32")
     examples = load_examples("arith", "test", limit=6)
     cfg = GRPOConfig(model=resolve_model_path("tiny"), data="arith", system_prompt="", eval_max_new_tokens=8,
-                     reward_fns=["correct", "toy_rewards:digit_fraction"], reward_weights=[1.0, 2.0]).validate()
-    scorer = RewardScorer(cfg.reward_fns, cfg.reward_weights, timeout=0)
+                     reward_fns=["correct", "toy_rewards:digit_fraction", "trl_rewards:digit_reward"],
+                     reward_weights=[1.0, 2.0, 0.0]).validate()
+    scorer = RewardScorer(cfg.reward_fns, cfg.reward_weights, timeout=5)  # in the reward process, as runs do
     res = run_eval(model, tok, cfg, examples, scorer=scorer)
     plain = run_eval(model, tok, cfg, examples)  # the built-ins, as before
     assert set(res) == {"eval_n", "eval_reward_mean", "eval_reward/correct", "eval_reward/digit_fraction",
-                        "eval_accuracy"}
+                        "eval_reward/digit_reward", "eval_accuracy"}  # TRL-style too (completion_ids as JSON)
     assert res["eval_n"] == plain["eval_n"] == 6 and res["eval_accuracy"] == plain["eval_accuracy"]
     assert res["eval_reward_mean"] == pytest.approx(res["eval_reward/correct"] + 2 * res["eval_reward/digit_fraction"])
     cfg2 = GRPOConfig(model=cfg.model, data="arith", system_prompt="", eval_max_new_tokens=8,
                       reward_fns=["toy_rewards:digit_fraction"]).validate()
     res2 = run_eval(model, tok, cfg2, examples, scorer=RewardScorer(cfg2.reward_fns, timeout=0))
     assert "eval_accuracy" not in res2 and "eval_format" not in res2  # no correctness reward: no accuracy
+    scorer.close()

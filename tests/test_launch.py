@@ -54,9 +54,12 @@ def test_launch_never_trains_against_a_stranger_server(tiny_model_dir, tmp_path)
 
 
 def test_launch_stops_at_once_when_the_server_dies(tmp_path, free_port):
+    """The ref server's own model is missing (the trainer's is fine, so launch.sh's checks pass: a missing trainer
+    model stops the run before anything starts, tests/test_check_and_watch.py)."""
     t0 = time.monotonic()
-    proc = launch("--run-dir", str(tmp_path / "run"), "--workers", "0", "--port", str(free_port), "--",
-                  "--model", "./no/such/model", "--data", "arith", "--all_steps", "1", timeout=300)
+    proc = launch("--run-dir", str(tmp_path / "run"), "--workers", "0", "--port", str(free_port),
+                  "--ref-model", "./no/such/model", "--", "--model", "tiny", "--data", "arith", "--all_steps", "1",
+                  timeout=300)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120  # not the 300 s health wait
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr

@@ -74,27 +74,43 @@ def test_errors_are_one_line_and_name_the_problem(user_dir, spec, msg):
         assert str(user_dir) in str(e.value)  # where it looked
 
 
+TRL_CONFIG = {  # TRL GRPOConfig names (issue 31's done-when: a TRL-named config)
+    "num_generations": 8, "max_completion_length": 8, "learning_rate": 1e-4, "max_steps": 2, "temperature": 1.0,
+    "gradient_accumulation_steps": 1, "lr_scheduler_type": "linear", "log_completions": True,
+    "num_completions_to_print": 2, "report_to": "tensorboard", "eval_steps": 2, "seed": 1}
+
+
 @pytest.mark.slow
-def test_rewards_from_the_users_folder_reach_the_worker_with_no_pythonpath(user_dir, tmp_path):
-    """launch.sh run from a folder outside the checkout, PYTHONPATH unset: a reward module and a reward file of
-    that folder load in the genonly worker (and its reward process) and the ranks; get_wait is long, so the
-    ranks never generate for themselves, and every trained batch came from the worker. The same run shows what
-    it trained on: completions.jsonl (log_completions) and an eval scored with the user's rewards."""
+def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
+    """The path a TRL user walks on day one (issue 31), from a folder outside the checkout with PYTHONPATH unset:
+    a prompt-only .json dataset (and held-out eval rows), a reward module and a reward file of that folder, a
+    config in TRL's names; `./launch.sh check` passes on the same arguments, then `launch.sh train` runs with one
+    genonly worker. get_wait is long, so the ranks never generate for themselves: every trained batch came from the
+    worker (its reward process loaded the user's rewards too). The run shows what it trained on: completions.jsonl
+    (log_completions) and an eval scored with the user's rewards."""
+    (user_dir / "train.json").write_text(json.dumps([{"prompt": f"Write the number {n} in digits."}
+                                                     for n in range(20)]))
+    (user_dir / "eval.json").write_text(json.dumps([{"prompt": f"Count to {n}."} for n in range(4)]))
+    (user_dir / "trl_config.json").write_text(json.dumps(TRL_CONFIG))
     run_dir = tmp_path / "run"
     env = subprocess_env()
     for k in ("PYTHONPATH", USER_DIR_ENV):
         env.pop(k, None)
-    args = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--max_new_tokens", "8",
-            "--num_pre_Q", "8", "--temperature", "1.0", "--seed", "1", "--Q_batch_size", "2",
-            "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits", "--reward_timeout", "5",
-            "--get_wait", "240", "--all_steps", "2", "--save_steps", "100",
-            "--log_completions", "true", "--num_completions_to_print", "2",  # TRL's names (issue 31, item 5)
-            "--eval_steps", "2", "--eval_limit", "4", "--eval_max_new_tokens", "8"]
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", "run", "--workers", "1", "--gpus", "2",
+    args = ["--model", "tiny", "--data", "train.json", "--eval_data", "eval.json", "--system_prompt", "",
+            "--Q_batch_size", "2", "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits",
+            "--reward_timeout", "5", "--get_wait", "240", "--save_steps", "100", "--eval_limit", "4",
+            "--eval_max_new_tokens", "8"]
+    launch = ["bash", str(REPO / "launch.sh")]
+    check = subprocess.run([*launch, "check", "--config", "trl_config.json", "--port", str(find_free_port()), "--",
+                            *args], cwd=user_dir, env=env, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and "check: all passed" in check.stdout, check.stdout + check.stderr
+    cmd = [*launch, "train", "--config", "trl_config.json", "--run-dir", "run", "--workers", "1", "--gpus", "2",
            "--port", str(find_free_port()), "--", *args]
-    proc = subprocess.run(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=600)
     logs = {n: (run_dir / n).read_text() for n in ("trainer.log", "worker0.log") if (run_dir / n).is_file()}
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["num_pre_Q"] == 8 and cfg["all_steps"] == 2 and cfg["lr_schedule"] == "linear", cfg
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -105,7 +121,8 @@ def test_rewards_from_the_users_folder_reach_the_worker_with_no_pythonpath(user_
     done = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in done] == [1] * 16 + [2] * 16
     assert all(set(r["rewards"]) == {"short", "digits"} and r["producer"].startswith("worker") for r in done), done[0]
+    assert all("Write the number" in r["prompt"] for r in done)  # the user's prompt-only rows
     assert "completions trained at step 2 (2 of 16" in logs["trainer.log"]
-    # in-training eval scored with the run's own rewards: no correctness reward configured, so no accuracy
+    # in-training eval on the held-out rows, scored with the run's own rewards: no correctness reward, no accuracy
     assert {"eval_reward/short", "eval_reward/digits", "eval_reward_mean"} <= set(rows[1]), rows[1]
     assert "eval_accuracy" not in rows[1] and rows[1]["eval_n"] == 4

@@ -55,7 +55,8 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
         for (ex, _), out in zip(chunk, outs):
             text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)
             if scorer is not None:
-                score = scorer.score_group(ex, [text], [list(out.completion_ids)])
+                ids = [int(t) for t in out.completion_ids]  # plain ints: they go to the reward process as JSON
+                score = scorer.score_group(ex, [text], [ids])
                 reward_total += score.rewards[0]
                 for name, (v,) in score.components.items():
                     acc = rewards.setdefault(name, [0.0, 0, 0])
