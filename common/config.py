@@ -115,6 +115,12 @@ class GRPOConfig:
                                             "are filled from this config).")
     logp_chunk_tokens: int = knob(1024, "Positions per chunk in the per-token logprob computation "
                                         "(bounds the B x chunk x V logits held at once).")
+    padding_free: str = knob("auto", "Padding-free logprob forwards (the ranks' training forward and backward, the "
+                                     "generation-time logprob pass): a micro-batch's rows as ONE packed sequence, "
+                                     "position_ids restarting per row, attention confined to each row "
+                                     "(common/packing.py); false pads to the longest row and groups rows of similar "
+                                     "length into micro-batches. auto: true on CPU (measured, docs/benchmarks.md) "
+                                     "and on CUDA with a varlen (flash-attn) kernel, false otherwise.")
     # --- run ------------------------------------------------------------------------
     all_steps: int = knob(1000, "Training steps = optimizer updates (the LR schedule, versions, staleness, "
                                 "publishes, metrics rows and checkpoints count them).")
@@ -330,6 +336,8 @@ class GRPOConfig:
             (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
             (self.micro_batch_size >= 0, "micro_batch_size must be >= 0 rows (0 = the whole batch at once)"),
             (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
+            (str(self.padding_free).lower() in ("auto", "true", "false"),
+             f"padding_free must be auto, true or false, got {self.padding_free!r}"),
         ]
         for ok, msg in checks:
             if not ok:
