@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 # attention implementations whose masks / kernels confine attention to each packed row (see the docstring)
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
@@ -76,20 +76,12 @@ def padding_share(computed: int, real: int) -> float:
     return (computed - real) / computed if computed else 0.0
 
 
-def flash_varlen_available() -> bool:
-    """A varlen attention kernel on this machine: CUDA and the flash-attn package (transformers'
-    flash_attention_2 calls flash_attn_varlen_func for packed rows)."""
-    if not torch.cuda.is_available():
-        return False
-    from transformers.utils import is_flash_attn_2_available
-    return bool(is_flash_attn_2_available())
-
-
 def resolve_padding_free(setting: str | bool, model: torch.nn.Module) -> bool:
     """The padding_free knob (auto/true/false) for this model on its device. auto: packed on CPU, where the
     block-diagonal sdpa mask costs less than the padding it removes (bench/packing.py, docs/benchmarks.md); on
-    CUDA only with a flash-attention (varlen) kernel: a dense N x N mask there would undo the fused kernels'
-    gains, so rows of similar length are grouped into micro-batches instead (trainer/objective/microbatch.py)."""
+    CUDA only when the model runs a flash-attention (varlen) kernel. Otherwise a packed CUDA forward would be sdpa
+    with a dense N x N mask over the whole micro-batch (not measured on a GPU here), so rows of similar length are
+    grouped into padded micro-batches instead (trainer/objective/microbatch.py, ref_server/scorer.py)."""
     s = str(setting).lower()
     if s in ("true", "false"):
         return s == "true"

@@ -28,7 +28,7 @@ from trainer.engine import ds_config_for, prepare_policy
 from trainer.objective import microbatch
 from trainer.objective.grpo import grpo_loss
 from trainer.objective.offpolicy import importance_weights
-from trainer.objective.update import new_round, train_step, train_update
+from trainer.objective.update import metric_keys, new_round, train_step, train_update
 
 ROWS = 8
 LR = 1.0
@@ -141,14 +141,15 @@ def config(aggregation: str, level: str, is_mode: str | None = None, grad_accum:
                       vllm_importance_sampling_clip_max=1.5, padding_free=padding_free).validate()
 
 
-def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step) -> None:
-    """Run `step` (one optimizer update) and compare the weights' change with -LR x the float64 gradient."""
+def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step) -> dict:
+    """Run `step` (one optimizer update) and compare the weights' change with -LR x the float64 gradient;
+    returns the step's metrics."""
     before = full_weights(dist, engine)
     ref_model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
     ref_model.load_state_dict({n: w.float() for n, w in before.items()}, strict=False)  # buffers: its own
     want = reference_grads(ref_model, batches, cfg)
     steps_before = engine.global_steps
-    step()
+    stats = step()
     assert engine.global_steps == steps_before + 1  # ONE optimizer update for all the micro-batches
     after = full_weights(dist, engine)
     assert set(want) <= set(after)
@@ -156,6 +157,7 @@ def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step
         got = (before[n] - after[n]) / LR
         torch.testing.assert_close(got, want[n], rtol=2e-4, atol=1e-5 * float(want[n].abs().max()) + 1e-7,
                                    msg=lambda m, n=n: f"{n}: {m}")
+    return stats
 
 
 @pytest.mark.parametrize("aggregation,level,is_mode", [
@@ -177,7 +179,14 @@ def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggre
     cfg = config(aggregation, "token", grad_accum=2, padding_free=padding_free)
     eng = sgd_engine(dist, stage, grad_accum=2, gradient_checkpointing=True)
     batches = [make_batch(eng.module.config.vocab_size, seed) for seed in (1, 2)]
-    check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+    stats = check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+    # which path ran, and its padding (padded tokens / computed tokens), in the step's metrics (metrics.jsonl)
+    assert {"padding_share", "padding_free"} <= set(metric_keys(cfg)[0])
+    assert stats["padding_free"] == (1.0 if padding_free == "true" else 0.0)
+    if padding_free == "true":
+        assert stats["padding_share"] == 0.0
+    else:  # rows grouped by length: 0.10 here, 0.26 in row order
+        assert 0 < stats["padding_share"] < 0.2
 
 
 @pytest.mark.slow
