@@ -43,8 +43,9 @@ class ServerConfig:
                                            f"(default: ${TOKEN_ENV} if set, else no token).")
     insecure: bool = knob(False, "Allow binding a non-loopback address without a token.")
     threads: int = knob(8, "HTTP worker threads (waitress). Long-polling /get calls use at most half.")
-    score_token_budget: int = knob(16384, "Max padded tokens (rows x length) in one forward when several queued "
-                                          "uploads are scored together.")
+    score_token_budget: int = knob(16384, "Max padded tokens (rows x length) of the uploads scored together, and "
+                                          "max computed tokens in one forward (padded: rows x longest; "
+                                          "padding_free: the rows' real tokens).")
     chunk_tokens: int = knob(256, "Positions per LM-head chunk in the logprob computation (bounds memory).")
     padding_free: str = knob("auto", "Padding-free scoring: the rows of a forward as ONE packed sequence, no padded "
                                      "token computed (common/packing.py); false pads each forward to its longest "
