@@ -137,6 +137,12 @@ class GRPOConfig(ModelLoading):
                                             "are filled from this config).")
     logp_chunk_tokens: int = knob(1024, "Positions per chunk in the per-token logprob computation "
                                         "(bounds the B x chunk x V logits held at once).")
+    padding_free: str = knob("auto", "Padding-free logprob forwards (the ranks' training forward and backward, the "
+                                     "generation-time logprob pass): a micro-batch's rows as ONE packed sequence, "
+                                     "position_ids restarting per row, attention confined to each row "
+                                     "(common/packing.py); false pads to the longest row and groups rows of similar "
+                                     "length into micro-batches. auto: true on CPU (measured, docs/benchmarks.md) "
+                                     "and on CUDA with a varlen (flash-attn) kernel, false otherwise.")
     # --- run ------------------------------------------------------------------------
     all_steps: int = knob(1000, "Training steps = optimizer updates (the LR schedule, versions, staleness, "
                                 "publishes, metrics rows and checkpoints count them).")
@@ -369,6 +375,8 @@ class GRPOConfig(ModelLoading):
             (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
             (self.wait_for_ranks >= 0, "wait_for_ranks must be >= 0 (0 = do not wait)"),
             (self.wait_for_ranks_timeout > 0, "wait_for_ranks_timeout must be > 0 seconds"),
+            (str(self.padding_free).lower() in ("auto", "true", "false"),
+             f"padding_free must be auto, true or false, got {self.padding_free!r}"),
         ]
         extra = sorted(set(self.load_options()) - {"trust_remote_code", "revision", "attn_implementation"})
         checks += self.loading_checks() + [  # --- issue 31: how every process loads the model ---

@@ -26,7 +26,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "sapo_temperature_neg", "top_entropy_quantile", "off_policy_mask_threshold"]),
     ("optimisation", "Optimizer, schedule, batch shape per update, memory and precision.", [
         "lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_accum", "train_batch_groups",
-        "micro_batch_size", "zero_stage", "bf16", "gradient_checkpointing", "ds_config", "logp_chunk_tokens"]),
+        "micro_batch_size", "zero_stage", "bf16", "gradient_checkpointing", "ds_config", "logp_chunk_tokens",
+        "padding_free"]),
     ("LoRA", "Adapters instead of full fine-tuning.", [
         "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"]),
     ("run, checkpoints, eval and logs", "How long, where things go, when to evaluate and log.", [

@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from common.final_logits import LogitFn, final_logit_fn
+from common.packing import check_packed_attention, pack_rows
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,14 @@ def chunk_count(rows: int, width: int, chunk_tokens: int) -> int:
     return math.ceil(width / max(1, chunk_tokens // max(rows, 1)))
 
 
+def head_calls(completion_lens: torch.Tensor, chunk_tokens: int, padding_free: bool = False) -> int:
+    """How many LM-head calls sequence_logprobs makes for rows of these completion lengths: padded, the (B, T)
+    completion positions; padding-free, the sum of the lengths as one row (common/packing.py)."""
+    if padding_free:
+        return chunk_count(1, int(completion_lens.sum()), chunk_tokens)
+    return chunk_count(int(completion_lens.numel()), int(completion_lens.max()), chunk_tokens)
+
+
 def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
                          chunk_tokens: int = 256, with_entropy: bool = False, min_chunks: int = 0,
                          logit_fn: LogitFn | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,11 +138,14 @@ def logit_fn_for(model: torch.nn.Module, temperature: float = 1.0) -> LogitFn | 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
                       completion_lens: torch.Tensor, chunk_tokens: int = 256, with_entropy: bool = False,
-                      min_chunks: int = 0, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      min_chunks: int = 0, temperature: float = 1.0,
+                      padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM) at `temperature`.
 
     input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).
     Returns (B, T) float32 with T = max(completion_lens), zeros past each row's length.
+    padding_free: the rows go through the model as one packed sequence (common/packing.py), the LM head sees only
+    the completion positions; the same numbers within float32 rounding, no padded token computed.
     """
     if hasattr(model, "get_base_model"):  # a peft (LoRA) model: its adapters live inside the base model's layers
         model = model.get_base_model()
@@ -141,16 +153,33 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     prompt_lens, completion_lens = prompt_lens.to(device), completion_lens.to(device)
+    body = getattr(model, model.base_model_prefix)  # decoder without the LM head
+    head = model.get_output_embeddings()
+    if padding_free:
+        return _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, chunk_tokens,
+                                with_entropy, min_chunks, logit_fn)
     B, L = input_ids.shape
     mask = attention_mask_from_lengths(prompt_lens + completion_lens, L)
-    body = getattr(model, model.base_model_prefix)  # decoder without the LM head
     hidden = body(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     pos, valid = completion_index(prompt_lens, completion_lens)
     h = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # state before each token
     targets = input_ids.gather(1, pos)
-    logps, ent = logprobs_from_hidden(h, model.get_output_embeddings(), targets, chunk_tokens, with_entropy,
-                                      min_chunks, logit_fn)
+    logps, ent = logprobs_from_hidden(h, head, targets, chunk_tokens, with_entropy, min_chunks, logit_fn)
     logps = logps.masked_fill(~valid, 0.0)
     if ent is not None:
         ent = ent.masked_fill(~valid, 0.0)
     return logps, ent
+
+
+def _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, chunk_tokens, with_entropy,
+                     min_chunks, logit_fn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sequence_logprobs over one packed sequence: attention_mask None, so transformers confines attention to
+    each row from the restarting position_ids (common/packing.py); outputs scattered back to (B, T)."""
+    check_packed_attention(model)
+    p = pack_rows(input_ids, prompt_lens, completion_lens)
+    hidden = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False).last_hidden_state
+    h = hidden[:, p.pred]  # (1, K, H): the state before each completion token, no padded position
+    logps, ent = logprobs_from_hidden(h, head, p.targets[None], chunk_tokens, with_entropy, min_chunks, logit_fn)
+    B, T = input_ids.shape[0], int(completion_lens.max())
+    scatter = lambda x: x.new_zeros(B, T).index_put((p.rows, p.cols), x[0])  # noqa: E731  (differentiable)
+    return scatter(logps), (scatter(ent) if ent is not None else None)

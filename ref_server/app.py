@@ -27,6 +27,7 @@ import torch
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.modeling import load_model
+from common.packing import resolve_padding_free
 from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.config import ServerConfig, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
@@ -66,7 +67,9 @@ class ServerState:
             "queues": {"input": {"depth": depths["input"], "oldest_age_s": ages["input"]},
                        "output": {"depth": depths["output"], "oldest_age_s": ages["output"]},
                        "scoring": depths["scoring"]},
-            "ref_forward": {"batches_scored": self.metrics.scored, "batches_ref_skipped": self.metrics.ref_skipped},
+            "ref_forward": {"batches_scored": self.metrics.scored, "batches_ref_skipped": self.metrics.ref_skipped,
+                            "padding_free": self.metrics.padding_free,
+                            "padding_share": round(self.metrics.padding_share(), 4)},
             "weights": {"version": w["version"], "bytes": w["bytes"],
                         "age_s": None if w["published_at"] is None else round(time.time() - w["published_at"], 1),
                         "max_weights_mb": round(self.weights_limit.mb, 1), "max_weights_how": self.weights_limit.how},
@@ -143,7 +146,8 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
                  sum(q.numel() for q in model.parameters()) / 1e6, str(p.dtype).replace("torch.", ""), p.device)
     model.eval().requires_grad_(False)
     metrics = ServerMetrics()
-    scorer = Scorer(model, metrics, cfg.max_queue, cfg.max_output_queue, cfg.score_token_budget, cfg.chunk_tokens)
+    scorer = Scorer(model, metrics, cfg.max_queue, cfg.max_output_queue, cfg.score_token_budget, cfg.chunk_tokens,
+                    padding_free=resolve_padding_free(cfg.padding_free, model))
     state = ServerState(cfg=cfg, model=model, scorer=scorer, metrics=metrics, token=token,
                         vocab_size=int(model.get_input_embeddings().num_embeddings),
                         max_seq_len=int(model.config.max_position_embeddings),

@@ -46,9 +46,14 @@ class ServerConfig(ModelLoading):
                                            f"(default: ${TOKEN_ENV} if set, else no token).")
     insecure: bool = knob(False, "Allow binding a non-loopback address without a token.")
     threads: int = knob(8, "HTTP worker threads (waitress). Long-polling /get calls use at most half.")
-    score_token_budget: int = knob(16384, "Max padded tokens (rows x length) in one forward when several queued "
-                                          "uploads are scored together.")
+    score_token_budget: int = knob(16384, "Max padded tokens (rows x length) of the uploads scored together, and "
+                                          "max computed tokens in one forward (padded: rows x longest; "
+                                          "padding_free: the rows' real tokens).")
     chunk_tokens: int = knob(256, "Positions per LM-head chunk in the logprob computation (bounds memory).")
+    padding_free: str = knob("auto", "Padding-free scoring: the rows of a forward as ONE packed sequence, no padded "
+                                     "token computed (common/packing.py); false pads each forward to its longest "
+                                     "row, rows grouped by length. auto: true on CPU and on CUDA with a varlen "
+                                     "(flash-attn) kernel (docs/benchmarks.md), false otherwise.")
     max_get_wait: float = knob(10.0, "Cap in seconds on the long-poll of GET /get?wait=SECONDS.")
     retry_after: int = knob(1, "Seconds sent in Retry-After with 503 answers.")
     drain_timeout: float = knob(5.0, "On SIGTERM/SIGINT: after the batch being scored is done, keep answering "
@@ -77,6 +82,8 @@ class ServerConfig(ModelLoading):
             (min(self.max_get_wait, self.retry_after, self.drain_timeout) >= 0,
              "max_get_wait, retry_after and drain_timeout must be >= 0"),
             (self.stall_warn > 0, "stall_warn must be > 0"),
+            (str(self.padding_free).lower() in ("auto", "true", "false"),
+             f"padding_free must be auto, true or false, got {self.padding_free!r}"),
             (self.placement_file is None or Path(self.placement_file).is_file(),
              f"placement_file {self.placement_file} not found"),
         ] + self.loading_checks()

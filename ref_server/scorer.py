@@ -19,6 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.logprobs import sequence_logprobs
+from common.packing import forward_tokens, padding_share, row_groups
 from common.protocol import RolloutBatch, ScoredBatch, encode_scored
 
 log = logging.getLogger("ref_server")
@@ -44,6 +45,9 @@ class ServerMetrics:
         self.scored = self.served = self.errors = 0
         self.tokens_scored = 0         # completion tokens whose logprob was computed
         self.tokens_forward = 0        # real (unpadded) tokens through the model
+        self.tokens_computed = 0       # tokens the forwards computed: real + padding (equal when padding-free)
+        self.last_padding_share = 0.0  # padded / computed tokens of the last scoring forward(s)
+        self.padding_free = False      # set by the Scorer: packed forwards (common/packing.py) or padded ones
         self.forwards = 0
         self.ref_skipped = 0           # batches passed through without a reference forward (needs_ref false)
         self.busy_s = 0.0
@@ -63,10 +67,16 @@ class ServerMetrics:
         self.p_tps = Gauge("grpo_ref_scoring_tokens_per_second", "Forward tokens / busy second (cumulative).",
                            registry=r)
         self.p_tps.set_function(self.tokens_per_s)
+        self.p_padding = Gauge("grpo_ref_padding_share", "Padded tokens / computed tokens (cumulative).",
+                               registry=r)
+        self.p_padding.set_function(self.padding_share)
         self.p_depth = Gauge("grpo_ref_queue_depth", "Batches waiting, by queue.", ["queue"], registry=r)
 
     def tokens_per_s(self) -> float:
         return self.tokens_forward / self.busy_s if self.busy_s > 0 else 0.0
+
+    def padding_share(self) -> float:
+        return padding_share(self.tokens_computed, self.tokens_forward)
 
     def on_accept(self) -> None:
         with self.lock:
@@ -83,11 +93,15 @@ class ServerMetrics:
             self.served += 1
         self.p_served.inc()
 
-    def on_scored(self, batches: int, tokens: int, fwd_tokens: int, seconds: float) -> None:
+    def on_scored(self, batches: int, tokens: int, fwd_tokens: int, seconds: float, computed: int | None = None
+                  ) -> None:
+        computed = fwd_tokens if computed is None else computed
         with self.lock:
             self.scored += batches
             self.tokens_scored += tokens
             self.tokens_forward += fwd_tokens
+            self.tokens_computed += computed
+            self.last_padding_share = padding_share(computed, fwd_tokens)
             self.forwards += 1
             self.busy_s += seconds
             self.last_latency_s = seconds
@@ -120,6 +134,9 @@ class ServerMetrics:
                 "scoring_tokens_per_s": round(self.tokens_per_s(), 2),
                 "last_scoring_latency_s": round(self.last_latency_s, 4),
                 "mean_scoring_latency_s": round(self.busy_s / self.forwards, 4) if self.forwards else 0.0,
+                "computed_tokens": self.tokens_computed, "padding_free": self.padding_free,
+                "padding_share": round(self.padding_share(), 4),
+                "last_padding_share": round(self.last_padding_share, 4),
             }
 
 
@@ -145,9 +162,10 @@ class Scorer:
     """Bounded input queue -> worker thread (frozen model) -> bounded output queue."""
 
     def __init__(self, model: torch.nn.Module, metrics: ServerMetrics, max_queue: int, max_output_queue: int,
-                 score_token_budget: int, chunk_tokens: int) -> None:
+                 score_token_budget: int, chunk_tokens: int, padding_free: bool = False) -> None:
         self.model = model.eval()
         self.metrics = metrics
+        self.padding_free = metrics.padding_free = padding_free  # resolved by the app (common/packing.py)
         self.max_queue, self.max_output_queue = max_queue, max_output_queue
         self.budget, self.chunk_tokens = score_token_budget, chunk_tokens
         self.inq: deque[RolloutBatch] = deque()
@@ -277,18 +295,26 @@ class Scorer:
         ids = torch.cat([torch.nn.functional.pad(b.input_ids.long(), (0, L - b.input_ids.shape[1])) for b in group])
         pl = torch.cat([b.prompt_lens.long() for b in group])
         cl = torch.cat([b.completion_lens.long() for b in group])
-        # Row slices of at most `budget` padded tokens: one huge upload must not blow up memory.
-        rows, T = max(1, self.budget // L), int(cl.max())
-        parts = []
-        for s in range(0, ids.shape[0], rows):
-            lp, _ = sequence_logprobs(self.model, ids[s:s + rows], pl[s:s + rows], cl[s:s + rows],
-                                      chunk_tokens=self.chunk_tokens, temperature=temperature)
-            parts.append(torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1])))
-        logps = torch.cat(parts)
+        logps, computed = self.score_rows(ids, pl, cl, temperature)
         out, row = [], 0
         for b in group:
             ref = logps[row:row + b.num_rows, :b.max_completion_len].contiguous()
             row += b.num_rows
             out.append(_Scored(b.batch_id, encode_scored(ScoredBatch.from_rollout(b, ref)), time.time()))
-        self.metrics.on_scored(len(group), int(cl.sum()), int((pl + cl).sum()), time.perf_counter() - t0)
+        self.metrics.on_scored(len(group), int(cl.sum()), int((pl + cl).sum()), time.perf_counter() - t0, computed)
         return out
+
+    def score_rows(self, ids: torch.Tensor, pl: torch.Tensor, cl: torch.Tensor, temperature: float = 1.0
+                   ) -> tuple[torch.Tensor, int]:
+        """(B, T) reference logprobs of right-padded rows and the tokens the forwards computed. Forwards of at most
+        `budget` computed tokens (one huge upload must not blow up memory): packed rows (padding_free), or rows
+        grouped by length and trimmed to their own longest (common/packing.py row_groups)."""
+        logps = torch.zeros(ids.shape[0], int(cl.max()), dtype=torch.float32)
+        computed = 0
+        for rows in row_groups(pl + cl, self.budget, self.padding_free):
+            p, c = pl[rows], cl[rows]
+            lp, _ = sequence_logprobs(self.model, ids[rows, :int((p + c).max())], p, c, chunk_tokens=self.chunk_tokens,
+                                      temperature=temperature, padding_free=self.padding_free)
+            logps[rows, :lp.shape[1]] = lp.float().cpu()
+            computed += forward_tokens(p, c, self.padding_free)[0]
+        return logps, computed

@@ -7,7 +7,11 @@ The engines step plain SGD (lr 1, no clipping), so the update IS minus the gradi
 readout that works at every stage (under ZeRO-2/3 the gradient lives in partitions and buckets, not in p.grad).
 Before the fix (issue 30), stage 3 built the update from the last micro-batch alone: the trainer calls the model's
 body and head itself, never engine(...), and ZeRO-3 advances the micro-step counter that makes it add rather than
-copy gradients only in DeepSpeedEngine.forward."""
+copy gradients only in DeepSpeedEngine.forward.
+
+Both forwards are checked (issue 33): padding_free true (each micro-batch one packed sequence, common/packing.py)
+for every aggregation and GSPO at every stage, and padding_free false (rows grouped by length into micro-batches)
+with grad_accum 2."""
 from __future__ import annotations
 
 import subprocess
@@ -24,7 +28,7 @@ from trainer.engine import ds_config_for, prepare_policy
 from trainer.objective import microbatch
 from trainer.objective.grpo import grpo_loss
 from trainer.objective.offpolicy import importance_weights
-from trainer.objective.update import new_round, train_step, train_update
+from trainer.objective.update import metric_keys, new_round, train_step, train_update
 
 ROWS = 8
 LR = 1.0
@@ -125,7 +129,8 @@ def engine(request, dist):
     return sgd_engine(dist, request.param)
 
 
-def config(aggregation: str, level: str, is_mode: str | None = None, grad_accum: int = 1) -> GRPOConfig:
+def config(aggregation: str, level: str, is_mode: str | None = None, grad_accum: int = 1,
+           padding_free: str = "true") -> GRPOConfig:
     """is_mode None: π_old = the engine's logps (old_logps engine, the ratio is not 1); else π_old = the trainer's
     first pass with that importance-sampling correction against the engine's logps (clip_max 1.5)."""
     return GRPOConfig(model=resolve_model_path("tiny"), num_pre_Q=ROWS, micro_batch_size=3, aggregation=aggregation,
@@ -133,17 +138,18 @@ def config(aggregation: str, level: str, is_mode: str | None = None, grad_accum:
                       max_new_tokens=16, logp_chunk_tokens=4, grad_clip=1e9, temperature=1.0, grad_accum=grad_accum,
                       old_logps="engine" if is_mode is None else "trainer",
                       vllm_importance_sampling_mode=is_mode or "sequence_mask",
-                      vllm_importance_sampling_clip_max=1.5).validate()
+                      vllm_importance_sampling_clip_max=1.5, padding_free=padding_free).validate()
 
 
-def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step) -> None:
-    """Run `step` (one optimizer update) and compare the weights' change with -LR x the float64 gradient."""
+def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step) -> dict:
+    """Run `step` (one optimizer update) and compare the weights' change with -LR x the float64 gradient;
+    returns the step's metrics."""
     before = full_weights(dist, engine)
     ref_model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
     ref_model.load_state_dict({n: w.float() for n, w in before.items()}, strict=False)  # buffers: its own
     want = reference_grads(ref_model, batches, cfg)
     steps_before = engine.global_steps
-    step()
+    stats = step()
     assert engine.global_steps == steps_before + 1  # ONE optimizer update for all the micro-batches
     after = full_weights(dist, engine)
     assert set(want) <= set(after)
@@ -151,6 +157,7 @@ def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step
         got = (before[n] - after[n]) / LR
         torch.testing.assert_close(got, want[n], rtol=2e-4, atol=1e-5 * float(want[n].abs().max()) + 1e-7,
                                    msg=lambda m, n=n: f"{n}: {m}")
+    return stats
 
 
 @pytest.mark.parametrize("aggregation,level,is_mode", [
@@ -163,15 +170,23 @@ def test_accumulated_micro_batches_give_the_whole_batch_gradient(dist, engine, a
     check_update(dist, engine, [b], cfg, lambda: train_step(engine, b, cfg))
 
 
+@pytest.mark.parametrize("padding_free", ["true", "false"])
 @pytest.mark.parametrize("stage", [0, 2, 3])
 @pytest.mark.parametrize("aggregation", ["seq_mean", "dapo"])
-def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggregation):
+def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggregation, padding_free):
     """grad_accum 2: two batches of three micro-batches each, one update from all six (gradient checkpointing
-    on, as real runs have it)."""
-    cfg = config(aggregation, "token", grad_accum=2)
+    on, as real runs have it), packed or padded with rows grouped by length."""
+    cfg = config(aggregation, "token", grad_accum=2, padding_free=padding_free)
     eng = sgd_engine(dist, stage, grad_accum=2, gradient_checkpointing=True)
     batches = [make_batch(eng.module.config.vocab_size, seed) for seed in (1, 2)]
-    check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+    stats = check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+    # which path ran, and its padding (padded tokens / computed tokens), in the step's metrics (metrics.jsonl)
+    assert {"padding_share", "padding_free"} <= set(metric_keys(cfg)[0])
+    assert stats["padding_free"] == (1.0 if padding_free == "true" else 0.0)
+    if padding_free == "true":
+        assert stats["padding_share"] == 0.0
+    else:  # rows grouped by length: 0.10 here, 0.26 in row order
+        assert 0 < stats["padding_share"] < 0.2
 
 
 @pytest.mark.slow
@@ -212,3 +227,21 @@ def test_knob_and_trl_alias():
     assert from_dict(GRPOConfig, {"per_device_train_batch_size": 4}).micro_batch_size == 4
     with pytest.raises(ValueError, match="micro_batch_size"):
         GRPOConfig(micro_batch_size=-1).validate()
+
+
+def test_rows_grouped_by_length_keep_the_weights():
+    """padding_free false: micro-batches of rows of similar length; the loss weights still add up to one and the
+    micro-batches pad less than in row order."""
+    b = make_batch(100)
+    mask = b.completion_mask()
+    lens = b.prompt_lens + b.completion_lens
+    for agg in ("seq_mean", "token_mean", "dr_grpo", "dapo"):
+        plain = microbatch.split(b, mask, b.advantages, b.gen_logps, b.ref_logps, 3, agg)
+        parts = microbatch.split(b, mask, b.advantages, b.gen_logps, b.ref_logps, 3, agg, by_length=True)
+        assert sorted(i for p in parts for i in p.rows.tolist()) == list(range(ROWS))
+        assert sum(p.weight for p in parts) == pytest.approx(1.0)
+        assert [int(lens[p.rows].max()) for p in parts] == sorted(int(lens[p.rows].max()) for p in parts)
+        width = lambda ps: sum(p.input_ids.numel() for p in ps)  # noqa: E731  (tokens the forwards compute)
+        assert width(parts) < width(plain)
+        joined = microbatch.join([p.mask.float() for p in parts], parts, ROWS, mask.shape[1])
+        assert torch.equal(joined.bool(), mask)

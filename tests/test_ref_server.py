@@ -136,6 +136,9 @@ def test_ref_logprobs_at_the_batch_temperature_and_skipped_when_not_needed(serve
     assert after["forwards"] == before["forwards"] + 1  # only the batch that needs ref logprobs was forwarded
     st = requests.get(server.url + "/status", headers=AUTH, timeout=10).json()
     assert st["ref_forward"]["batches_ref_skipped"] == after["batches_ref_skipped"]
+    # padding_free auto on CPU: packed scoring forwards, no padded token computed (issue 33)
+    assert st["ref_forward"]["padding_free"] is True and st["ref_forward"]["padding_share"] == 0.0
+    assert after["padding_free"] is True and after["computed_tokens"] == after["forward_tokens"] > 0
 
 
 def test_ref_logprobs_match_direct_forward(client, ref_model):
@@ -465,3 +468,34 @@ def test_scorer_merges_within_budget_and_survives_a_bad_batch(ref_model):
         out = sc._score_group([bad, good])
     assert [o.batch_id for o in out] == [good.batch_id] and metrics.errors == 1
     assert metrics.scored == 6 and metrics.forwards == 4
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_scorer_packed_or_grouped_by_length(ref_model, padding_free):
+    """The ref server's scoring padding-free (one packed sequence per forward) or padded with rows grouped by
+    length: the same ref logprobs; the padding share it reports is 0 packed, and below the share of padding every
+    row to the longest when padded."""
+    from ref_server.scorer import Scorer, ServerMetrics
+
+    metrics = ServerMetrics()
+    sc = Scorer(ref_model, metrics, max_queue=10, max_output_queue=10, score_token_budget=64, chunk_tokens=8,
+                padding_free=padding_free)
+    b = make_batch([3, 3, 3, 3, 3, 3], [2, 30, 3, 28, 4, 1], L=40, seed=21)
+    with torch.inference_mode():
+        out = sc._score([b])
+    s = decode_scored(out[0].body)
+    assert (s.ref_logps.double() - direct_ref_logps(ref_model, b)).abs().max().item() <= 1e-5
+    real = int((b.prompt_lens + b.completion_lens).sum())
+    assert metrics.forwards == 1 and metrics.tokens_forward == real
+    snap = metrics.snapshot()
+    assert snap["padding_free"] is padding_free and "grpo_ref_padding_share" in generate_metrics(metrics)
+    if padding_free:
+        assert metrics.tokens_computed == real and snap["padding_share"] == 0.0
+    else:
+        every_row_to_longest = 1 - real / (6 * 33)
+        assert 0 < snap["padding_share"] < every_row_to_longest / 2
+
+
+def generate_metrics(metrics) -> str:
+    from prometheus_client import generate_latest
+    return generate_latest(metrics.registry).decode()

@@ -47,3 +47,5 @@ def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["eval_n"] == 3  # both ranks' shards counted
+    # padding_free auto (CPU): the ranks' forwards packed, no padded token computed; said per step (issue 33)
+    assert all(r["padding_free"] == 1.0 and r["padding_share"] == 0.0 for r in rows)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.logprobs import chunk_count, sequence_logprobs
+from common.logprobs import head_calls, sequence_logprobs
+from common.packing import resolve_padding_free
 from common.prompts import SYSTEM_PROMPT
 from common.protocol import RolloutBatch
 from trainer.data import Example, build_prompt
@@ -88,14 +89,15 @@ def policy_logps(batches: list[RolloutBatch], engine: GenEngine, cfg, synced: bo
     the trainer does. Synced (ZeRO-3): every module call gathers weights from all ranks, so each rank makes as
     many forwards, each with as many LM-head chunks, as the rank with the most (a 1-token dummy row past ours)."""
     n = all_reduce_int(len(batches), "max") if synced else len(batches)
+    packed = resolve_padding_free(cfg.padding_free, engine.model)  # one packed sequence per group (common/packing.py)
     for i in range(n):
         b = batches[i] if i < len(batches) else None
         ids, plens, clens = (b.input_ids, b.prompt_lens, b.completion_lens) if b is not None else \
             (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
-        chunks = chunk_count(ids.shape[0], int(clens.max()), cfg.logp_chunk_tokens)
+        chunks = head_calls(clens, cfg.logp_chunk_tokens, packed)
         logps, _ = sequence_logprobs(engine.model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens,
                                      min_chunks=all_reduce_int(chunks, "max") if synced else 0,
-                                     temperature=cfg.logprob_temperature())
+                                     temperature=cfg.logprob_temperature(), padding_free=packed)
         if b is not None:
             b.gen_logps = logps.float().cpu()
 

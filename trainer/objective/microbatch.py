@@ -50,22 +50,29 @@ class Micro:
     gen: torch.Tensor | None    # (b, T_mb) generation-time logps
     ref: torch.Tensor | None    # (b, T_mb) reference logps
     weight: float               # this micro-batch's share of the whole batch's loss
-    rows: slice
+    rows: slice | torch.Tensor  # the batch's rows: a slice, or their indices when grouped by length
 
 
 def split(b: ScoredBatch, mask: torch.Tensor, adv: torch.Tensor, gen: torch.Tensor | None,
-          ref: torch.Tensor | None, size: int, aggregation: str) -> list[Micro]:
-    """The batch's rows in micro-batches of `size` (the last may be smaller), each with its loss weight."""
+          ref: torch.Tensor | None, size: int, aggregation: str, by_length: bool = False) -> list[Micro]:
+    """The batch's rows in micro-batches of `size` (the last may be smaller), each with its loss weight.
+
+    by_length: rows sorted by their real length first, so each micro-batch pads only to rows of similar length
+    (the padded path's answer to ragged groups, issue 33). Every loss term is per row or per token and each
+    micro-batch's weight counts its own rows / tokens, so the order changes no gradient; the count of
+    micro-batches (DeepSpeed's accumulation boundary) is the same either way."""
     B = b.input_ids.shape[0]
     tokens = mask.sum().clamp(min=1).item()
+    order = torch.argsort(b.prompt_lens + b.completion_lens, stable=True) if by_length else None
     out = []
     for s in range(0, B, size):
-        r = slice(s, min(s + size, B))
+        r = slice(s, min(s + size, B)) if order is None else order[s:s + size]
         plen, clen = b.prompt_lens[r], b.completion_lens[r]
         T = int(clen.max())  # what sequence_logprobs returns for these rows
         L = int((plen + clen).max())
         m = mask[r, :T]
-        w = (m.sum().item() / tokens) if aggregation in ("token_mean", "dapo") else (r.stop - r.start) / B
+        n = int(clen.numel())
+        w = (m.sum().item() / tokens) if aggregation in ("token_mean", "dapo") else n / B
         out.append(Micro(b.input_ids[r, :L], plen, clen, m, adv[r], None if gen is None else gen[r, :T],
                          None if ref is None else ref[r, :T], w, r))
     return out

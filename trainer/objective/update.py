@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import GRPOConfig
-from common.logprobs import chunk_count, sequence_logprobs
+from common.logprobs import head_calls, sequence_logprobs
+from common.packing import forward_tokens, padding_share, resolve_padding_free
 from common.protocol import ProtocolError, ScoredBatch
 from trainer.dist import comm
 from trainer.dist.engine_call import engine_forward
@@ -46,6 +47,7 @@ def metric_keys(cfg: GRPOConfig) -> tuple[list[str], list[str]]:
         mean += ["gspo_in_band"] + (["gspo_in_band_engine"] if cfg.compute_gen_logps else [])
     if cfg.mu > 1:
         mean += ["round_pass"]
+    mean += ["padding_share", "padding_free"]  # padded / computed tokens; 1 = packed forwards, 0 = padded
     if cfg.beta == 0:
         total += ["ref_skipped_batches"]  # fetched batches the ref server served without a reference forward
     return mean, total
@@ -127,12 +129,12 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
     return train_update(engine, new_round([b], cfg, next(engine.module.parameters()).device), cfg)
 
 
-def agreed_chunks(model, mb: microbatch.Micro, cfg: GRPOConfig) -> int:
+def agreed_chunks(model, mb: microbatch.Micro, cfg: GRPOConfig, packed: bool = False) -> int:
     """Under ZeRO-3 each LM-head call gathers the head from every rank: all ranks make as many calls as the
-    rank with the longest completions (common/logprobs.py pads with empty chunks). 0 otherwise."""
+    rank with the most completion positions (common/logprobs.py pads with empty chunks). 0 otherwise."""
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
         return 0
-    return comm.all_reduce_int(chunk_count(*mb.mask.shape, cfg.logp_chunk_tokens), "max")
+    return comm.all_reduce_int(head_calls(mb.completion_lens, cfg.logp_chunk_tokens, packed), "max")
 
 
 def _eps(cfg: GRPOConfig) -> dict:
@@ -147,7 +149,9 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
     device = mask.device
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if cfg.beta > 0 else None
-    micros = microbatch.split(b, mask, adv, gen, ref, cfg.micro_batch_size or b.num_rows, cfg.aggregation)
+    packed = resolve_padding_free(cfg.padding_free, engine.module)  # the same on every rank (config + device)
+    micros = microbatch.split(b, mask, adv, gen, ref, cfg.micro_batch_size or b.num_rows, cfg.aggregation,
+                              by_length=not packed)
     if len(micros) != micro_batches_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches
         raise ValueError(f"training batch of {b.num_rows} rows makes {len(micros)} micro-batches of "
                          f"micro_batch_size={cfg.micro_batch_size}; train_batch_groups x num_pre_Q = "
@@ -158,11 +162,11 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
         rnd.weights.append([None] * len(micros))
     seen, kept = [], []
     for j, mb in enumerate(micros):
-        chunks = agreed_chunks(engine.module, mb, cfg)
+        chunks = agreed_chunks(engine.module, mb, cfg, packed)
         # through engine(): DeepSpeed's per-micro-batch bookkeeping (ZeRO-3 accumulates only then), see engine_call
         logps, ent = engine_forward(engine, lambda mb=mb, chunks=chunks: sequence_logprobs(
             engine.module, mb.input_ids, mb.prompt_lens, mb.completion_lens, chunk_tokens=cfg.logp_chunk_tokens,
-            with_entropy=True, min_chunks=chunks, temperature=cfg.logprob_temperature()))
+            with_entropy=True, min_chunks=chunks, temperature=cfg.logprob_temperature(), padding_free=packed))
         logps = logps.float()
         if first:  # π_old and the IS weights, fixed for all mu passes (row-local: exact per micro-batch)
             rnd.old[i][j], rnd.weights[i][j], _ = first_pass(logps, mb.gen, mb.mask, cfg, b.batch_id)
@@ -172,7 +176,14 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
         engine.step()  # an optimizer update only after the update's last micro-batch (trainer/engine.py)
         seen.append((logps.detach(), ent, float(loss.detach())))
         kept.append(em)
-    return _batch_stats(seen, kept, micros, rnd, i, gen, ref, cfg)
+    stats = _batch_stats(seen, kept, micros, rnd, i, gen, ref, cfg)
+    return {**stats, "padding_share": micro_padding_share(micros, packed), "padding_free": float(packed)}
+
+
+def micro_padding_share(micros: list[microbatch.Micro], packed: bool) -> float:
+    """Padded tokens / computed tokens over the batch's micro-batch forwards."""
+    counts = [forward_tokens(mb.prompt_lens, mb.completion_lens, packed) for mb in micros]
+    return padding_share(sum(c for c, _ in counts), sum(r for _, r in counts))
 
 
 def _micro_loss(logps, ent, mb: microbatch.Micro, old, w, cfg: GRPOConfig):

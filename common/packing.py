@@ -1,0 +1,114 @@
+"""Padding-free forwards: the rows of a (micro-)batch as ONE packed sequence, so the model computes only real
+tokens (verl's remove-padding, OpenRLHF's packed samples).
+
+    rows (B, L) right-padded          packed (1, N), N = sum of the rows' real lengths
+    [p p c c c . . .]                 input_ids     [p p c c c | p c c | p p p c]
+    [p c c . . . . .]        ->       position_ids  [0 1 2 3 4 | 0 1 2 | 0 1 2 3]
+    [p p p c . . . .]
+
+transformers (5.x) reads position_ids that restart at 0 as sequence boundaries when the model is called with
+`attention_mask=None`: masking_utils.find_packed_sequence_indices turns them into sequence ids and
+create_causal_mask ANDs "same sequence" into the causal mask (a block-diagonal dense mask for sdpa/eager: what
+runs on CPU), and the flash-attention integrations (modeling_flash_attention_utils._is_packed_sequence) call the
+varlen kernel with cu_seqlens built from them (CUDA with flash-attn: no N x N mask at all). Rotary embeddings
+take the restarting positions, so every row sees exactly the positions it has when padded.
+
+Only the LM head positions that predict a completion token are gathered from the packed hidden states, so the
+head (the largest matmul of a small model: vocabulary x hidden per position) skips the padding too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# attention implementations whose masks / kernels confine attention to each packed row (see the docstring)
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor     # (1, N)
+    position_ids: torch.Tensor  # (1, N), restarting at 0 for every row
+    pred: torch.Tensor          # (K,) packed positions whose hidden state predicts a completion token, K = sum clens
+    targets: torch.Tensor       # (K,) those completion tokens
+    rows: torch.Tensor          # (K,) row of each completion token in the (B, T) output
+    cols: torch.Tensor          # (K,) its column (index within the row's completion)
+
+
+def pack_rows(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor) -> Packed:
+    """Right-padded (B, L) rows of prompt_lens + completion_lens real tokens -> one packed sequence."""
+    device = input_ids.device
+    B, L = input_ids.shape
+    lens = prompt_lens + completion_lens
+    if bool((lens > L).any()) or bool((prompt_lens < 1).any()):
+        raise ValueError(f"rows of {lens.tolist()} tokens (prompts {prompt_lens.tolist()}) do not fit width {L} "
+                         f"or have no prompt token to predict the first completion token from")
+    real = torch.arange(L, device=device)[None, :] < lens[:, None]
+    starts = torch.cumsum(lens, 0) - lens  # where each row begins in the packed sequence
+    positions = torch.arange(L, device=device)[None, :].expand(B, L)
+    T = int(completion_lens.max()) if B else 0
+    j = torch.arange(T, device=device)
+    cmask = j[None, :] < completion_lens[:, None]
+    rows, cols = cmask.nonzero(as_tuple=True)
+    at = prompt_lens[rows] + cols  # position of the completion token within its row
+    return Packed(input_ids=input_ids[real][None], position_ids=positions[real][None],
+                  pred=starts[rows] + at - 1, targets=input_ids[rows, at], rows=rows, cols=cols)
+
+
+def check_packed_attention(model: torch.nn.Module) -> None:
+    """Refuse a model whose attention would let packed rows see each other (never a silent wrong answer)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in PACKED_ATTENTION:
+        raise ValueError(f"padding_free needs an attention implementation that confines packed rows "
+                         f"({', '.join(PACKED_ATTENTION)}); this model uses {impl!r}: set padding_free false")
+
+
+def forward_tokens(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, packed: bool) -> tuple[int, int]:
+    """(computed, real) tokens of one forward over these rows: packed computes only the real ones; padded, every
+    row to the longest. padding_share = (computed - real) / computed."""
+    lens = prompt_lens + completion_lens
+    real = int(lens.sum())
+    return (real if packed or not lens.numel() else int(lens.numel()) * int(lens.max())), real
+
+
+def padding_share(computed: int, real: int) -> float:
+    return (computed - real) / computed if computed else 0.0
+
+
+def resolve_padding_free(setting: str | bool, model: torch.nn.Module) -> bool:
+    """The padding_free knob (auto/true/false) for this model on its device. auto: packed on CPU, where the
+    block-diagonal sdpa mask costs less than the padding it removes (bench/packing.py, docs/benchmarks.md); on
+    CUDA only when the model runs a flash-attention (varlen) kernel. Otherwise a packed CUDA forward would be sdpa
+    with a dense N x N mask over the whole micro-batch (not measured on a GPU here), so rows of similar length are
+    grouped into padded micro-batches instead (trainer/objective/microbatch.py, ref_server/scorer.py)."""
+    s = str(setting).lower()
+    if s in ("true", "false"):
+        return s == "true"
+    if s != "auto":
+        raise ValueError(f"padding_free must be auto, true or false, got {setting!r}")
+    if next(model.parameters()).device.type == "cpu":
+        return True
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl in ("flash_attention_2", "flash_attention_3")
+
+
+def row_groups(lens: torch.Tensor, budget: int, packed: bool) -> list[torch.Tensor]:
+    """Row indices of forwards of at most `budget` computed tokens each (one row at least): packed, rows in order
+    while their lengths add up to the budget; padded, rows sorted by length first, so each forward pads only to
+    rows of similar length (where packing is off, the padding left is small)."""
+    order = torch.arange(lens.numel()) if packed else torch.argsort(lens.cpu(), stable=True)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cost = 0
+    for i in order.tolist():
+        n = int(lens[i])
+        new = cost + n if packed else (len(cur) + 1) * n  # sorted ascending: this row is the longest so far
+        if cur and new > budget:
+            groups.append(cur)
+            cur, new = [], n
+        cur.append(i)
+        cost = new
+    if cur:
+        groups.append(cur)
+    return [torch.tensor(g, dtype=torch.long) for g in groups]

@@ -1,0 +1,151 @@
+"""Padding-free forwards (common/packing.py, issue 33): a micro-batch's rows as one packed sequence give the padded
+forward's per-token logprobs, entropies and gradients within float32 rounding, on the tiny model and on a random
+model with Qwen2.5-0.5B's shapes (hidden 896, 14 heads, 2 KV heads, MLP 4,864, vocabulary 151,936), and attention
+never crosses from one packed row into another."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.logprobs import head_calls, sequence_logprobs
+from common.packing import check_packed_attention, forward_tokens, pack_rows, resolve_padding_free, row_groups
+
+PROMPT_LENS = [3, 9, 1, 5, 2]
+COMPLETION_LENS = [6, 2, 11, 1, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from common.modeling import load_model, resolve_model_path
+    return load_model(resolve_model_path("tiny"), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def qwen_shaped():
+    """Qwen2.5-0.5B's attention and MLP shapes, GQA 7:1, rope theta 1e6, tied 151,936-row embedding; 2 layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    conf = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                       num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(conf).eval().requires_grad_(False)
+
+
+def rows(vocab: int, seed: int = 0, pad: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    pl, cl = torch.tensor(PROMPT_LENS), torch.tensor(COMPLETION_LENS)
+    ids = torch.randint(0, vocab, (len(pl), int((pl + cl).max()) + pad), generator=g)  # junk past each row
+    return ids, pl, cl
+
+
+def test_pack_rows_layout():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
+    p = pack_rows(ids, torch.tensor([1, 1, 2]), torch.tensor([2, 1, 2]))
+    assert p.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert p.pred.tolist() == [0, 1, 3, 6, 7]  # the packed position before each completion token
+    assert p.targets.tolist() == [6, 7, 9, 3, 4]
+    assert p.rows.tolist() == [0, 0, 1, 2, 2] and p.cols.tolist() == [0, 1, 0, 0, 1]
+    with pytest.raises(ValueError, match="no prompt token"):
+        pack_rows(ids, torch.tensor([0, 1, 1]), torch.tensor([2, 1, 1]))
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen_shaped"])
+def test_packed_logprobs_equal_padded(request, which):
+    model = request.getfixturevalue(which)
+    ids, pl, cl = rows(model.config.vocab_size)
+    with torch.no_grad():
+        want, want_ent = sequence_logprobs(model, ids, pl, cl, chunk_tokens=7, with_entropy=True)
+        got, ent = sequence_logprobs(model, ids, pl, cl, chunk_tokens=7, with_entropy=True, padding_free=True)
+    assert got.shape == want.shape == (len(pl), max(COMPLETION_LENS)) and got.dtype == torch.float32
+    valid = torch.arange(got.shape[1])[None] < cl[:, None]
+    assert (got[~valid] == 0).all() and (ent[~valid] == 0).all()
+    assert float((got - want).abs().max()) <= 2e-5
+    assert float((ent - want_ent).abs().max()) <= 1e-4
+
+
+def test_packed_rows_do_not_see_each_other(qwen_shaped):
+    """Row 1's logprobs do not move when row 0's tokens change; one causal sequence without the restarting
+    position_ids (what a packed forward without a confining mask computes) would move them."""
+    model = qwen_shaped
+    ids, pl, cl = rows(model.config.vocab_size)
+    other = ids.clone()
+    other[0, :int(pl[0] + cl[0])] = (other[0, :int(pl[0] + cl[0])] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        a, _ = sequence_logprobs(model, ids, pl, cl, padding_free=True)
+        b, _ = sequence_logprobs(model, other, pl, cl, padding_free=True)
+        assert float((a[1:] - b[1:]).abs().max()) <= 1e-6
+        p = pack_rows(ids, pl, cl)
+        leaky = model(input_ids=p.input_ids).logits.log_softmax(-1)[0, p.pred, p.targets]
+    assert float((leaky[p.rows == 1] - a[1, :int(cl[1])]).abs().max()) > 1e-3
+
+
+def test_packed_gradient_equals_padded(tiny):
+    model = tiny
+    ids, pl, cl = rows(model.config.vocab_size, seed=1)
+    weights = torch.randn(len(pl), max(COMPLETION_LENS), generator=torch.Generator().manual_seed(2))
+    grads = []
+    model.requires_grad_(True)
+    try:
+        for packed in (False, True):
+            model.zero_grad()
+            logps, _ = sequence_logprobs(model, ids, pl, cl, chunk_tokens=5, padding_free=packed)
+            (logps * weights).sum().backward()
+            grads.append({n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None})
+    finally:
+        model.requires_grad_(False)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-5 * float(grads[0][n].abs().max()))
+
+
+def test_packed_head_calls_and_min_chunks(tiny):
+    """A packed forward calls the head once per chunk of the summed completion lengths; more calls (ZeRO-3 ranks
+    agreeing on the maximum) are empty and change nothing."""
+    model = tiny
+    ids, pl, cl = rows(model.config.vocab_size)
+    n = head_calls(cl, 8, padding_free=True)
+    assert n == -(-int(cl.sum()) // 8) and head_calls(cl, 8) == -(-max(COMPLETION_LENS) // (8 // len(pl)))
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            a, _ = sequence_logprobs(model, ids, pl, cl, chunk_tokens=8, padding_free=True)
+            assert len(calls) == n
+            b, _ = sequence_logprobs(model, ids, pl, cl, chunk_tokens=8, padding_free=True, min_chunks=n + 3)
+            assert len(calls) == 2 * n + 3
+    finally:
+        hook.remove()
+    assert torch.equal(a, b)
+
+
+def test_row_groups_and_token_counts():
+    lens = torch.tensor([50, 10, 40, 12, 11])
+    packed = row_groups(lens, 64, packed=True)
+    assert [g.tolist() for g in packed] == [[0, 1], [2, 3, 4]]  # in order, at most 64 real tokens each
+    padded = row_groups(lens, 64, packed=False)
+    assert [g.tolist() for g in padded] == [[1, 4, 3], [2], [0]]  # by length, rows x longest <= 64
+    assert [g.tolist() for g in row_groups(lens, 1, packed=True)] == [[i] for i in range(5)]  # one row at least
+    pl, cl = torch.tensor([2, 2]), torch.tensor([6, 2])
+    assert forward_tokens(pl, cl, packed=False) == (16, 12) and forward_tokens(pl, cl, packed=True) == (12, 12)
+
+
+def test_padding_free_knob(tiny):
+    from common.config import GRPOConfig
+    from ref_server.config import ServerConfig
+    assert resolve_padding_free("auto", tiny) is True  # CPU: measured faster (docs/benchmarks.md)
+    assert resolve_padding_free(True, tiny) is True and resolve_padding_free("false", tiny) is False
+    with pytest.raises(ValueError, match="padding_free"):
+        resolve_padding_free("sometimes", tiny)
+    with pytest.raises(ValueError, match="padding_free"):
+        GRPOConfig(padding_free="sometimes").validate()
+    with pytest.raises(ValueError, match="padding_free"):
+        ServerConfig(model="tiny", padding_free="sometimes").validate()
+    assert GRPOConfig(padding_free=False).validate().padding_free is False
+    impl = tiny.config._attn_implementation
+    try:
+        tiny.config._attn_implementation = "paged|sdpa"
+        with pytest.raises(ValueError, match="padding_free"):
+            check_packed_attention(tiny)
+    finally:
+        tiny.config._attn_implementation = impl
