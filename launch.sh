@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Start the whole GRPO system: ref server, genonly workers and the DeepSpeed trainer.
 #
-#   ./launch.sh demo [--run-dir DIR] [--seed N] [--model M --data D ...]   the CPU demo (see README)
+#   ./launch.sh demo [--run-dir DIR] [--seed N] [--model M --data D ...]   the CPU demo (README, docs/demo.md)
 #   ./launch.sh train [options] [-- trainer args...]                        a training run
 #   ./launch.sh check [options] [-- trainer args...]                        check config, model, data, rewards,
 #                                                    placement, port and disk in seconds (no weights loaded)
 #   ./launch.sh status [--ref-url URL] [--token-file F] [--json]             the run's status table (GET /status)
 #
-# Several hosts (one command per host; each keeps its own --run-dir, no shared filesystem; README "Multi-node"):
+# Several hosts (one command per host; each keeps its own --run-dir, no shared filesystem; docs/nodes.md):
 #   ./launch.sh ref-server --host ADDR --ref-model M [--port P] [--token-file F]     the reference model server
 #   ./launch.sh trainer-host --nodes N --node-rank R --master-addr ADDR [--master-port P] [--gpus G]
 #               --ref-url URL --run-dir DIR [--workers W] [--token-file F] [-- trainer args]

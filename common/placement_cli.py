@@ -96,7 +96,7 @@ def check_torch(plan: Plan, how: str) -> None:
         import torch
         if not torch.cuda.is_available():
             raise ValueError(f"{len(plan.gpus)} GPU(s) found ({how}) but this torch ({torch.__version__}) has "
-                             f"no CUDA: install a CUDA build (GRPO_TORCH, see README) or hide the GPUs with "
+                             f"no CUDA: install a CUDA build (GRPO_TORCH, see docs/install.md) or hide the GPUs with "
                              f"CUDA_VISIBLE_DEVICES=")
 
 

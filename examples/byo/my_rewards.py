@@ -25,7 +25,7 @@ def format_reward(completions, **kwargs):
 
 def digits(completions, **kwargs):
     """Share of digits in the completion: a shaped reward even a random tiny model moves (so every group has a
-    reward spread in the CPU smoke runs of the README; real runs drop it)."""
+    reward spread in the CPU smoke runs of docs/data.md; real runs drop it)."""
     out = []
     for c in completions:
         chars = [ch for ch in _text(c) if not ch.isspace()]
