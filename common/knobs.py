@@ -141,6 +141,8 @@ def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
     base = _base_type(tp)
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if base is list and isinstance(value, str):  # "report_to": "wandb", "reward_fns": "correct,format": as on the CLI
+        return [v.strip() for v in value.split(",") if v.strip()]
     if base in (bool, int, float, str, list, dict):
         ok = isinstance(value, base) and not (base is int and isinstance(value, bool))
         if not ok:

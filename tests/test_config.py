@@ -130,13 +130,20 @@ def test_unknown_key_in_file_is_an_error_naming_it(tmp_path):
     assert path in str(e.value)
 
 
+def test_a_string_in_a_list_field_is_its_comma_separated_list(tmp_path):
+    """TRL configs write "report_to": "wandb"; the command line takes "correct,format" the same way."""
+    path = write(tmp_path, {"report_to": "wandb", "reward_fns": "correct, format"})
+    cfg = load_config(GRPOConfig, ["--config", path])
+    assert cfg.report_to == ["wandb"] and cfg.reward_fns == ["correct", "format"]
+
+
 @pytest.mark.parametrize("values,match", [
     ({"lr": "1e-4"}, "field 'lr' must be float"),
     ({"num_pre_Q": 8.5}, "field 'num_pre_Q' must be int"),
     ({"num_pre_Q": True}, "field 'num_pre_Q' must be int"),
     ({"compute_gen_logps": "false"}, "field 'compute_gen_logps' must be bool"),
     ({"compute_gen_logps": 0}, "field 'compute_gen_logps' must be bool"),
-    ({"reward_fns": "correct"}, "field 'reward_fns' must be list"),
+    ({"reward_fns": 3}, "field 'reward_fns' must be list"),
     ({"data_limit": "100"}, "field 'data_limit' must be int or null"),
     ({"model": None}, "field 'model' must be str"),
 ])

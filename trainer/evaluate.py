@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
 from trainer.rewards.builtin import reward_correct, reward_format
 from trainer.rollout import encode_prompts
+
+log = logging.getLogger("trainer")
 
 
 @torch.no_grad()
@@ -43,7 +46,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
                  top_p=1.0, top_k=0, gen_batch_size=batch_size)
     correct = formatted = 0
     rewards: dict[str, list] = {}
-    reward_total = 0.0
+    reward_total, reward_errors = 0.0, 0
     samples = []
     bar = tqdm(total=len(kept), desc="eval", disable=not progress, leave=False)
     calls = math.ceil(len(kept) / batch_size)
@@ -56,7 +59,15 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
             text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)
             if scorer is not None:
                 ids = [int(t) for t in out.completion_ids]  # plain ints: they go to the reward process as JSON
-                score = scorer.score_group(ex, [text], [ids])
+                try:
+                    score = scorer.score_group(ex, [text], [ids])
+                except RuntimeError as e:  # e.g. a TRL reward reading a column the held-out rows lack: eval
+                    # must not end the run; counted (eval_reward_errors) and said, once per eval
+                    if not reward_errors:
+                        log.warning("eval: a reward failed on a held-out example, which is left unscored (more "
+                                    "are counted in eval_reward_errors): %s", " ".join(str(e).split()))
+                    reward_errors += 1
+                    continue
                 reward_total += score.rewards[0]
                 for name, (v,) in score.components.items():
                     acc = rewards.setdefault(name, [0.0, 0, 0])
@@ -76,7 +87,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     # the counts too: ranks that evaluated shards sum them (trainer/loop.py run_eval), exactly
     return {"accuracy": correct / n, "format_rate": formatted / n, "n": len(kept), "correct": int(correct),
             "formatted": int(formatted), "skipped_long_prompt": skipped, "seconds": round(time.time() - t0, 2),
-            "samples": samples, "rewards": rewards, "reward_total": reward_total}
+            "samples": samples, "rewards": rewards, "reward_total": reward_total, "reward_errors": reward_errors}
 
 
 def main(argv: list[str] | None = None) -> dict:

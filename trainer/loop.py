@@ -98,12 +98,15 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scor
                    scorer=scorer)
     parts: list = [None] * world  # an object collective: NCCL and gloo alike, no tensor device to pick
     torch.distributed.all_gather_object(parts, (res["correct"], res["formatted"], res["n"], res["rewards"],
-                                                res["reward_total"]))
+                                                res["reward_total"], res["reward_errors"]))
     n = sum(p[2] for p in parts)
     if scorer is None:
         correct, formatted = sum(p[0] for p in parts), sum(p[1] for p in parts)
         return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n}
     out = {"eval_n": n, "eval_reward_mean": sum(p[4] for p in parts) / max(n, 1)}
+    errors = sum(p[5] for p in parts)
+    if errors:  # examples a reward failed on (left unscored; trainer/evaluate.py says which)
+        out["eval_reward_errors"] = errors
     for name in scorer.names:  # per function: its mean where it applied, its share of completions scored > 0
         total, count, hits = (sum(p[3].get(name, [0.0, 0, 0])[i] for p in parts) for i in range(3))
         if count:

@@ -89,6 +89,8 @@ def policy_logps(batches: list[RolloutBatch], engine: GenEngine, cfg, synced: bo
     the trainer does. Synced (ZeRO-3): every module call gathers weights from all ranks, so each rank makes as
     many forwards, each with as many LM-head chunks, as the rank with the most (a 1-token dummy row past ours)."""
     n = all_reduce_int(len(batches), "max") if synced else len(batches)
+    if n == 0:  # every batch has the engine's own logprobs (vLLM): no forward, and no HF model to ask
+        return
     packed = resolve_padding_free(cfg.padding_free, engine.model)  # one packed sequence per group (common/packing.py)
     for i in range(n):
         b = batches[i] if i < len(batches) else None
