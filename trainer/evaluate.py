@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 
@@ -25,6 +26,14 @@ from trainer.rewards.builtin import reward_correct, reward_format
 from trainer.rollout import encode_prompts
 
 log = logging.getLogger("trainer")
+
+
+def _one_line(e: Exception) -> str:
+    """A reward failure in one line: which function, and the error it raised (not the reward process's traceback)."""
+    text = str(e)
+    head = text.split("\n")[0].split("Traceback")[0].strip()
+    errors = re.findall(r"\b\w+(?:Error|Exception): [^\n]*", text)
+    return f"{head} {errors[-1].strip()}" if errors else " ".join(text.split())
 
 
 @torch.no_grad()
@@ -65,7 +74,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
                     # must not end the run; counted (eval_reward_errors) and said, once per eval
                     if not reward_errors:
                         log.warning("eval: a reward failed on a held-out example, which is left unscored (more "
-                                    "are counted in eval_reward_errors): %s", " ".join(str(e).split()))
+                                    "are counted in eval_reward_errors): %s", _one_line(e))
                     reward_errors += 1
                     continue
                 reward_total += score.rewards[0]
