@@ -50,6 +50,9 @@ class RolloutBatch:
     producer_id: str = ""
     batch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     extra: dict = field(default_factory=dict)  # small JSON-able metadata (e.g. reward components)
+    # (B, T) bool, 1 = a token the policy sampled; 0 = a tool turn's token (in the sequence, out of the loss).
+    # None = all ones (protocol-1 producers). Keyword-only, so it comes after every positional field, ScoredBatch's too.
+    loss_mask: torch.Tensor | None = field(default=None, kw_only=True)
 
     @property
     def num_rows(self) -> int:

@@ -30,6 +30,8 @@ class Sample:
     completion_ids: torch.Tensor          # (T,) long
     logprobs: torch.Tensor | None         # (T,) float32 per completion token (raw distribution), or None
     truncated: bool                       # hit max_new_tokens without an eos
+    # (T,) bool, 1 = sampled by the model, 0 = a tool turn's token (multi-turn rollouts); None = all sampled
+    loss_mask: torch.Tensor | None = None
 
 
 def cut_at_eos(ids: torch.Tensor, eos_ids: list[int], max_new_tokens: int) -> tuple[torch.Tensor, bool]:
