@@ -5,7 +5,8 @@ sequence but in no loss term, no normaliser and no per-token metric.
 The loss is checked against a float64 re-derivation that only ever sees the kept tokens (gathered row by row), for
 every objective, aggregation and importance-sampling level; the update (DeepSpeed, micro-batches, IS correction,
 off-policy and entropy masks) against the same update on a batch that differs only at the masked positions.
-The ZeRO 0/2/3 x grad_accum 2 x packing cases live in tests/test_microbatch.py (test_loss_mask_keeps_...)."""
+The ZeRO 0/2/3 x grad_accum 2 x packing cases are in tests/test_microbatch.py (test_loss_mask_keeps_...), whose
+engines and float64 reference this module reuses."""
 from __future__ import annotations
 
 import json

@@ -97,6 +97,9 @@ def dist():
     deepspeed.init_distributed(dist_backend="gloo")
     yield deepspeed
     torch.distributed.destroy_process_group()
+    # DeepSpeed caches its clone of the world group; another module's engines (tests/test_loss_mask.py, in the same
+    # pytest process) would broadcast over this destroyed group without a fresh one
+    deepspeed.utils.groups._WORLD_GROUP = None
     mp.undo()
 
 
