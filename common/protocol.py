@@ -9,6 +9,8 @@ Row i of `input_ids` is prompt_i followed by completion_i, right-padded to L. Th
 completion tokens of row i are input_ids[i, prompt_lens[i] : prompt_lens[i] + completion_lens[i]],
 and per-token tensors (gen_logps, ref_logps) are (B, T) with T = max(completion_lens),
 entry [i, j] belonging to completion token j of row i; entries past completion_lens[i] are 0.
+The optional `loss_mask` (B, T) bool (protocol version 2) says which completion tokens train: 1 = sampled by
+the policy, 0 = a tool turn's token (in the sequence, scored by the reference, out of the loss). Absent = all ones.
 """
 from __future__ import annotations
 
@@ -25,7 +27,12 @@ from safetensors.torch import load as st_load
 
 from common.batch_extra import ExtraError, check_extra
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # the newest version this side speaks
+# Versions a decoder accepts. An encoder writes the lowest that can carry the message: 1 without a loss_mask (so a
+# mask-free batch stays readable by version-1 peers), 2 with one (a version-1 peer then refuses it by its version,
+# never by silently training tool tokens). A version-1 message carrying a loss_mask is refused.
+PROTOCOL_VERSIONS = (1, 2)
+LOSS_MASK_VERSION = 2
 CONTENT_TYPE = "application/vnd.grpo.safetensors"
 
 # Hard limits that hold whatever the model: they bound what a decoder will allocate.
@@ -93,9 +100,11 @@ def _encode(b: RolloutBatch, kind: str, extra_tensors: dict) -> bytes:
         if t is not None:
             tensors[name] = t.to(torch.float32).contiguous()
     tensors.update({k: v.to(torch.float32).contiguous() for k, v in extra_tensors.items() if v is not None})
+    if b.loss_mask is not None:  # sent whenever present (also all ones): decode gives back what was encoded
+        tensors["loss_mask"] = b.loss_mask.to(torch.bool).contiguous()
     meta = {
         "kind": kind,
-        "protocol_version": str(PROTOCOL_VERSION),
+        "protocol_version": str(1 if b.loss_mask is None else LOSS_MASK_VERSION),
         "policy_version": str(int(b.policy_version)),
         "producer_id": str(b.producer_id),
         "batch_id": str(b.batch_id),
@@ -104,7 +113,7 @@ def _encode(b: RolloutBatch, kind: str, extra_tensors: dict) -> bytes:
     return _serialize(tensors, meta)
 
 
-_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.float32: "F32"}
+_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.float32: "F32", torch.bool: "BOOL"}
 
 
 def _serialize(tensors: dict, meta: dict) -> bytes:
@@ -172,16 +181,19 @@ def _meta_int(meta: dict, key: str) -> int:
 def _decode(data: bytes, kind: str) -> dict:
     tensors, meta = _load(data)
     version = _meta_int(meta, "protocol_version")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unknown protocol version {version} (this side speaks {PROTOCOL_VERSION})")
+    if version not in PROTOCOL_VERSIONS:
+        speaks = ", ".join(map(str, PROTOCOL_VERSIONS))
+        raise ProtocolError(f"unknown protocol version {version} (this side speaks {speaks})")
     if meta.get("kind") != kind:
         raise ProtocolError(f"expected a {kind!r} message, got {meta.get('kind')!r}")
-    allowed = {"input_ids", "prompt_lens", "completion_lens", "advantages", "gen_logps", "rewards"}
+    allowed = {"input_ids", "prompt_lens", "completion_lens", "advantages", "gen_logps", "rewards", "loss_mask"}
     if kind == "scored":
         allowed.add("ref_logps")
     unknown = sorted(set(tensors) - allowed)
     if unknown:
         raise ProtocolError(f"unknown tensor(s) {unknown}")
+    if "loss_mask" in tensors and version < LOSS_MASK_VERSION:
+        raise ProtocolError(f"'loss_mask' needs protocol_version {LOSS_MASK_VERSION}, the message says {version}")
     for key in ("producer_id", "batch_id", "extra"):
         if len(meta.get(key, "")) > MAX_META_CHARS:
             raise ProtocolError(f"metadata field {key!r} too long")
@@ -192,6 +204,12 @@ def _decode(data: bytes, kind: str) -> dict:
     if not isinstance(extra, dict):
         raise ProtocolError("metadata 'extra' must be a JSON object")
     fields = {name: tensors.get(name) for name in allowed}
+    lm = fields["loss_mask"]
+    if lm is not None:  # BOOL as encode writes it, or U8 from a producer without bool tensors; bytes must be 0/1
+        _check_tensor("loss_mask", lm, _MASK, 2)
+        if lm.numel() and int(lm.view(torch.uint8).max()) > 1:
+            raise ProtocolError("'loss_mask' has values other than 0 and 1")
+        fields["loss_mask"] = lm.to(torch.bool)
     fields.update(policy_version=_meta_int(meta, "policy_version"), producer_id=meta.get("producer_id", ""),
                   batch_id=meta.get("batch_id", ""), extra=extra)
     return fields
@@ -223,6 +241,7 @@ def _check_tensor(name: str, t, dtypes: tuple, ndim: int) -> None:
 
 _INT = (torch.int64, torch.int32)
 _FLOAT = (torch.float32,)
+_MASK = (torch.bool, torch.uint8)
 
 
 def _minmax(t: torch.Tensor) -> tuple:
@@ -288,6 +307,8 @@ def validate_batch(b: RolloutBatch, vocab_size: int | None = None, max_seq_len: 
             raise ProtocolError(f"{name!r} contains NaN or inf")
         if hi > 1e-3:
             raise ProtocolError(f"{name!r} has positive log-probabilities (max {hi:.4g})")
+    if b.loss_mask is not None:
+        _check_loss_mask(b.loss_mask, b.completion_lens, B, T)
     if b.rewards is not None:
         _check_tensor("rewards", b.rewards, _FLOAT, 1)
         if b.rewards.shape[0] != B or not _finite(*_minmax(b.rewards)):
@@ -300,6 +321,23 @@ def validate_batch(b: RolloutBatch, vocab_size: int | None = None, max_seq_len: 
         raise ProtocolError(str(e)) from None
 
 
+def _check_loss_mask(mask, completion_lens: torch.Tensor, B: int, T: int) -> None:
+    """(B, T) bool, 0 past each completion, and at least one 1 in every row: a completion starts with the
+    policy's own tokens (tool turns only follow a model turn), and a row without one would train nothing while
+    still counting as a row in seq_mean / dr_grpo (a producer bug, refused rather than silently diluting)."""
+    _check_tensor("loss_mask", mask, (torch.bool,), 2)
+    if tuple(mask.shape) != (B, T):
+        raise ProtocolError(f"'loss_mask' has shape {tuple(mask.shape)}, "
+                            f"expected ({B}, {T}) = (rows, max completion len)")
+    inside = torch.arange(T, device=mask.device)[None, :] < completion_lens.to(mask.device)[:, None]
+    if bool((mask & ~inside).any()):
+        raise ProtocolError("'loss_mask' has ones past a row's completion_lens")
+    empty = ~mask.any(1)
+    if bool(empty.any()):
+        raise ProtocolError(f"'loss_mask' row {int(empty.nonzero()[0])} has no 1: every completion needs a token "
+                            f"the policy sampled")
+
+
 # ---------------------------------------------------------------------------------------
 def _pad_cat(ts: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in ts], dim=0)
@@ -309,7 +347,8 @@ def collate(batches: list[RolloutBatch]) -> RolloutBatch:
     """Concatenate batches row-wise (padding input_ids and per-token tensors with 0).
 
     The result has the type of the first batch; an optional tensor survives only if every
-    batch has it. Metadata of the first batch is kept, `extra` lists are concatenated.
+    batch has it, except loss_mask, which is all ones (over each completion) where a batch has none.
+    Metadata of the first batch is kept, `extra` lists are concatenated.
     """
     if not batches:
         raise ValueError("collate needs at least one batch")
@@ -327,6 +366,9 @@ def collate(batches: list[RolloutBatch]) -> RolloutBatch:
     for name in names:
         ts = [getattr(b, name) for b in batches]
         kw[name] = _pad_cat(ts, T) if all(t is not None for t in ts) else None
+    masks = [b.loss_mask for b in batches]
+    if any(m is not None for m in masks):  # None = all ones over the completion: made explicit for those rows
+        kw["loss_mask"] = _pad_cat([b.completion_mask() if m is None else m.bool() for b, m in zip(batches, masks)], T)
     rs = [b.rewards for b in batches]
     kw["rewards"] = torch.cat(rs) if all(r is not None for r in rs) else None
     extra: dict = {}

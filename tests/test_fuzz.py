@@ -128,7 +128,7 @@ def semantic_bad(rng: random.Random) -> bytes:
     elif kind == 12:  # positive logprobs
         t["gen_logps"] = ("F32", np.abs(t["gen_logps"][1]) + 0.5)
     elif kind == 13:
-        m["protocol_version"] = rng.choice(["0", "2", "abc", "", "1.0", "9" * 400])
+        m["protocol_version"] = rng.choice(["0", "3", "abc", "", "1.0", "9" * 400])
     elif kind == 14:
         m["kind"] = rng.choice(["scored", "", "ROLLOUT", "weights"])
     elif kind == 15:

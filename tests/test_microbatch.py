@@ -54,6 +54,8 @@ def reference_loss(m, b: ScoredBatch, cfg: GRPOConfig, aggregation: str) -> torc
     logp_all = torch.log_softmax(m(input_ids=b.input_ids, attention_mask=att).logits.double(), -1)
     T = int(b.completion_lens.max())
     mask = torch.arange(T)[None] < b.completion_lens[:, None]
+    if b.loss_mask is not None:  # issue 32: tool-turn tokens are in the forward, not in the loss
+        mask = mask & b.loss_mask
     pos = (b.prompt_lens[:, None] + torch.arange(T)[None]).clamp(max=L - 1)
     tgt = b.input_ids.gather(1, pos)
     logps = logp_all[torch.arange(ROWS)[:, None], pos - 1, tgt].masked_fill(~mask, 0.0)
@@ -76,7 +78,7 @@ def reference_grads(model, batches: list[ScoredBatch], cfg: GRPOConfig) -> dict:
     m = model.double()
     m.zero_grad()
     if cfg.aggregation == "dapo":
-        tokens = [int(b.completion_lens.sum()) for b in batches]
+        tokens = [int(b.completion_lens.sum() if b.loss_mask is None else b.loss_mask.sum()) for b in batches]
         loss = sum(reference_loss(m, b, cfg, "token_mean") * n for b, n in zip(batches, tokens)) / sum(tokens)
     else:
         loss = sum(reference_loss(m, b, cfg, cfg.aggregation) for b in batches) / len(batches)
@@ -95,6 +97,9 @@ def dist():
     deepspeed.init_distributed(dist_backend="gloo")
     yield deepspeed
     torch.distributed.destroy_process_group()
+    # DeepSpeed caches its clone of the world group; another module's engines (tests/test_loss_mask.py, in the same
+    # pytest process) would broadcast over this destroyed group without a fresh one
+    deepspeed.utils.groups._WORLD_GROUP = None
     mp.undo()
 
 
@@ -210,6 +215,50 @@ def test_two_zero3_ranks_make_the_zero0_update(tmp_path):
         ulp = torch.finfo(torch.float32).eps * float(w0.abs().max())  # the float32 weights' own rounding
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 2 * ulp,
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+def with_tool_turns(b: ScoredBatch) -> ScoredBatch:
+    """b with a loss mask (issue 32): a tool turn of up to 3 tokens after each completion's first 2 tokens (rows of
+    3+ tokens), out of the loss. Engine and reference logprobs there are made far from the policy's (-0.05: near
+    certainty), so any term or normaliser that still counted them would move the update visibly."""
+    T = int(b.completion_lens.max())
+    lm = torch.arange(T)[None] < b.completion_lens[:, None]
+    for i, c in enumerate(b.completion_lens.tolist()):
+        if c >= 3:
+            lm[i, 2:min(5, c)] = False
+    tool = (torch.arange(T)[None] < b.completion_lens[:, None]) & ~lm
+    b.gen_logps = b.gen_logps.masked_fill(tool, -0.05)
+    b.ref_logps = b.ref_logps.masked_fill(tool, -0.05)
+    b.loss_mask = lm
+    return b
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("aggregation,level,is_mode,padding_free", [
+    ("dapo", "token", None, "true"), ("seq_mean", "sequence", "sequence_mask", "false")])
+def test_loss_mask_keeps_tool_tokens_out_of_the_update(dist, stage, aggregation, level, is_mode, padding_free):
+    """Issue 32: batches with tool turns (loss_mask), grad_accum 2 x three micro-batches, packed or padded: the
+    update is the float64 gradient of the loss over the sampled tokens only (dapo's token count included)."""
+    cfg = config(aggregation, level, is_mode, grad_accum=2, padding_free=padding_free)
+    eng = sgd_engine(dist, stage, grad_accum=2)
+    batches = [with_tool_turns(make_batch(eng.module.config.vocab_size, seed)) for seed in (1, 2)]
+    assert all(0 < int((~b.loss_mask & b.completion_mask()).sum()) for b in batches)
+    check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+
+
+def test_split_keeps_the_loss_mask_row_aligned():
+    """The loss mask ANDed into the completion mask (trainer/objective/update.py new_round) reaches each
+    micro-batch on its own rows, in row order and grouped by length, and joins back to the batch's."""
+    b = with_tool_turns(make_batch(100))
+    cfg = config("token_mean", "token")
+    mask = new_round([b], cfg, "cpu").masks[0]
+    assert torch.equal(mask, b.completion_mask() & b.loss_mask)
+    for by_length in (False, True):
+        parts = microbatch.split(b, mask, b.advantages, b.gen_logps, b.ref_logps, 3, "token_mean", by_length)
+        for p in parts:
+            assert torch.equal(p.mask, b.loss_mask[p.rows, :p.mask.shape[1]])
+        assert sum(p.weight for p in parts) == pytest.approx(1.0)
+        assert torch.equal(microbatch.join([p.mask.float() for p in parts], parts, ROWS, mask.shape[1]).bool(), mask)
 
 
 def test_weights_add_up_to_one():

@@ -151,10 +151,10 @@ def test_from_rollout_keeps_everything_and_collate_pads():
 
 
 def test_content_type_and_version():
-    assert CONTENT_TYPE == "application/vnd.grpo.safetensors" and PROTOCOL_VERSION == 1
+    assert CONTENT_TYPE == "application/vnd.grpo.safetensors" and PROTOCOL_VERSION == 2
     header, _ = split(encode_rollout(make_rollout()))
     assert header["__metadata__"]["kind"] == "rollout"
-    assert header["__metadata__"]["protocol_version"] == str(PROTOCOL_VERSION)
+    assert header["__metadata__"]["protocol_version"] == "1"  # no loss_mask: version-1 readers still read it
     assert {k: v["dtype"] for k, v in header.items() if k != "__metadata__"} == {
         "input_ids": "I64", "prompt_lens": "I64", "completion_lens": "I64", "advantages": "F32",
         "gen_logps": "F32", "rewards": "F32"}
@@ -372,7 +372,7 @@ def test_rejects_rows_over_the_hard_limit():
     expect(f"sequence length {L} exceeds the limit {MAX_SEQ_LEN}", raw(t))
 
 
-@pytest.mark.parametrize("version", ["0", "2", "999"])
+@pytest.mark.parametrize("version", ["0", "3", "999"])
 def test_rejects_unknown_protocol_version(version):
     expect(f"unknown protocol version {int(version)}", raw(tensors_of(make_rollout()), protocol_version=version))
 

@@ -89,12 +89,17 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, old_logps: to
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, eps_low: float, eps_high: float,
               aggregation: str, max_new_tokens: int, importance_sampling_level: str = "token",
               is_weights: torch.Tensor | None = None, objective: str = "clip",
-              sapo_tau: tuple[float, float] = (1.0, 1.05)) -> torch.Tensor:
+              sapo_tau: tuple[float, float] = (1.0, 1.05), loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Scalar GRPO loss. logps/ref_logps/old_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool.
 
     importance_sampling_level="sequence" (GSPO): pass the sequence epsilons as eps_low/eps_high.
     is_weights (B, T), optional: per-token weights on the policy term (off-policy correction, entropy mask).
-    sapo_tau: (positive-advantage, negative-advantage) temperatures of objective sapo."""
+    sapo_tau: (positive-advantage, negative-advantage) temperatures of objective sapo.
+    loss_mask (B, T) bool, optional: the tokens the policy sampled (False = a tool turn's token). ANDed into mask,
+    so a masked token is in no term and no normaliser: policy term, KL, GSPO's sequence ratio, every aggregation.
+    is_weights are taken as given (trainer/objective/update.py computes them over the same ANDed mask)."""
+    if loss_mask is not None:
+        mask = mask.bool() & loss_mask.bool()
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; use one of {AGGREGATIONS}")
     if importance_sampling_level not in IS_LEVELS:

@@ -7,6 +7,8 @@ gradient equals the whole-batch gradient for every aggregation:
 
     seq_mean, dr_grpo  per-completion terms / the batch's rows      -> weight rows_mb / rows
     token_mean, dapo   per-token terms / the batch's masked tokens  -> weight tokens_mb / tokens
+    (the mask is the one update.py new_round built: completion tokens AND the loss mask, so a tool turn's
+    tokens count in no micro-batch's weight; it is split by the same rows as everything else)
     (GSPO's sequence ratio and truncated IS are per row: unchanged by a split by rows.)
 
 DeepSpeed accumulates: its gradient_accumulation_steps is grad_accum x micro-batches per step
