@@ -27,6 +27,9 @@ log = logging.getLogger("trainer")
 
 
 class ToolBox:
+    """The tools of one process's rollouts (see the module docstring). One ToolBox per rollout process; its
+    executor child starts at the first call that needs it. limits: memory_mb / file_mb (trainer/tools/executor.py)."""
+
     def __init__(self, defs: list[ToolDef], environment_factory: str | None = None, tokenizer=None,
                  timeout: float = 10.0, output_chars: int = 1000, **limits):
         self.defs = {d.name: d for d in defs}
@@ -41,8 +44,9 @@ class ToolBox:
                          if functions or env_tools else None)
         self._ids = itertools.count()
         self.episodes: dict[int, str | None] = {}  # live episode -> why its reset() failed (None: it did not)
-        self.observations: dict[int, str | None] = {}  # what each episode's reset() returned (TRL: appended to
-        self._stats = ToolStats()                       # the last user message when not None)
+        # What each episode's reset() returned: TRL appends it to the last user message when it is not None.
+        self.observations: dict[int, str | None] = {}
+        self._stats = ToolStats()
         self._kills_at_reset = 0
 
     @classmethod
