@@ -141,6 +141,33 @@ def test_a_stateful_environment_keeps_state_within_an_episode_and_is_fresh_per_e
     box.end_episodes([c])
 
 
+CPU_PROBE = """
+import resource, signal, time
+from trainer.tools.executor_worker import CPULimitExceeded, _on_sigxcpu, call_with_cpu_limit
+signal.signal(signal.SIGXCPU, _on_sigxcpu)
+def spin():
+    while True:
+        pass
+t0 = time.process_time()
+try:
+    call_with_cpu_limit(spin, {}, 0.5)
+except CPULimitExceeded:
+    print("limited after", round(time.process_time() - t0, 1))
+print("lifted", resource.getrlimit(resource.RLIMIT_CPU)[0] == resource.RLIM_INFINITY)
+"""
+
+
+def test_rlimit_cpu_stops_a_call_and_is_lifted_after_it():
+    """The executor child's CPU-time limit per call (its wall timeout usually comes first; threads that release
+    the GIL can use CPU faster than wall time)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", CPU_PROBE], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[0].startswith("limited after") and float(lines[0].split()[-1]) <= 3.0 and lines[1] == "lifted True"
+
+
 def test_an_async_tool_runs(box):
     assert run1(box, "shout", text="hi").content == "HI"
 

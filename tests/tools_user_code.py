@@ -139,3 +139,4 @@ class Plain:
         """
         self.seen.append(text)
         return len(self.seen)
+

@@ -65,8 +65,11 @@ def call_with_cpu_limit(fn, arguments: dict, cpu_seconds: float):
     soft = int(usage.ru_utime + usage.ru_stime + cpu_seconds) + 1
     hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
-    out = fn(**arguments)
-    return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL takes async tools too
+    try:
+        out = fn(**arguments)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL takes async tools too
+    finally:  # lifted between calls: SIGXCPU, sent every second past the soft limit, must not hit the serve loop
+        resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
 
 
 class Worker:
