@@ -1,18 +1,18 @@
 """GRPOConfig: one dataclass for every knob of the trainer and its workers, each documented.
 
-    cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])  # common/knobs.py
+    cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])  # common/settings/knobs.py
 
 Every field carries a `help` string in its metadata; `--help` prints them all. The same machinery
-(common/knobs.py) serves the ref server's `ServerConfig` (ref_server/config.py).
+(common/settings/knobs.py) serves the ref server's `ServerConfig` (ref_server/config.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config_sections import SECTIONS
-from common.knobs import knob
-from common.model_options import ModelLoading
+from common.settings.knobs import knob
+from common.settings.model_options import ModelLoading
+from common.settings.sections import SECTIONS
 
 # TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
 LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
@@ -27,9 +27,9 @@ class GRPOConfig(ModelLoading):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md)."""
 
-    ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/trl_aliases.py)
-    HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/config_sections.py)
-    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/model_options.py)
+    ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/settings/trl_aliases.py)
+    HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
+    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/settings/model_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "

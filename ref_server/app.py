@@ -1,6 +1,6 @@
 """HTTP side of the ref server: the Bottle app (ref_server/serve.py runs it under waitress, several threads).
 
-    POST /upload   rollout message (common/protocol.py) -> 202 {"id", "queued"}
+    POST /upload   rollout message (common/wire/protocol.py) -> 202 {"id", "queued"}
     GET  /get      oldest scored message (FIFO, each handed out once); 204 when none; ?wait=S long-polls
     GET  /health   status, model, vocab size, max_seq_len, dtype, device, queue depths, uptime
     GET  /stats    JSON counters;   GET /metrics   Prometheus text
@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.modeling import load_model
 from common.packing import resolve_padding_free
-from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
+from common.wire.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.config import ServerConfig, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
 from ref_server.status import HeartbeatTable, by_host, identity_from_environ, render_html

@@ -23,7 +23,7 @@ import torch
 from conftest import start_ref_server
 from test_ref_server import MAX_SEQ, VOCAB, make_batch
 
-from common.protocol import MAX_ROWS, decode_scored, encode_rollout
+from common.wire.protocol import MAX_ROWS, decode_scored, encode_rollout
 
 SEED = 20240607
 N_CASES = 2400

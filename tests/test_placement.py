@@ -1,4 +1,4 @@
-"""The placement plan (common/placement.py) for 0, 1, 2, 4 and 8 GPUs and the launcher's flags; launch.sh's side
+"""The placement plan (common/placement/plan.py) for 0, 1, 2, 4 and 8 GPUs and the launcher's flags; launch.sh's side
 with a fake `nvidia-smi` on PATH (--print-plan: nothing is started); the plan in the ref server's /status."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import requests
 from conftest import REPO, subprocess_env
 
-from common.placement import describe, plan_placement
+from common.placement.plan import describe, plan_placement
 from trainer.engines.vllm import visible_devices_for
 
 
@@ -222,7 +222,7 @@ def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
 
     import torch
 
-    from common.placement_cli import detect_gpus
+    from common.placement.cli import detect_gpus
     if shutil.which("nvidia-smi") or torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")

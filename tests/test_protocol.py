@@ -1,4 +1,4 @@
-"""common.protocol: exact round trips, and decode rejects every malformed message with ProtocolError."""
+"""common.wire.protocol: exact round trips, and decode rejects every malformed message with ProtocolError."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from common.protocol import (
+from common.wire.protocol import (
     CONTENT_TYPE,
     MAX_META_CHARS,
     MAX_ROWS,
@@ -187,7 +187,7 @@ def test_messages_are_standard_safetensors(tmp_path):
 def test_serializer_handles_any_tensor_shape():
     from safetensors.torch import load as st_load
 
-    from common.protocol import _serialize
+    from common.wire.protocol import _serialize
     ts = {"empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5), "ids": torch.arange(12).reshape(3, 4),
           "view": torch.randn(4, 6)[:, 1:5:2], "i32": torch.tensor([1, -2], dtype=torch.int32)}
     got = st_load(_serialize(ts, {"k": "v"}))
@@ -365,7 +365,7 @@ def test_rejects_rows_longer_than_max_seq_len():
 
 
 def test_rejects_rows_over_the_hard_limit():
-    from common.protocol import MAX_SEQ_LEN
+    from common.wire.protocol import MAX_SEQ_LEN
     L = MAX_SEQ_LEN + 1
     t = {"input_ids": torch.zeros(1, L, dtype=torch.int64), "prompt_lens": torch.tensor([1]),
          "completion_lens": torch.tensor([1]), "advantages": torch.zeros(1)}

@@ -17,9 +17,9 @@ import torch
 from conftest import REPO, find_free_port, subprocess_env
 from safetensors.torch import save as st_save
 
-from common.client import RefClient, RefServerError
 from common.modeling import load_model
-from common.protocol import CONTENT_TYPE, RolloutBatch, decode_scored, encode_rollout
+from common.wire.client import RefClient, RefServerError
+from common.wire.protocol import CONTENT_TYPE, RolloutBatch, decode_scored, encode_rollout
 from ref_server.config import ServerConfig, check_bind, load_server_config
 
 TOKEN = "test-token-0123456789"

