@@ -5,82 +5,30 @@ safetensors is a plain header + raw bytes format, so decoding client bytes can n
 code (unlike pickle / torch.load). `decode_*` validates everything a peer could get wrong
 and raises ProtocolError with a message that says what.
 
-Row i of `input_ids` is prompt_i followed by completion_i, right-padded to L. The
-completion tokens of row i are input_ids[i, prompt_lens[i] : prompt_lens[i] + completion_lens[i]],
-and per-token tensors (gen_logps, ref_logps) are (B, T) with T = max(completion_lens),
-entry [i, j] belonging to completion token j of row i; entries past completion_lens[i] are 0.
+The batches themselves are common/wire/batch.py, their limits and validation common/wire/limits.py; this module
+is the wire's one face and re-exports them (`from common.wire.protocol import RolloutBatch, ProtocolError`).
 """
 from __future__ import annotations
 
 import json
-import math
 import struct
 import sys
-import uuid
-from dataclasses import dataclass, field
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from common.wire.batch_extra import ExtraError, check_extra
+from common.wire.batch import RolloutBatch, ScoredBatch, collate
+from common.wire.limits import MAX_META_CHARS, MAX_ROWS, MAX_SEQ_LEN, ProtocolError, validate_batch
+
+__all__ = ["CONTENT_TYPE", "MAX_META_CHARS", "MAX_ROWS", "MAX_SEQ_LEN", "PROTOCOL_VERSION", "ProtocolError",
+           "RolloutBatch", "ScoredBatch", "collate", "decode_rollout", "decode_scored", "encode_rollout",
+           "encode_scored", "validate_batch"]
 
 PROTOCOL_VERSION = 1
 CONTENT_TYPE = "application/vnd.grpo.safetensors"
 
-# Hard limits that hold whatever the model: they bound what a decoder will allocate.
-MAX_ROWS = 4096
-MAX_SEQ_LEN = 1 << 17
-MAX_META_CHARS = 64 * 1024
 
-
-class ProtocolError(ValueError):
-    """A message that is malformed, inconsistent or out of range. The text says what."""
-
-
-@dataclass
-class RolloutBatch:
-    input_ids: torch.Tensor                    # (B, L) int64: prompt + completion, right-padded
-    prompt_lens: torch.Tensor                  # (B,) int64
-    completion_lens: torch.Tensor              # (B,) int64
-    advantages: torch.Tensor                   # (B,) float32
-    gen_logps: torch.Tensor | None = None   # (B, T) float32, generation-time policy logprobs
-    rewards: torch.Tensor | None = None     # (B,) float32, raw rewards (for metrics)
-    policy_version: int = 0
-    producer_id: str = ""
-    batch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    extra: dict = field(default_factory=dict)  # small JSON-able metadata (e.g. reward components)
-    # (B, T) bool, 1 = a token the policy sampled; 0 = a tool turn's token (in the sequence, out of the loss).
-    # None = all ones (protocol-1 producers). Keyword-only, so it comes after every positional field, ScoredBatch's too.
-    loss_mask: torch.Tensor | None = field(default=None, kw_only=True)
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def max_completion_len(self) -> int:
-        return int(self.completion_lens.max())
-
-    def completion_mask(self) -> torch.Tensor:
-        """(B, T) bool from lengths, never from pad ids (pad may equal eos)."""
-        t = torch.arange(self.max_completion_len, device=self.completion_lens.device)
-        return t[None, :] < self.completion_lens[:, None]
-
-    def num_completion_tokens(self) -> int:
-        return int(self.completion_lens.sum())
-
-
-@dataclass
-class ScoredBatch(RolloutBatch):
-    ref_logps: torch.Tensor | None = None   # (B, T) float32, reference-model logprobs (None when beta == 0)
-
-    @classmethod
-    def from_rollout(cls, rb: RolloutBatch, ref_logps: torch.Tensor | None) -> ScoredBatch:
-        return cls(**{k: getattr(rb, k) for k in RolloutBatch.__dataclass_fields__}, ref_logps=ref_logps)
-
-
-# ---------------------------------------------------------------------------------------
 def _encode(b: RolloutBatch, kind: str, extra_tensors: dict) -> bytes:
     tensors = {
         "input_ids": b.input_ids.to(torch.int64).contiguous(),
@@ -207,136 +155,3 @@ def decode_scored(data: bytes) -> ScoredBatch:
     b = ScoredBatch(**_decode(data, "scored"))
     validate_batch(b)
     return b
-
-
-# ---------------------------------------------------------------------------------------
-def _check_tensor(name: str, t, dtypes: tuple, ndim: int) -> None:
-    if t is None:
-        raise ProtocolError(f"tensor {name!r} missing")
-    if not isinstance(t, torch.Tensor):
-        raise ProtocolError(f"{name!r} is not a tensor")
-    if t.dtype not in dtypes:
-        raise ProtocolError(f"{name!r} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
-    if t.ndim != ndim:
-        raise ProtocolError(f"{name!r} has {t.ndim} dimensions, expected {ndim}")
-
-
-_INT = (torch.int64, torch.int32)
-_FLOAT = (torch.float32,)
-
-
-def _minmax(t: torch.Tensor) -> tuple:
-    """(min, max) as Python numbers in one pass over t (non-empty); a NaN anywhere gives NaN for both."""
-    lo, hi = torch.aminmax(t)
-    return lo.item(), hi.item()
-
-
-def _finite(lo: float, hi: float) -> bool:
-    return math.isfinite(lo) and math.isfinite(hi)
-
-
-def validate_batch(b: RolloutBatch, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
-    """Raise ProtocolError unless every tensor has the right dtype, rank, shape and range.
-
-    One min/max pass per tensor (torch.aminmax) answers all of its range checks: finite iff
-    min and max are finite (NaN propagates), lengths from their extremes, logprob sign from max.
-    """
-    _check_tensor("input_ids", b.input_ids, _INT, 2)
-    _check_tensor("prompt_lens", b.prompt_lens, _INT, 1)
-    _check_tensor("completion_lens", b.completion_lens, _INT, 1)
-    _check_tensor("advantages", b.advantages, _FLOAT, 1)
-    B, L = b.input_ids.shape
-    if not 1 <= B <= MAX_ROWS:
-        raise ProtocolError(f"batch has {B} rows; allowed 1..{MAX_ROWS}")
-    limit = min(MAX_SEQ_LEN, max_seq_len or MAX_SEQ_LEN)
-    if L > limit:
-        raise ProtocolError(f"sequence length {L} exceeds the limit {limit}")
-    for name in ("prompt_lens", "completion_lens", "advantages"):
-        if getattr(b, name).shape[0] != B:
-            raise ProtocolError(f"{name!r} has {getattr(b, name).shape[0]} entries for {B} rows")
-    p_min, p_max = _minmax(b.prompt_lens)
-    c_min, c_max = _minmax(b.completion_lens)
-    if p_min < 1:
-        raise ProtocolError("every prompt length must be >= 1")
-    if c_min < 1:
-        raise ProtocolError("every completion length must be >= 1")
-    # Python ints: no overflow. Each length alone first, then the per-row sum only when the
-    # extremes alone could exceed L.
-    if p_max > L or c_max > L or (p_max + c_max > L and int((b.prompt_lens + b.completion_lens).max()) > L):
-        raise ProtocolError(f"prompt_len + completion_len exceeds the row length {L}")
-    if max_seq_len is not None and p_max >= max_seq_len:
-        raise ProtocolError(f"prompt length {p_max} >= the model's sequence length {max_seq_len}")
-    id_min, id_max = _minmax(b.input_ids)
-    if id_min < 0:
-        raise ProtocolError("negative token id")
-    if vocab_size is not None and id_max >= vocab_size:
-        raise ProtocolError(f"token id {id_max} >= vocab size {vocab_size}")
-    if not _finite(*_minmax(b.advantages)):
-        raise ProtocolError("advantages contain NaN or inf")
-    T = c_max
-    per_token = ["gen_logps"] + (["ref_logps"] if isinstance(b, ScoredBatch) else [])
-    for name in per_token:
-        t = getattr(b, name)
-        if t is None:
-            continue
-        _check_tensor(name, t, _FLOAT, 2)
-        if tuple(t.shape) != (B, T):
-            raise ProtocolError(f"{name!r} has shape {tuple(t.shape)}, "
-                                f"expected ({B}, {T}) = (rows, max completion len)")
-        lo, hi = _minmax(t)
-        if not _finite(lo, hi):
-            raise ProtocolError(f"{name!r} contains NaN or inf")
-        if hi > 1e-3:
-            raise ProtocolError(f"{name!r} has positive log-probabilities (max {hi:.4g})")
-    if b.rewards is not None:
-        _check_tensor("rewards", b.rewards, _FLOAT, 1)
-        if b.rewards.shape[0] != B or not _finite(*_minmax(b.rewards)):
-            raise ProtocolError("'rewards' must be B finite values")
-    if not isinstance(b.policy_version, int) or b.policy_version < 0:
-        raise ProtocolError("policy_version must be a non-negative integer")
-    try:
-        check_extra(b.extra, B)
-    except ExtraError as e:
-        raise ProtocolError(str(e)) from None
-
-
-# ---------------------------------------------------------------------------------------
-def _pad_cat(ts: list[torch.Tensor], width: int) -> torch.Tensor:
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in ts], dim=0)
-
-
-def collate(batches: list[RolloutBatch]) -> RolloutBatch:
-    """Concatenate batches row-wise (padding input_ids and per-token tensors with 0).
-
-    The result has the type of the first batch; an optional tensor survives only if every
-    batch has it. Metadata of the first batch is kept, `extra` lists are concatenated.
-    """
-    if not batches:
-        raise ValueError("collate needs at least one batch")
-    L = max(int(b.input_ids.shape[1]) for b in batches)
-    T = max(b.max_completion_len for b in batches)
-    kw = dict(
-        input_ids=_pad_cat([b.input_ids for b in batches], L),
-        prompt_lens=torch.cat([b.prompt_lens for b in batches]),
-        completion_lens=torch.cat([b.completion_lens for b in batches]),
-        advantages=torch.cat([b.advantages for b in batches]),
-        policy_version=min(b.policy_version for b in batches),
-        producer_id=batches[0].producer_id, batch_id=batches[0].batch_id,
-    )
-    names = ["gen_logps"] + (["ref_logps"] if isinstance(batches[0], ScoredBatch) else [])
-    for name in names:
-        ts = [getattr(b, name) for b in batches]
-        kw[name] = _pad_cat(ts, T) if all(t is not None for t in ts) else None
-    rs = [b.rewards for b in batches]
-    kw["rewards"] = torch.cat(rs) if all(r is not None for r in rs) else None
-    extra: dict = {}
-    for b in batches:
-        for k, v in b.extra.items():
-            if isinstance(v, list):
-                extra.setdefault(k, []).extend(v)
-            elif isinstance(v, dict):  # e.g. reward components: dict of lists
-                d = extra.setdefault(k, {})
-                for kk, vv in v.items():
-                    d.setdefault(kk, []).extend(vv if isinstance(vv, list) else [vv])
-    kw["extra"] = extra
-    return type(batches[0])(**kw)
