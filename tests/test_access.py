@@ -108,7 +108,7 @@ def test_token_required_everywhere_but_health(public_server):
 
 def test_token_compare_is_constant_time():
     """The check itself: hmac.compare_digest on the bearer value (no == on secrets)."""
-    src = (REPO / "ref_server" / "app.py").read_text()
+    src = (REPO / "ref_server" / "auth.py").read_text()
     tree = ast.parse(src)
     fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_authorized")
     calls = {ast.unparse(c.func) for c in ast.walk(fn) if isinstance(c, ast.Call)}
