@@ -1,6 +1,7 @@
-"""Malformed upload bodies for tests/test_fuzz.py (seeded by the caller's random.Random): semantic_bad keeps the
-safetensors framing and breaks the content (dtypes, shapes, ranges, metadata), framing_bad breaks the framing
-itself (header length, JSON, offsets, truncation, junk); st_blob writes a safetensors blob that may lie."""
+"""Malformed upload bodies for tests/test_fuzz.py and tests/test_scored_validation.py (seeded by the caller's
+random.Random): semantic_bad keeps the safetensors framing and breaks the content (dtypes, shapes, ranges,
+metadata), framing_bad breaks the framing itself (header length, JSON, offsets, truncation, junk); st_blob writes a
+safetensors blob that may lie."""
 from __future__ import annotations
 
 import json
