@@ -41,7 +41,7 @@
 # Options before `--` are launch.sh's (dashes or underscores); trainer options go after `--` (a trainer option
 # given before it is refused, naming where it goes). `--config F` is passed on as the trainer's --config.
 # Before anything starts, `train` runs the checks of `check` (trainer/check.py) and stops on a failure.
-# Placement: every process gets its own GPU(s) (common/placement.py): ref server on the highest GPU, workers below
+# Placement: every process gets its own GPU(s) (common/placement/plan.py): ref server on the highest GPU, workers below
 # it (vllm_tensor_parallel_size GPUs each), ranks from GPU 0; each sees only its GPUs (CUDA_VISIBLE_DEVICES). The
 # plan is printed at start, written to RUN_DIR/placement.json and shown by the ref server's /status. One GPU: all
 # share it (said so); a vLLM worker sharing a GPU with the ranks builds its engine once they are ready
@@ -144,18 +144,18 @@ if [ -z "$REF_MODEL" ]; then
   REF_MODEL=$("$PY" - "${CFG_ARGS[@]}" "${EXTRA[@]}" <<'PYEOF'
 import sys
 from common.config import GRPOConfig
-from common.knobs import load_config_or_exit
+from common.settings.knobs import load_config_or_exit
 cfg = load_config_or_exit(GRPOConfig, sys.argv[1:], prog="trainer/main.py")  # a bad config: one line, exit 2
 print(cfg.ref_model or cfg.model)
 PYEOF
 )
 fi
-# Which GPU(s) each process gets (common/placement.py): sets PLAN_REF_ENV/PLAN_REF_DEVICE, PLAN_WORKER_ENV[w],
+# Which GPU(s) each process gets (common/placement/plan.py): sets PLAN_REF_ENV/PLAN_REF_DEVICE, PLAN_WORKER_ENV[w],
 # PLAN_WORKER_ARGS[w] and PLAN_DS (deepspeed --include ... or --num_gpus N); prints the plan.
 [ -n "$GPUS" ] && PLAN_FLAGS+=(--gpus "$GPUS")
 [ -n "$REF_URL" ] && PLAN_FLAGS+=(--no-ref)
 [ -z "$PRINT_PLAN" ] && [ "$MODE" = train ] && PLAN_FLAGS+=(--json "$RUN_DIR/placement.json" --check-torch)
-PLAN=$("$PY" -m common.placement_cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
+PLAN=$("$PY" -m common.placement.cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
   --ref-model "$REF_MODEL" --ref-dtype "$REF_DTYPE" -- \
   "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
 eval "$PLAN"

@@ -1,4 +1,4 @@
-"""The memory estimate (common/memory_plan.py) against one CPU rank's measured peak: one DeepSpeed rank (gloo,
+"""The memory estimate (common/placement/memory_plan.py) against one CPU rank's measured peak: one DeepSpeed rank (gloo,
 world 1) builds the engine as trainer/engine.py does and takes one train_step on a synthetic batch whose rows are
 all full length (prompt + completion, the estimate's worst case). The peak is the process's VmHWM (peak RSS)
 of the second step (Adam's states exist), reset before it (/proc/self/clear_refs 5), less the RSS before the
@@ -62,11 +62,11 @@ def main() -> None:
     import torch
 
     from common.config import GRPOConfig
-    from common.knobs import load_config
-    from common.memory_plan import ModelShape, TrainSettings, activation_bytes, rank_parts, step_bytes
-    from common.memory_report import train_settings
     from common.modeling import resolve_model_path
-    from common.protocol import ScoredBatch
+    from common.placement.memory_plan import ModelShape, TrainSettings, activation_bytes, rank_parts, step_bytes
+    from common.placement.memory_report import train_settings
+    from common.settings.knobs import load_config
+    from common.wire.protocol import ScoredBatch
     from trainer.engine import build_engine, ds_config_for, init_deepspeed
     from trainer.objective.update import train_step
 

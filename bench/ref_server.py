@@ -42,9 +42,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.client import RefClient  # noqa: E402
 from common.logprobs import logprobs_from_hidden, sequence_logprobs  # noqa: E402
-from common.protocol import RolloutBatch  # noqa: E402
+from common.wire.client import RefClient  # noqa: E402
+from common.wire.protocol import RolloutBatch  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -8,12 +8,12 @@ intermediate 4864, vocab 151936, tied embeddings; built locally, nothing downloa
 DeepSpeed trains bf16: the module's parameters are bf16 (what rank 0 publishes), an fp32 master copy takes
 the AdamW step (synthetic loss: next-token cross-entropy on random tokens) and is rounded into them. After
 each step, in one run against one real ref server process on 127.0.0.1:
-- delta: rank 0 publishes only what changed (common/weight_delta.py), a bf16 worker model fetches and
+- delta: rank 0 publishes only what changed (common/weights/delta.py), a bf16 worker model fetches and
   applies it (server and worker rebuild the full weights and check their checksum);
 - full (today's path, `--sync_delta false`): the same weights published in full, fetched and applied.
 After each sync the worker's parameters are checked bit-identical to the trainer's. Printed per step:
 the bytes published as a share of the full weights (a delta estimated over DELTA_MAX_SHARE of them goes
-as the full copy, common/weight_delta.py: share 1), and both wall times (publish + fetch + apply, split
+as the full copy, common/weights/delta.py: share 1), and both wall times (publish + fetch + apply, split
 publish+follow).
 Last line JSON: delta_share_lr1e-6 / -5 / -4 (the largest share over the steps at that lr) and
 sync_speedup (full seconds / delta seconds, summed over the steps at lr 1e-6; the other lrs' as
@@ -38,9 +38,9 @@ from pathlib import Path
 import requests
 import torch
 
-from common.client import RefClient
-from common.weight_delta import as_bits
-from common.weight_sync import WeightSync
+from common.weights.delta import as_bits
+from common.weights.sync import WeightSync
+from common.wire.client import RefClient
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@ same bytes through a local file (the benchmark bench/weight_sync.py ran before d
 
 Ours (sync_seconds): rank 0 streams the model's parameters (no joined blob) in a PUT to a real ref server
 process on 127.0.0.1, and a worker-side model fetches them and copies them into its own parameters
-(common/weight_sync.py) - the whole publish-and-fetch path. The weights change before every version and the
+(common/weights/sync.py) - the whole publish-and-fetch path. The weights change before every version and the
 worker's copy is checked after each. From the third version on, the relay receives into the retired blob's
 memory (ref_server/weights.py); best of --repeats. Baseline (file_copy_seconds): the same safetensors bytes
 written to a local file, fsync'd, and read back into memory. ratio = file_copy_seconds / sync_seconds
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from common.client import RefClient
-from common.weight_blob import parameters_blob
-from common.weight_sync import WeightSync
+from common.weights.blob import parameters_blob
+from common.weights.sync import WeightSync
+from common.wire.client import RefClient
 
 
 def build_model(hidden: int, layers: int, vocab: int):

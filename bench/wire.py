@@ -6,7 +6,7 @@ One group (rows x tokens, prompt included, with generation-time logprobs and rew
 encoded and decoded again, many times; the median round trip of each side is compared
 (the two sides are interleaved, so background load hits both alike).
 
-  ours      common.protocol.encode_rollout + decode_rollout (decode validates everything:
+  ours      common.wire.protocol.encode_rollout + decode_rollout (decode validates everything:
             dtypes, ranks, shapes, lengths, token range, finiteness, logprob sign).
   baseline  simple_GRPO's framing: every tensor torch.save'd into its own blob
             (tensor_to_bytes), blobs length-prefixed into one message (make_bytes_list),
@@ -36,7 +36,7 @@ sys.path[:0] = [_REPO, os.path.join(_REPO, "tests")]  # the baseline's torch.loa
 import torch  # noqa: E402
 from simple_grpo_framing import bytes_list_to_list, bytes_to_tensor, make_bytes_list, tensor_to_bytes  # noqa: E402
 
-from common.protocol import RolloutBatch, decode_rollout, encode_rollout  # noqa: E402
+from common.wire.protocol import RolloutBatch, decode_rollout, encode_rollout  # noqa: E402
 
 TENSOR_NAMES = ("input_ids", "prompt_lens", "completion_lens", "advantages", "gen_logps", "rewards")
 

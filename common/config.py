@@ -1,36 +1,30 @@
 """GRPOConfig: one dataclass for every knob of the trainer and its workers, each documented.
 
-    cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])  # common/knobs.py
+    cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])  # common/settings/knobs.py
 
 Every field carries a `help` string in its metadata; `--help` prints them all. The same machinery
-(common/knobs.py) serves the ref server's `ServerConfig` (ref_server/config.py).
+(common/settings/knobs.py) serves the ref server's `ServerConfig` (ref_server/config.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config_sections import SECTIONS
-from common.knobs import knob
-from common.model_options import ModelLoading
-from common.tool_specs import tool_spec_errors
-
-# TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
-LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
-              "dapo": ("clip", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "seq_mean"),
-              "luspo": ("clip", "luspo")}
-# Files `data` and `eval_data` may name (trainer/data_files.py reads them); such a file has no splits.
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".csv", ".parquet")
+from common.settings.checks import LOSS_TYPES, ConfigChecks
+from common.settings.knobs import knob
+from common.settings.model_options import ModelLoading
+from common.settings.sections import SECTIONS
 
 
 @dataclass
-class GRPOConfig(ModelLoading):
+class GRPOConfig(ModelLoading, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
-    file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md)."""
+    file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
+    validate() and the rules it checks: common/settings/checks.py."""
 
-    ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/trl_aliases.py)
-    HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/config_sections.py)
-    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/model_options.py)
+    ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/settings/trl_aliases.py)
+    HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
+    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/settings/model_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "
@@ -312,104 +306,11 @@ class GRPOConfig(ModelLoading):
     weight_fetch_retries: int = knob(5, "genonly: a weight download that breaks or fails its checksum is retried "
                                         "this many times (the worker keeps its current weights meanwhile).")
 
-    def _report_names(self) -> set[str]:
-        names = self.report_to if isinstance(self.report_to, list) else str(self.report_to).split(",")
-        return {str(n).strip().lower() for n in names if str(n).strip()}
-
     def reporters(self) -> set[str]:
         """report_to (+ the wandb flag) as a set of tensorboard/wandb; metrics.jsonl is always written."""
         names = self._report_names()
         out = {"tensorboard", "wandb"} if "all" in names else names - {"none"}
         return out | ({"wandb"} if self.wandb else set())
-
-    def validate(self) -> GRPOConfig:
-        checks = [
-            (self.num_pre_Q >= 2, "num_pre_Q must be >= 2 (a group needs a spread)"),
-            (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
-            (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"),
-             f"unknown advantage_mode {self.advantage_mode!r}"),
-            (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo", "luspo"),
-             f"unknown aggregation {self.aggregation!r}"),
-            (self.lr_schedule in ("constant", "linear", "cosine"),
-             f"unknown lr_schedule {self.lr_schedule!r}; use constant, linear or cosine"),
-            (self.beta >= 0, "beta must be >= 0"),
-            (0 <= self.eps_low < 1 and self.eps_high >= 0, "eps_low in [0,1) and eps_high >= 0"),
-            (self.mu >= 1, "mu must be >= 1"),
-            (self._report_names() <= {"none", "tensorboard", "wandb", "all"}
-             and not ("none" in self._report_names() and len(self._report_names()) > 1),
-             f"report_to must be none, tensorboard, wandb or all (or a list of them), got {self.report_to!r}"),
-            (self.log_completions_steps >= 1, "log_completions_steps must be >= 1"),
-            (self.num_completions_to_print is None or self.num_completions_to_print >= 0,
-             "num_completions_to_print must be >= 0 (or None: all)"),
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-            (self.temperature > 0, "temperature must be > 0"),
-            (self.zero_stage in (None, 0, 1, 2, 3), "zero_stage must be 0..3"),
-        ]
-        checks += [  # --- issue 11 ---
-            (self.save_total_limit >= 0, "save_total_limit must be >= 0 (0 = keep every checkpoint)"),
-            (self.save_steps >= 1, "save_steps must be >= 1"),
-            (self.worker_dtype in ("auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"),
-             f"unknown worker_dtype {self.worker_dtype!r}; use auto, bfloat16, float16 or float32"),
-            (self.log_stall_every > 0, "log_stall_every must be > 0"),
-        ]
-        checks += self._check_data_and_rewards()
-        checks += [(False, msg) for msg in tool_spec_errors(self.tools, self.environment_factory)] + [  # issue 32
-            (self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
-             "max_tool_calling_iterations must be >= 0 (or null = no limit)"),
-            (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
-            (self.tool_output_chars >= 50, "tool_output_chars must be >= 50 (room for the truncation note)"),
-        ]
-        checks += [  # --- generation engine / mismatch (issue 12) ---
-            (self.gen_backend in ("hf", "vllm"), f"unknown gen_backend {self.gen_backend!r}; use hf or vllm"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.vllm_dtype in ("auto", "bfloat16", "float16", "float32"),
-             f"unknown vllm_dtype {self.vllm_dtype!r}; use auto, bfloat16, float16 or float32"),
-            (self.vllm_max_model_len is None or self.vllm_max_model_len >= 2, "vllm_max_model_len must be >= 2"),
-            (0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]"),
-            (self.vllm_kv_cache_gb > 0, "vllm_kv_cache_gb must be > 0"),
-            (self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size must be >= 1 (GPUs per vLLM worker)"),
-            (self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 (or null = off)"),
-            (self.tis_cap is None or self.compute_gen_logps, "tis_cap needs compute_gen_logps (engine logprobs)"),
-        ]
-        checks += self._check_objective()
-        checks += [  # --- LoRA and GRPO variants (issue 14) ---
-            (self.lora_r >= 0, "lora_r must be >= 0 (0 = full fine-tuning)"),
-            (self.lora_r == 0 or self.lora_alpha > 0, "lora_alpha must be > 0"),
-            (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
-            (self.lora_r == 0 or (bool(self.lora_target_modules)
-                                  and all(isinstance(m, str) and m for m in self.lora_target_modules)),
-             "lora_target_modules must be a non-empty list of module names"),
-            (self.importance_sampling_level in ("token", "sequence"),
-             f"importance_sampling_level must be token or sequence, got {self.importance_sampling_level!r}"),
-            (0 <= self.gspo_eps_low < 1 and self.gspo_eps_high >= 0, "gspo_eps_low in [0,1) and gspo_eps_high >= 0"),
-            (0 <= self.overlong_buffer <= self.max_new_tokens, "overlong_buffer must be in [0, max_new_tokens]"),
-            (self.overlong_penalty >= 0, "overlong_penalty must be >= 0"),
-        ]
-        checks += [  # --- run health (issue 16) ---
-            (self.stall_warn > 0, "stall_warn must be > 0 seconds"),
-            (self.stall_timeout >= 0, "stall_timeout must be >= 0 seconds (0 = never)"),
-            (self.max_rejected_batches >= 0, "max_rejected_batches must be >= 0 (0 = never stop for them)"),
-            (self.dist_timeout > 0, "dist_timeout must be > 0 seconds"),
-            (self.heartbeat_s > 0, "heartbeat_s must be > 0 seconds"),
-            (self.micro_batch_size is None or self.micro_batch_size >= 0,
-             "micro_batch_size must be >= 0 rows (0 = the whole batch at once; null = picked to fit)"),
-            (self.weight_fetch_retries >= 0, "weight_fetch_retries must be >= 0"),
-            (self.wait_for_ranks >= 0, "wait_for_ranks must be >= 0 (0 = do not wait)"),
-            (self.wait_for_ranks_timeout > 0, "wait_for_ranks_timeout must be > 0 seconds"),
-            (str(self.padding_free).lower() in ("auto", "true", "false"),
-             f"padding_free must be auto, true or false, got {self.padding_free!r}"),
-        ]
-        extra = sorted(set(self.load_options()) - {"trust_remote_code", "revision", "attn_implementation"})
-        checks += self.loading_checks() + [  # --- issue 31: how every process loads the model ---
-            (self.gen_backend != "vllm" or not extra,
-             f"model_init_kwargs {extra} reach HF from_pretrained only: vLLM workers (gen_backend vllm) would load "
-             f"a different model; with vLLM give only trust_remote_code, revision, attn_implementation"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"config: {msg}")
-        return self
 
     def __post_init__(self) -> None:
         """Derived settings, at construction: the deprecated tis_cap spelling and loss_type's aggregation."""
@@ -431,55 +332,3 @@ class GRPOConfig(ModelLoading):
     def logprob_temperature(self) -> float:
         """The T every logprob of the objective is computed at (logp_temperature, null = temperature)."""
         return self.temperature if self.logp_temperature is None else float(self.logp_temperature)
-
-    def _check_objective(self) -> list[tuple[bool, str]]:
-        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        return [
-            (self.old_logps in ("trainer", "engine"), f"old_logps must be trainer or engine, got {self.old_logps!r}"),
-            (self.old_logps == "trainer" or self.compute_gen_logps,
-             "old_logps engine takes π_old from the engine's logprobs: it needs compute_gen_logps true"),
-            (self.vllm_importance_sampling_mode in ("token_truncate", "token_mask", "sequence_truncate",
-                                                    "sequence_mask"),
-             f"unknown vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}; use token_truncate, "
-             f"token_mask, sequence_truncate or sequence_mask"),
-            (hi is None or hi > 0, "vllm_importance_sampling_clip_max must be > 0 (or null)"),
-            (lo is None or lo >= 0, "vllm_importance_sampling_clip_min must be >= 0 (or null)"),
-            (lo is None or hi is None or lo < hi, "vllm_importance_sampling_clip_min must be < clip_max"),
-            (self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
-             "off_policy_mask_threshold must be >= 0 (or null = off)"),
-            (self.grad_accum >= 1, "grad_accum must be >= 1"),
-            (self.loss_type is None or self.loss_type in LOSS_TYPES,
-             f"unknown loss_type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)} (or null)"),
-            (self.loss_type is None or self.aggregation in ("seq_mean", LOSS_TYPES.get(self.loss_type, ("", ""))[1]),
-             f"loss_type {self.loss_type} sets aggregation {LOSS_TYPES.get(self.loss_type, ('', ''))[1]}, but "
-             f"aggregation {self.aggregation} is given: give one of them"),
-            (self.loss_type != "cispo" or self.eps_high >= 1,
-             "loss_type cispo caps the IS weight at eps_high (TRL's epsilon_high, the absolute ε_max): set it "
-             f">= 1, e.g. 5.0 (got {self.eps_high})"),
-            (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo temperatures must be > 0"),
-            (0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
-            (self.logp_temperature in (None, 1, 1.0) or self.logp_temperature == self.temperature,
-             f"logp_temperature must be null (the sampling temperature) or 1 (the raw distribution): the engines "
-             f"return logprobs of one of those two, got {self.logp_temperature!r}"),
-        ]
-
-    def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
-        n_fns = len(self.reward_fns) if isinstance(self.reward_fns, list) else len(str(self.reward_fns).split(","))
-        return [
-            (self.prompt_format in ("auto", "chat", "messages", "raw", "r1zero"),
-             f"unknown prompt_format {self.prompt_format!r}; use auto, chat, messages, raw or r1zero"),
-            (self.dataset_config is None or (isinstance(self.dataset_config, str) and self.dataset_config.strip()),
-             "dataset_config must be a configuration name (or null)"),
-            (not (self.eval_steps or self.eval_before) or self.eval_data
-             or not str(self.data).lower().endswith(DATA_FILE_SUFFIXES),
-             f"eval_steps/eval_before evaluate on held-out rows, but data {self.data!r} is one file with no eval "
-             f"split: give eval_data (a file, folder or hub id), or set eval_steps 0 and eval_before false"),
-            (self.prompt_format not in ("raw", "r1zero") or self.system_prompt in ("default", "", None),
-             f"prompt_format {self.prompt_format!r} takes the prompt as it is: a system_prompt cannot be added "
-             f"(set system_prompt to '')"),
-            (not self.reward_weights or len(self.reward_weights) == n_fns,
-             f"reward_weights has {len(self.reward_weights)} values for {n_fns} reward_fns"),
-            (all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.reward_weights),
-             f"reward_weights must be numbers, got {self.reward_weights!r}"),
-            (self.reward_timeout >= 0, "reward_timeout must be >= 0 (0 = no timeout)"),
-        ]

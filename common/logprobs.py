@@ -142,7 +142,7 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
                       padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM) at `temperature`.
 
-    input_ids (B, L) right-padded prompt+completion rows (see common/protocol.py).
+    input_ids (B, L) right-padded prompt+completion rows (see common/wire/protocol.py).
     Returns (B, T) float32 with T = max(completion_lens), zeros past each row's length.
     padding_free: the rows go through the model as one packed sequence (common/packing.py), the LM head sees only
     the completion positions; the same numbers within float32 rounding, no padded token computed.

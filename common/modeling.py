@@ -5,8 +5,8 @@ import logging
 
 import torch
 
-from common.model_options import tokenizer_options
 from common.paths import check_model_path
+from common.settings.model_options import tokenizer_options
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_tokenizer(path_or_id: str, options: dict | None = None):
-    """`options`: the model's loading options (cfg.load_options(), common/model_options.py); the tokenizer
+    """`options`: the model's loading options (cfg.load_options(), common/settings/model_options.py); the tokenizer
     takes trust_remote_code and revision from them."""
     from transformers import AutoTokenizer
 
@@ -54,7 +54,7 @@ def load_tokenizer(path_or_id: str, options: dict | None = None):
 def load_model(path_or_id: str, device: str | torch.device = "cpu", dtype: str = "auto", trainable: bool = False,
                options: dict | None = None):
     """`options`: from_pretrained keyword arguments every process passes alike (cfg.load_options():
-    trust_remote_code, attn_implementation, revision, model_init_kwargs; common/model_options.py)."""
+    trust_remote_code, attn_implementation, revision, model_init_kwargs; common/settings/model_options.py)."""
     from transformers import AutoModelForCausalLM
 
     dev = device if isinstance(device, torch.device) else pick_device(device)

@@ -1,6 +1,7 @@
 """HTTP side of the ref server: the Bottle app (ref_server/serve.py runs it under waitress, several threads).
+Its state and the /status and /health views: ref_server/state.py; the token check: ref_server/auth.py.
 
-    POST /upload   rollout message (common/protocol.py) -> 202 {"id", "queued"}
+    POST /upload   rollout message (common/wire/protocol.py) -> 202 {"id", "queued"}
     GET  /get      oldest scored message (FIFO, each handed out once); 204 when none; ?wait=S long-polls
     GET  /health   status, model, vocab size, max_seq_len, dtype, device, queue depths, uptime
     GET  /stats    JSON counters;   GET /metrics   Prometheus text
@@ -11,16 +12,12 @@ Every error is JSON {"error": "..."}; client input never causes a 5xx.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
-import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import parse_qs
 
 import bottle
 import torch
@@ -28,67 +25,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.modeling import load_model
 from common.packing import resolve_padding_free
-from common.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
+from common.wire.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
+from ref_server.auth import _authorized, _query_token_ok
 from ref_server.config import ServerConfig, resolve_token
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
-from ref_server.status import HeartbeatTable, by_host, identity_from_environ, render_html
-from ref_server.weights import StaleBase, WeightError, WeightStore
-from ref_server.weights_limit import WeightsLimit, weights_limit
+from ref_server.state import ServerState
+from ref_server.status import identity_from_environ, render_html
+from ref_server.weights import StaleBase, WeightError
+from ref_server.weights_limit import weights_limit
 
 log = logging.getLogger("ref_server")
 JSON = "application/json"
-
-
-@dataclass
-class ServerState:
-    cfg: ServerConfig
-    model: torch.nn.Module
-    scorer: Scorer
-    metrics: ServerMetrics
-    token: str | None
-    vocab_size: int
-    max_seq_len: int
-    long_polls: threading.BoundedSemaphore  # keeps waitress threads free for uploads
-    weights_limit: WeightsLimit  # the largest PUT /weights: --max_weights_mb, or derived from the model
-    weights: WeightStore = field(default_factory=WeightStore)  # the policy weights relayed to workers
-    heartbeats: HeartbeatTable = field(default_factory=HeartbeatTable)  # who called in when (GET /status)
-    stopping: bool = False
-    placement: dict | None = None  # the run's placement plan (launch.sh), shown by GET /status
-
-    def status(self, stall_warn: float) -> dict:
-        """GET /status: participants, the stalled ones, queue depths and ages, the published weights."""
-        participants, stalled = self.heartbeats.snapshot(stall_warn)
-        depths, ages = self.scorer.depths(), self.scorer.ages()
-        w = self.weights.info()
-        return {
-            "time": time.time(), "uptime_s": round(time.time() - self.metrics.started, 1), "stall_warn": stall_warn,
-            "stopping": self.stopping, "participants": participants, "stalled": stalled,
-            "hosts": by_host(participants),
-            "queues": {"input": {"depth": depths["input"], "oldest_age_s": ages["input"]},
-                       "output": {"depth": depths["output"], "oldest_age_s": ages["output"]},
-                       "scoring": depths["scoring"]},
-            "ref_forward": {"batches_scored": self.metrics.scored, "batches_ref_skipped": self.metrics.ref_skipped,
-                            "padding_free": self.metrics.padding_free,
-                            "padding_share": round(self.metrics.padding_share(), 4)},
-            "weights": {"version": w["version"], "bytes": w["bytes"],
-                        "age_s": None if w["published_at"] is None else round(time.time() - w["published_at"], 1),
-                        "max_weights_mb": round(self.weights_limit.mb, 1), "max_weights_how": self.weights_limit.how},
-            "placement": self.placement,
-        }
-
-    def health(self) -> dict:
-        p = next(self.model.parameters())
-        return {
-            "status": "stopping" if self.stopping else "ok",
-            "model": self.cfg.model, "vocab_size": self.vocab_size, "max_seq_len": self.max_seq_len,
-            "dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device),
-            "queues": self.scorer.depths(), "max_queue": self.cfg.max_queue,
-            "max_output_queue": self.cfg.max_output_queue, "auth": self.token is not None,
-            "uptime_s": round(time.time() - self.metrics.started, 3),
-            "policy_version": self.weights.info()["version"],
-            # who this is: a launcher checks that the server on its port is the one it started
-            "pid": os.getpid(), "run_nonce": self.cfg.run_nonce,
-        }
 
 
 def _error(status: int, message: str, **headers: str) -> bottle.HTTPResponse:
@@ -100,21 +47,6 @@ def _json(obj: dict, status: int = 200) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(json.dumps(obj), status=status, headers={"Content-Type": JSON})
 
 
-def _authorized(token: str | None, environ: dict) -> bool:
-    if token is None:
-        return True
-    # The raw WSGI value (a latin-1 str per PEP 3333): bottle's get_header() would try to
-    # UTF-8-decode it and raise on arbitrary client bytes.
-    scheme, _, given = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-    # compare_digest on the bytes as sent: constant time, no TypeError on non-ASCII input
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), token.encode())
-
-
-def _query_token_ok(token: str | None, environ: dict) -> bool:
-    """?token= on the status views only: a browser cannot send a bearer header."""
-    given = (parse_qs(environ.get("QUERY_STRING", "")).get("token") or [""])[0]
-    return token is not None and bool(given) and hmac.compare_digest(given.encode("latin-1", "replace"),
-                                                                     token.encode())
 
 
 def _query_seconds(name: str, default: float) -> float:

@@ -15,7 +15,7 @@ from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser, ParsingError, TransferEncodingNotImplemented
 from waitress.receiver import FixedStreamReceiver
 
-from ref_server.app import _authorized
+from ref_server.auth import _authorized
 from ref_server.config import ServerConfig
 from ref_server.weight_io import PreallocatedBody
 from ref_server.weights import WeightStore

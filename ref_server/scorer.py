@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.logprobs import sequence_logprobs
 from common.packing import forward_tokens, padding_share, row_groups
-from common.protocol import RolloutBatch, ScoredBatch, encode_scored
+from common.wire.protocol import RolloutBatch, ScoredBatch, encode_scored
 
 log = logging.getLogger("ref_server")
 

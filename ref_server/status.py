@@ -1,7 +1,7 @@
 """The ref server's heartbeat table and the status view built on it (GET /status JSON, GET / HTML).
 
 Every producer (genonly worker, trainer rank generating its own rollouts) and consumer (trainer rank)
-names itself in request headers (common/client.py sends them):
+names itself in request headers (common/wire/client.py sends them):
 
     X-GRPO-Id: worker0        X-GRPO-Role: worker | rank        X-GRPO-Host: node-a
     X-GRPO-Version: 12        (the policy version it is on)
@@ -16,7 +16,7 @@ import html
 import threading
 import time
 
-from common.placement import describe as describe_placement
+from common.placement.plan import describe as describe_placement
 
 MAX_PARTICIPANTS = 1000  # the table is bounded: identities come from clients
 _COUNTS = ("skipped_groups", "dropped_stale", "rounds")  # cumulative totals a client reports in its heartbeat

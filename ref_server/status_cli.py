@@ -10,8 +10,8 @@ import json
 import os
 import sys
 
-from common.cli import ArgumentParser
-from common.client import RefClient, RefServerError
+from common.settings.cli import ArgumentParser
+from common.wire.client import RefClient, RefServerError
 from ref_server.status import format_table
 
 

@@ -1,7 +1,7 @@
 """Policy weights relay: trainer rank 0 publishes, genonly workers fetch (issue: workers follow the policy).
 
     PUT /weights?version=N   safetensors blob of the policy's parameters (token required when set), or a
-                             delta against the version held (format=weights_delta, common/weight_delta.py)
+                             delta against the version held (format=weights_delta, common/weights/delta.py)
     GET /weights/version     {"version": N | null, "bytes": size, "served_delta_bytes", "served_full_bytes", ...}
     GET /weights[?since=M]   the latest blob, header X-Policy-Version; 404 before the first publish. With
                              since=M and the last delta going from M to the latest: that delta instead
@@ -23,11 +23,11 @@ import threading
 import time
 from contextlib import contextmanager
 
-from common.checksum import DIGITS, KEY, checksum
-from common.delta_apply import apply_plan, plan_delta
-from common.delta_kernels import warm_soon
-from common.weight_blob import IntegrityError, tensors_from_blob
-from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaError
+from common.weights.apply import apply_plan, plan_delta
+from common.weights.blob import IntegrityError, tensors_from_blob
+from common.weights.checksum import DIGITS, KEY, checksum
+from common.weights.delta import DELTA_FORMAT, NEEDS_FULL, DeltaError
+from common.weights.kernels import warm_soon
 from ref_server.weight_io import BlobReader
 
 log = logging.getLogger("ref_server")

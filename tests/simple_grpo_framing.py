@@ -2,7 +2,7 @@
 
 Every tensor is torch.save'd into its own blob and the blobs are length-prefixed into one
 message. Decoding unpickles (torch.load, weights_only=True), which is why it lives here, with the
-tests, and never in product code: our protocol (common/protocol.py) is safetensors-only.
+tests, and never in product code: our protocol (common/wire/protocol.py) is safetensors-only.
 """
 from __future__ import annotations
 

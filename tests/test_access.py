@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, find_free_port, start_ref_server, subprocess_env
 from test_ref_server import make_batch
 
-from common.protocol import encode_rollout
+from common.wire.protocol import encode_rollout
 from ref_server.config import ServerConfig
 
 TOKEN = "access-token-9f8e7d6c5b4a"
@@ -108,7 +108,7 @@ def test_token_required_everywhere_but_health(public_server):
 
 def test_token_compare_is_constant_time():
     """The check itself: hmac.compare_digest on the bearer value (no == on secrets)."""
-    src = (REPO / "ref_server" / "app.py").read_text()
+    src = (REPO / "ref_server" / "auth.py").read_text()
     tree = ast.parse(src)
     fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_authorized")
     calls = {ast.unparse(c.func) for c in ast.walk(fn) if isinstance(c, ast.Call)}
@@ -224,7 +224,7 @@ def test_pickled_tensor_is_refused_by_the_decoder():
     """The wire decoder is safetensors-only: a torch.save blob is a ProtocolError, never loaded."""
     import io
 
-    from common.protocol import ProtocolError, decode_rollout, decode_scored
+    from common.wire.protocol import ProtocolError, decode_rollout, decode_scored
 
     buf = io.BytesIO()
     torch.save({"input_ids": torch.ones(1, 3, dtype=torch.long)}, buf)

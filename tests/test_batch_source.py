@@ -10,10 +10,10 @@ import torch
 from conftest import start_ref_server
 from test_ref_server import make_batch
 
-from common.client import RefClient
 from common.config import GRPOConfig
-from common.knobs import load_config
-from common.protocol import ScoredBatch
+from common.settings.knobs import load_config
+from common.wire.client import RefClient
+from common.wire.protocol import ScoredBatch
 from trainer.rollout import RolloutStats
 
 

@@ -74,7 +74,7 @@ def test_tensorboard_has_no_duplicate_step_after_resume(tmp_path):
 
 def test_config_knobs_of_issue_11():
     from common.config import GRPOConfig
-    from common.knobs import load_config
+    from common.settings.knobs import load_config
 
     cfg = load_config(GRPOConfig, ["--save_total_limit", "3", "--worker_dtype", "bfloat16",
                                    "--train_zero_spread", "true"])

@@ -12,7 +12,7 @@ from conftest import find_free_port
 
 from common.config import GRPOConfig
 from common.modeling import load_model, load_tokenizer, resolve_model_path
-from common.protocol import ScoredBatch
+from common.wire.protocol import ScoredBatch
 from trainer.completions import COLUMNS, CompletionLog, completion_rows, table_text
 from trainer.data import load_examples
 from trainer.metrics import MetricsLogger
@@ -79,7 +79,7 @@ def test_report_to_picks_the_sinks(tmp_path, monkeypatch, report_to, tb, wandb):
 
 
 def test_report_to_is_validated_and_trl_names_are_accepted():
-    from common.knobs import from_dict
+    from common.settings.knobs import from_dict
     cfg = from_dict(GRPOConfig, {"report_to": ["wandb"], "log_completions": True, "num_completions_to_print": 3})
     assert cfg.reporters() == {"wandb"} and cfg.log_completions and cfg.num_completions_to_print == 3
     with pytest.raises(ValueError, match="report_to"):

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from common.config import GRPOConfig
-from common.knobs import build_parser, from_dict, knob, load_config, to_dict
+from common.settings.knobs import build_parser, from_dict, knob, load_config, to_dict
 
 
 def write(tmp_path, obj, name="cfg.json"):
@@ -257,7 +257,7 @@ def test_unknown_key_in_a_file_suggests_the_close_name(tmp_path):
 
 
 def test_help_is_grouped_by_section_with_a_description(capsys, monkeypatch):
-    from common.config_sections import SECTIONS
+    from common.settings.sections import SECTIONS
 
     monkeypatch.setenv("COLUMNS", "120")
     with pytest.raises(SystemExit):
@@ -277,7 +277,7 @@ def test_help_is_grouped_by_section_with_a_description(capsys, monkeypatch):
 
 
 def test_every_field_has_a_section():
-    from common.config_sections import SECTIONS
+    from common.settings.sections import SECTIONS
 
     placed = [n for _, _, names in SECTIONS for n in names]
     fields = [f.name for f in dataclasses.fields(GRPOConfig)]

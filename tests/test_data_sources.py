@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trl_rewards, loaded by dotted path
 
 from common.config import GRPOConfig  # noqa: E402
-from common.knobs import load_config  # noqa: E402
+from common.settings.knobs import load_config  # noqa: E402
 from trainer import run_data  # noqa: E402
 from trainer.data import ColumnSpec, load_examples  # noqa: E402
 from trainer.rewards.builtin import reward_correct  # noqa: E402

@@ -86,7 +86,7 @@ def test_demo_uses_float32_on_a_cpu_without_native_bf16(monkeypatch) -> None:
     import torch
 
     from common.config import GRPOConfig
-    from common.knobs import load_config
+    from common.settings.knobs import load_config
     from trainer.demo.cli import DEMO_CONFIG, cpu_precision_args
 
     said: list[str] = []

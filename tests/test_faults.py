@@ -26,7 +26,7 @@ from conftest import REPO, find_free_port, start_ref_server
 from test_e2e import TOY, env, read_rows
 from test_ref_server import make_batch
 
-from common.protocol import decode_scored, encode_rollout
+from common.wire.protocol import decode_scored, encode_rollout
 
 pytestmark = pytest.mark.slow
 

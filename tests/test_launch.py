@@ -11,7 +11,7 @@ import pytest
 import requests
 from conftest import REPO, start_ref_server, subprocess_env
 
-from common.client import RefClient
+from common.wire.client import RefClient
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import start_ref_server
 from test_ref_server import make_batch
 
-from common.client import RefClient
-from common.protocol import encode_rollout
+from common.wire.client import RefClient
+from common.wire.protocol import encode_rollout
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import torch
 from common.config import GRPOConfig
 from common.logprobs import sequence_logprobs
 from common.modeling import load_model
-from common.weight_blob import ParametersBody, blob_metadata, tensors_from_blob
-from common.weight_sync import WeightSync
+from common.weights.blob import ParametersBody, blob_metadata, tensors_from_blob
+from common.weights.sync import WeightSync
 from trainer.lora.adapters import (
     LoraMerger,
     adapter_metadata,

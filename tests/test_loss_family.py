@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.config import GRPOConfig
-from common.knobs import load_config
+from common.settings.knobs import load_config
 from trainer.objective.grpo import entropy_mask, grpo_loss
 
 

@@ -1,4 +1,4 @@
-"""Issue 32, "only the model's tokens train": the per-token loss mask on the wire (common/protocol.py, protocol
+"""Issue 32, "only the model's tokens train": the per-token loss mask on the wire (common/wire/protocol.py, protocol
 version 2), through the real ref server, and in the loss (trainer/objective/): a tool turn's tokens are in the
 sequence but in no loss term, no normaliser and no per-token metric.
 
@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import save as st_save
 from test_microbatch import ROWS, config, dist, full_weights, make_batch, sgd_engine, with_tool_turns  # noqa: F401
 
-from common.client import RefClient
 from common.modeling import load_model
-from common.protocol import (
+from common.wire.client import RefClient
+from common.wire.protocol import (
     ProtocolError,
     RolloutBatch,
     ScoredBatch,

@@ -1,4 +1,4 @@
-"""The GPU memory estimate (common/memory_plan.py, docs/gpus.md): the Qwen2.5-7B shape against a hand
+"""The GPU memory estimate (common/placement/memory_plan.py, docs/gpus.md): the Qwen2.5-7B shape against a hand
 computation; `launch.sh train --print-plan` with a fake `nvidia-smi` reporting 80 GB and 24 GB GPUs (a fit and a
 no-fit verdict, micro_batch_size/gradient_checkpointing picked where unset) and one whose memory query fails (the
 estimate, no verdict); on CPU nothing changes (unset = the whole batch, no checkpointing)."""
@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, subprocess_env
 
 from common.config import GRPOConfig
-from common.memory_plan import FIT_SHARE, GIB, ModelShape, TrainSettings, activation_bytes, pick, rank_parts
+from common.placement.memory_plan import FIT_SHARE, GIB, ModelShape, TrainSettings, activation_bytes, pick, rank_parts
 
 QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
           "num_hidden_layers": 28, "intermediate_size": 18944, "vocab_size": 152064, "num_attention_heads": 28,

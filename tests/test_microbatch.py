@@ -23,7 +23,7 @@ from test_e2e import env
 
 from common.config import GRPOConfig
 from common.modeling import load_model, resolve_model_path
-from common.protocol import ScoredBatch
+from common.wire.protocol import ScoredBatch
 from trainer.engine import ds_config_for, prepare_policy
 from trainer.objective import microbatch
 from trainer.objective.grpo import grpo_loss
@@ -272,7 +272,7 @@ def test_weights_add_up_to_one():
 
 
 def test_knob_and_trl_alias():
-    from common.knobs import from_dict
+    from common.settings.knobs import from_dict
     assert from_dict(GRPOConfig, {"per_device_train_batch_size": 4}).micro_batch_size == 4
     with pytest.raises(ValueError, match="micro_batch_size"):
         GRPOConfig(micro_batch_size=-1).validate()

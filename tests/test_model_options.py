@@ -1,7 +1,7 @@
 """How the model loads (issue 31): trust_remote_code, attn_implementation, revision and model_init_kwargs reach
 every process that calls from_pretrained: the ranks (trainer/engine.py build_engine, one gloo rank), a genonly
 worker's HF engine, the ref server process, `python -m trainer.evaluate`, and the ref server launch.sh starts
-(common/placement_cli.py hands it the trainer's options). The model is the tiny one with its own code (auto_map),
+(common/placement/cli.py hands it the trainer's options). The model is the tiny one with its own code (auto_map),
 which loads only with trust_remote_code; revisions come from a local Hugging Face cache (nothing downloads)."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from conftest import REPO, find_free_port, start_ref_server, subprocess_env
 
 from common.config import GRPOConfig
-from common.knobs import load_config
 from common.modeling import load_model, load_model_config, load_tokenizer
+from common.settings.knobs import load_config
 
 CONFIG_CODE = """from transformers import Qwen2Config
 
@@ -126,7 +126,7 @@ def test_launch_hands_the_ref_server_the_trainers_options(capsys):
     """launch.sh evals placement_cli's PLAN_REF_ARGS into the ref server's command line."""
     import shlex
 
-    from common.placement_cli import main
+    from common.placement.cli import main
     from ref_server.config import load_server_config
 
     assert main(["--workers", "0", "--", "--trust-remote-code", "true", "--revision", "v1",
@@ -157,7 +157,7 @@ def test_revision_reaches_model_tokenizer_config_and_lora_base(tiny_model_dir, t
     script = """
 import json, sys
 from common.config import GRPOConfig
-from common.knobs import load_config
+from common.settings.knobs import load_config
 from common.modeling import load_model, load_model_config, load_tokenizer
 from common.paths import local_model_dir
 for argv in json.loads(sys.argv[1]):

@@ -1,16 +1,16 @@
 """Bad input on the trainer side: what /get hands back is validated before training (decode_scored in
-common/protocol.py, check_scored in trainer/batches.py); a bad batch is counted and skipped. The server
-side of bad input is tests/test_fuzz.py, whose message builders these tests reuse."""
+common/wire/protocol.py, check_scored in trainer/batches.py); a bad batch is counted and skipped. The server
+side of bad input is tests/test_fuzz.py, whose message builders (tests/fuzz_messages.py) these tests reuse."""
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fuzz import meta, st_blob
+from fuzz_messages import meta, st_blob
 from test_ref_server import VOCAB, make_batch
 
 from common.config import GRPOConfig
-from common.knobs import load_config
-from common.protocol import ProtocolError, ScoredBatch, decode_scored, encode_rollout, encode_scored
+from common.settings.knobs import load_config
+from common.wire.protocol import ProtocolError, ScoredBatch, decode_scored, encode_rollout, encode_scored
 
 
 def _cfg(**kw) -> GRPOConfig:

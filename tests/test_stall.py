@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import REPO, start_ref_server, subprocess_env
 
-from common.client import RefClient
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer
-from common.protocol import ScoredBatch
+from common.wire.client import RefClient
+from common.wire.protocol import ScoredBatch
 from trainer.batches import is_stale
 from trainer.data import load_examples
 from trainer.engines.hf import HFEngine

@@ -10,7 +10,7 @@ import requests
 from conftest import REPO, subprocess_env
 from test_ref_server import make_batch
 
-from common.client import RefClient, RefServerError
+from common.wire.client import RefClient, RefServerError
 from ref_server.status import HeartbeatTable, format_table
 
 TOKEN = "s3cret-status-token"

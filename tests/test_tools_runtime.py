@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.config import GRPOConfig
-from common.knobs import from_dict, load_config
+from common.settings.knobs import from_dict, load_config
 from trainer.tools import ToolBox, ToolCall, ToolResult
 from trainer.tools.calculator import CalculatorError, calculator
 from trainer.tools.schemas import load_tools

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common import trl_aliases
 from common.config import GRPOConfig
-from common.knobs import build_parser, from_dict, load_config
+from common.settings import trl_aliases
+from common.settings.knobs import build_parser, from_dict, load_config
 
 # alias, value given, our field, value it must reach
 CASES = [

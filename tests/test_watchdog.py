@@ -8,7 +8,7 @@ import sys
 import threading
 
 from common.config import GRPOConfig
-from common.knobs import load_config
+from common.settings.knobs import load_config
 from trainer.health import Watchdog
 
 

@@ -17,10 +17,10 @@ import torch
 from conftest import start_ref_server
 from test_weight_sync import logps, perturbed
 
-from common.client import RefClient
 from common.modeling import load_model
-from common.weight_blob import IntegrityError, parameters_blob, tensors_from_blob, verify_blob
-from common.weight_sync import WeightSync
+from common.weights.blob import IntegrityError, parameters_blob, tensors_from_blob, verify_blob
+from common.weights.sync import WeightSync
+from common.wire.client import RefClient
 
 
 class Relay:

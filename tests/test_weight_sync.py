@@ -6,12 +6,12 @@ import requests
 import torch
 from conftest import start_ref_server
 
-from common.client import RefClient, RefServerError
 from common.logprobs import sequence_logprobs
 from common.modeling import load_model
-from common.protocol import RolloutBatch, ScoredBatch
-from common.weight_blob import parameters_blob
-from common.weight_sync import WeightSync, load_parameters
+from common.weights.blob import parameters_blob
+from common.weights.sync import WeightSync, load_parameters
+from common.wire.client import RefClient, RefServerError
+from common.wire.protocol import RolloutBatch, ScoredBatch
 
 
 def fixed_sequence():

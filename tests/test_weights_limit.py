@@ -12,11 +12,11 @@ import requests
 from conftest import REPO, find_free_port, start_ref_server
 from test_e2e import TOY, env
 
-from common.client import RefClient
 from common.config import GRPOConfig
-from common.knobs import load_config
 from common.modeling import load_model
-from common.weight_blob import ParametersBody
+from common.settings.knobs import load_config
+from common.weights.blob import ParametersBody
+from common.wire.client import RefClient
 from trainer.health import EXIT_WEIGHTS_REFUSED, WeightsRefused
 from trainer.publish import Publisher
 

@@ -137,7 +137,7 @@ def test_published_blobs_equal_zero0(runs):
     out, _ = runs
     for sync in ("sync", "lora_sync"):
         _same_files(out / f"{sync}0", out / f"{sync}3", "policy-v1.safetensors")
-    from common.weight_blob import blob_metadata
+    from common.weights.blob import blob_metadata
     blob = (out / "sync3" / "policy-v1.safetensors").read_bytes()
     assert blob_metadata(blob)["format"] == "pt" and b'"BF16"' in blob[:4096]
 

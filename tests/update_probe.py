@@ -9,8 +9,8 @@ import sys
 import torch
 
 from common.config import GRPOConfig
-from common.knobs import load_config
-from common.protocol import ScoredBatch
+from common.settings.knobs import load_config
+from common.wire.protocol import ScoredBatch
 from trainer.engine import build_engine, init_deepspeed
 from trainer.objective.update import new_round, starts_round, train_update
 

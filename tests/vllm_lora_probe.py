@@ -44,7 +44,7 @@ def lora_policy(model_dir: Path, targets: list[str], seed: int):
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     from common.config import GRPOConfig
-    from common.weight_sync import WeightSync
+    from common.weights.sync import WeightSync
     from trainer.engines import make_engine
     from trainer.lora.adapters import adapter_metadata, adapter_tensors
     from trainer.lora.sync import BaseCheckpoint, policy_loader
@@ -86,7 +86,7 @@ def main() -> None:
     from types import SimpleNamespace
 
     from common.modeling import load_model
-    from common.weight_delta import DELTA_FORMAT
+    from common.weights.delta import DELTA_FORMAT
     policy = load_model(str(model_dir), dtype="float32")
     full = {n: t.detach().clone() for n, t in policy.state_dict().items()}
     engine.load_weights(full.items())  # the worker holds this version (the delta's base)

@@ -56,9 +56,9 @@ def eos_rules_ok(samples, eos: list[int], max_new: int) -> bool:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     from common.config import GRPOConfig
-    from common.delta_kernels import warm
     from common.modeling import load_model
-    from common.weight_sync import WeightSync
+    from common.weights.kernels import warm
+    from common.weights.sync import WeightSync
     from trainer.engines import make_engine
 
     tiny, work = Path(sys.argv[1]), Path(sys.argv[2])

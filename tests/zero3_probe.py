@@ -12,7 +12,7 @@ import sys
 import torch
 
 from common.config import GRPOConfig
-from common.protocol import ScoredBatch
+from common.wire.protocol import ScoredBatch
 from trainer.engine import build_engine, init_deepspeed
 from trainer.objective.update import train_step
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
-from common.client import RefServerError
 from common.config import GRPOConfig
-from common.protocol import ProtocolError, ScoredBatch, collate
+from common.wire.client import RefServerError
+from common.wire.protocol import ProtocolError, ScoredBatch, collate
 from trainer.dist.comm import all_reduce_int
 from trainer.engines.hf import HFEngine
 from trainer.objective.update import truncated_mask

@@ -11,7 +11,7 @@ One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
              chat template shows them to the model
     port     the ref server's port is free (when launch.sh starts the server)
     disk     the run directory's filesystem has room for checkpoints: at least twice the model's size
-The placement plan is checked by launch.sh itself (common/placement_cli.py), before these.
+The placement plan is checked by launch.sh itself (common/placement/cli.py), before these.
 
     python -m trainer.check [--port P] [--run-dir D] [--ref-url URL] -- [trainer args]
 """
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import GRPOConfig
-from common.knobs import load_config
+from common.settings.knobs import load_config
 
 ANSWER = "<think>\nLet me work it out.\n</think>\n<answer>\n{}\n</answer>"  # a well-formed completion to score
 

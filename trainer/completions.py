@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common.protocol import ScoredBatch
+from common.wire.protocol import ScoredBatch
 
 log = logging.getLogger("trainer")
 COLUMNS = ["step", "prompt", "completion", "rewards", "reward", "advantage", "policy_version", "producer"]

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from common.config import DATA_FILE_SUFFIXES
 from common.prompts import SYSTEM_PROMPT  # re-exported: the R1-style prompt (simple_GRPO's wording)
+from common.settings.checks import DATA_FILE_SUFFIXES
 from common.user_code import user_dir
 from trainer.data_files import is_data_file, read_rows, split_file
 from trainer.example import Example  # re-exported: what a loader returns

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from common.config import DATA_FILE_SUFFIXES
+from common.settings.checks import DATA_FILE_SUFFIXES
 
 
 def is_data_file(name: str | Path) -> bool:

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.cli import ArgumentParser
 from common.config import GRPOConfig
-from common.knobs import parse_bool, parse_dict
 from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
+from common.settings.cli import ArgumentParser
+from common.settings.knobs import parse_bool, parse_dict
 from trainer.data import ColumnSpec, Example, load_examples
 from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, make_engine
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gen-backend", default="hf", choices=["hf", "vllm"], help="Generation engine.")
     p.add_argument("--vllm-dtype", default="auto", help="vLLM dtype (auto, bfloat16, float16, float32).")
     p.add_argument("--out", default=None, help="Write the JSON summary (with sample completions) here.")
-    # how the model loads: the trainer's options of the same names (common/model_options.py)
+    # how the model loads: the trainer's options of the same names (common/settings/model_options.py)
     p.add_argument("--trust-remote-code", type=parse_bool, default=False, help="Allow the checkpoint's own code.")
     p.add_argument("--attn-implementation", default=None, help="from_pretrained attention kernel (eager, sdpa...).")
     p.add_argument("--revision", default=None, help="Hub revision of the model and its tokenizer.")

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from common.client import RefServerError
+from common.wire.client import RefServerError
 
 log = logging.getLogger("trainer")
 EXIT_STALLED, EXIT_PEER_GONE, EXIT_UNUSABLE_BATCHES = 3, 4, 5  # 5: trainer/batches.py UnusableBatches

@@ -5,7 +5,7 @@ hands over grad_accum training batches of scored groups -> train_update computes
 (common/logprobs.py) and the GRPO loss (trainer/objective/grpo.py, off-policy weights from
 trainer/objective/offpolicy.py) -> DeepSpeed backward per batch + one update -> metrics reduced over ranks
 (trainer/step_metrics.py) -> rank 0 publishes the weights for the genonly workers (trainer/publish.py over
-common/weight_sync.py).
+common/weights/sync.py).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from common.config import GRPOConfig
-from common.knobs import to_dict
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
+from common.settings.knobs import to_dict
 from trainer import resume, run_data
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype

@@ -19,7 +19,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path.pop(0)
 
 from common.config import GRPOConfig  # noqa: E402
-from common.knobs import load_config_or_exit  # noqa: E402
+from common.settings.knobs import load_config_or_exit  # noqa: E402
 
 DESCRIPTION = """GRPO trainer: the DeepSpeed ranks (started by `deepspeed trainer/main.py`), or with `genonly`
 first, one generate-only worker. Usually started by launch.sh. Every option below is a GRPOConfig field

@@ -1,6 +1,6 @@
 """micro_batch_size / gradient_checkpointing left unset (null) on GPUs, where the launcher did not pick them
 (a bare `deepspeed trainer/main.py`, `launch.sh trainer-host`, or a launcher that could not read the GPUs'
-memory): the values the memory estimate (common/memory_plan.py) says fit each rank's free GPU memory now, the
+memory): the values the memory estimate (common/placement/memory_plan.py) says fit each rank's free GPU memory now, the
 smallest over the ranks so that every rank runs the same micro-batches. Nothing fits: the run stops here, with
 the numbers. On CPU the fields stay unset: the whole batch at once, no checkpointing (as before)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging
 import torch
 
 from common.config import GRPOConfig
-from common.memory_plan import FIT_SHARE, ModelShape, describe_parts, gib, pick, rank_parts
-from common.memory_report import train_settings
+from common.placement.memory_plan import FIT_SHARE, ModelShape, describe_parts, gib, pick, rank_parts
+from common.placement.memory_report import train_settings
 from trainer.dist import comm
 
 log = logging.getLogger("trainer")

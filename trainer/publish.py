@@ -1,6 +1,6 @@
-"""Rank 0 publishes the live policy for the genonly workers (common/weight_sync.py: HTTP relay or sync_dir):
+"""Rank 0 publishes the live policy for the genonly workers (common/weights/sync.py: HTTP relay or sync_dir):
 every sync_steps steps, full weights, only what changed since the last publish (sync_delta,
-common/weight_delta.py) or only the LoRA adapters, in worker_dtype. Under ZeRO-3 every rank gathers the
+common/weights/delta.py) or only the LoRA adapters, in worker_dtype. Under ZeRO-3 every rank gathers the
 weights a bounded group at a time and rank 0 publishes its CPU copies of them (trainer/dist/gather.py).
 Metrics: sync_mb_up_{delta,full} (published) and sync_mb_down_{delta,full} (what the ref
 server sent to workers since the previous publish), sync_mb their sum."""
@@ -10,9 +10,9 @@ import logging
 
 import torch
 
-from common.client import RefServerError
 from common.modeling import pick_dtype
-from common.weight_sync import WeightSync
+from common.weights.sync import WeightSync
+from common.wire.client import RefServerError
 from trainer.dist.gather import GATHER_BUCKET_BYTES, cpu_copies
 from trainer.lora.adapters import adapter_metadata, adapter_parameters, adapter_tensors, base_name, is_lora
 

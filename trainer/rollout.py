@@ -16,7 +16,7 @@ import torch
 from common.logprobs import head_calls, sequence_logprobs
 from common.packing import resolve_padding_free
 from common.prompts import SYSTEM_PROMPT
-from common.protocol import RolloutBatch
+from common.wire.protocol import RolloutBatch
 from trainer.data import Example, build_prompt
 from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, Sample

@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 import os
 
-from common.client import RefClient
 from common.config import GRPOConfig
+from common.wire.client import RefClient
 
 
 def setup_logging(tag: str) -> None:

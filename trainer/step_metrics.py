@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from common.protocol import ScoredBatch
+from common.wire.protocol import ScoredBatch
 from trainer.dist import comm
 from trainer.lora.adapters import is_lora, trainable_summary
 from trainer.rewards.scoring import component_means

@@ -15,10 +15,10 @@ from urllib.parse import urlparse
 
 import torch
 
-from common.client import RefServerError
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer, resolve_model_path
-from common.weight_sync import WeightSync
+from common.weights.sync import WeightSync
+from common.wire.client import RefServerError
 from trainer import resume, run_data
 from trainer.data import PromptSampler
 from trainer.dist.nodes import host_label

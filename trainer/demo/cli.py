@@ -27,7 +27,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common.cli import ArgumentParser
+from common.settings.cli import ArgumentParser
 from trainer.demo.phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = ArgumentParser(  # dashes or underscores, no abbreviations, one-line errors (common/cli.py)
+    p = ArgumentParser(  # dashes or underscores, no abbreviations, one-line errors (common/settings/cli.py)
         prog="./launch.sh demo", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="R1-Zero/R1 in miniature: tiny model -> cold-start SFT -> eval -> GRPO (ref server + "
                     "genonly worker + deepspeed ranks) -> eval, with summary.json and plot.png in the run "
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from common.config import GRPOConfig
-    from common.knobs import load_config_or_exit
+    from common.settings.knobs import load_config_or_exit
     from trainer.metrics import read_metrics
 
     on_gpu = torch.cuda.is_available()

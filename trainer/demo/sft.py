@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.cli import ArgumentParser
 from common.modeling import load_model, load_tokenizer
+from common.settings.cli import ArgumentParser
 from trainer.example import Example
 from trainer.rollout import encode_prompts
 

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from common.client import RefClient, RefServerError
+from common.wire.client import RefClient, RefServerError
 
 
 def last_lines(path: Path, n: int = 15) -> str:

@@ -6,7 +6,7 @@
     ./launch.sh workers      --ref-url http://10.0.0.1:59875 --token-file secret.txt --workers 1 -- --model M ...
     ./launch.sh workers      --workers 4 --print-plan -- --gen_backend vllm     # which GPU each would get
 
-A worker host places its workers as `launch.sh train` does (common/placement.py): each on GPU(s) of its own
+A worker host places its workers as `launch.sh train` does (common/placement/plan.py): each on GPU(s) of its own
 (vllm_tensor_parallel_size per worker), from the highest GPU down, or --worker-gpus; the plan is printed at
 start and written to RUN_DIR/placement.json.
 
@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli import ArgumentParser, canonical
-from common.client import RefServerError
-from common.placement_cli import gpu_list
+from common.settings.cli import ArgumentParser, canonical
+from common.wire.client import RefServerError
+from common.placement.cli import gpu_list
 from trainer.dist.nodes import address_towards, interface_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: trainer/dist/hosts.py
@@ -151,11 +151,11 @@ def trainer_host(args: argparse.Namespace, extra: list[str], env: dict) -> list[
 
 
 def worker_plan(args: argparse.Namespace, cfg_args: list[str], extra: list[str]):
-    """This host's placement (common/placement.py): its workers only, no ref server, no ranks. Printed; written to
+    """This host's placement (common/placement/plan.py): its workers only, no ref server, no ranks. Printed; written to
     RUN_DIR/placement.json when the workers start."""
     from common.config import GRPOConfig
-    from common.knobs import load_config
-    from common.placement_cli import announce, check_torch, detect_gpus, plan_for
+    from common.settings.knobs import load_config
+    from common.placement.cli import announce, check_torch, detect_gpus, plan_for
 
     cfg = load_config(GRPOConfig, [*cfg_args, *extra])
     gpus, how = detect_gpus()
@@ -169,7 +169,7 @@ def worker_plan(args: argparse.Namespace, cfg_args: list[str], extra: list[str])
 
 def workers(args: argparse.Namespace, extra: list[str], env: dict) -> int:
     """Start the workers (each logs to RUN_DIR/workerN.log), wait for all; a signal stops them all."""
-    from common.placement_cli import plan_line, worker_launch
+    from common.placement.cli import plan_line, worker_launch
 
     cfg = ["--config", caller_path(args.config)] if args.config else []
     try:

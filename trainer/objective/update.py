@@ -22,7 +22,7 @@ import torch
 from common.config import GRPOConfig
 from common.logprobs import head_calls, sequence_logprobs
 from common.packing import forward_tokens, padding_share, resolve_padding_free
-from common.protocol import ProtocolError, ScoredBatch
+from common.wire.protocol import ProtocolError, ScoredBatch
 from trainer.dist import comm
 from trainer.dist.engine_call import engine_forward
 from trainer.objective import microbatch

@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from common.tool_specs import BUILTIN_TOOLS
+from common.settings.tool_specs import BUILTIN_TOOLS
 from common.user_code import load_object
 from trainer.tools.calculator import calculator
 from trainer.tools.types import one_line

@@ -11,11 +11,11 @@ copy in the publish dtype and sends, per tensor, the cheapest of
 
 and nothing for a tensor that did not change. Elements are compared as bit patterns (the tensors viewed
 as integers), so NaN, -0.0 and every other value round-trip exactly. The delta is one safetensors blob
-(common/weight_blob.py ParametersBody: streamed, xxh3 checksum of its own data in the header) whose
+(common/weights/blob.py ParametersBody: streamed, xxh3 checksum of its own data in the header) whose
 `__metadata__` says format=weights_delta, base_version, base_xxh3 and full_xxh3: the xxh3 checksum of the full
 blob's data section the delta reconstructs. Whoever applies it (the ref server to its full copy, a
 worker to the copy it holds) checks everything before changing a byte, and the result against
-full_xxh3 afterwards (common/delta_apply.py). Wire format: docs/protocol.md section 7.
+full_xxh3 afterwards (common/weights/apply.py). Wire format: docs/protocol.md section 7.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from common.checksum import hasher
-from common.delta_kernels import BLOCK, scan, warm_soon  # BLOCK: positions go as 16-bit offsets within blocks of it
+from common.weights.checksum import hasher
+from common.weights.kernels import BLOCK, scan, warm_soon  # BLOCK: positions go as 16-bit offsets within blocks of it
 
 DELTA_FORMAT = "weights_delta"
 # a delta over this share of the weights goes as the full copy: encoding and applying a bitmask delta costs
@@ -92,7 +92,7 @@ def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor, expect: int =
     a, b = as_bits(new).numpy(), as_bits(old).numpy()
     n, item = a.size, new.element_size()
     blocks = -(-n // BLOCK)
-    counts, offsets, vals = scan(a, b, expect)  # b is now a (common/delta_kernels.py: one compiled pass)
+    counts, offsets, vals = scan(a, b, expect)  # b is now a (common/weights/kernels.py: one compiled pass)
     k = len(vals)
     if k == 0:
         return []

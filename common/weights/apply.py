@@ -1,4 +1,4 @@
-"""Applying a delta (common/weight_delta.py makes them): check every part against the copy it updates before
+"""Applying a delta (common/weights/delta.py makes them): check every part against the copy it updates before
 a byte changes (plan_delta), write it in place (apply_plan), and keep the full copy a follower holds
 (HeldWeights), whose checksum after a delta must be the trainer's."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.delta_kernels import apply_mask, apply_positions, warm_soon
-from common.weight_delta import BLOCK, DeltaError, as_bits, each_then_checksum
+from common.weights.delta import BLOCK, DeltaError, as_bits, each_then_checksum
+from common.weights.kernels import apply_mask, apply_positions, warm_soon
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)  # set bits per mask byte
 
@@ -89,7 +89,7 @@ def apply_plan(base: dict[str, torch.Tensor], steps: list[tuple]) -> list[str]:
                 continue
             bits, vals = as_bits(t).numpy(), as_bits(val).numpy()
             if kind == "idx":
-                apply_positions(bits, a[0], a[1], vals)  # common/delta_kernels.py: one pass, no temporaries
+                apply_positions(bits, a[0], a[1], vals)  # common/weights/kernels.py: one pass, no temporaries
             else:
                 apply_mask(bits, a, vals)
     return [s[0] for s in steps]

@@ -1,7 +1,7 @@
-"""The launcher's memory estimate (common/memory_plan.py) for a placement plan: each process's GPU memory, a fit
-verdict per GPU, and, where the user left micro_batch_size / gradient_checkpointing unset, the values the ranks
-get. common/placement_cli.py prints it (launch.sh train, also with --print-plan) and hands the picked values to
-the trainer's command line.
+"""The launcher's memory estimate (common/placement/memory_plan.py) for a placement plan: each process's GPU
+memory, a fit verdict per GPU, and, where the user left micro_batch_size / gradient_checkpointing unset, the values
+the ranks get. common/placement/cli.py prints it (launch.sh train, also with --print-plan) and hands the picked
+values to the trainer's command line.
 
 GPU memory comes from `nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits` (MiB per GPU, by
 physical index); where that fails the estimate is printed without a verdict and nothing is picked here (the
@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.memory_plan import (
+from common.placement.memory_plan import (
     CUDA_CONTEXT,
     FIT_SHARE,
     GIB,
@@ -29,7 +29,7 @@ from common.memory_plan import (
     ref_parts,
     with_context,
 )
-from common.placement import Plan
+from common.placement.plan import Plan
 
 SMI_QUERY = ["--query-gpu=memory.total", "--format=csv,noheader,nounits"]
 

@@ -1,7 +1,7 @@
 """Which GPU(s) each process of a run gets: the ref server, every genonly worker, the DeepSpeed ranks.
 
 A pure function of the GPUs there are and the launcher's flags (launch.sh calls it through
-common/placement_cli.py, prints the plan and hands each process its CUDA_VISIBLE_DEVICES; the ref server shows
+common/placement/cli.py, prints the plan and hands each process its CUDA_VISIBLE_DEVICES; the ref server shows
 it under "placement" in GET /status). The rules:
 
 - No GPU: the CPU plan (every process on CPU, `deepspeed --num_gpus N` CPU ranks, default 2).

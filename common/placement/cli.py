@@ -1,13 +1,13 @@
-"""launch.sh's side of the placement plan (common/placement.py): find the GPUs, read the run's config, print the
+"""launch.sh's side of the placement plan (common/placement/plan.py): find the GPUs, read the run's config, print the
 plan, write it as JSON (the ref server shows it in GET /status) and hand launch.sh its shell variables.
 
-    python -m common.placement_cli --workers 1 [--gpus N] [--ref-device D] [--no-ref] [--worker-gpus 2,3]
+    python -m common.placement.cli --workers 1 [--gpus N] [--ref-device D] [--no-ref] [--worker-gpus 2,3]
         [--rank-gpus 0,1] [--share-gpu] [--json RUN_DIR/placement.json] [--check-torch] -- TRAINER ARGS...
 
 stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_REF_ARGS[], PLAN_WORKER_ENV[],
 PLAN_WORKER_ARGS[], PLAN_DS[], PLAN_TRAIN_ARGS[]: micro_batch_size/gradient_checkpointing picked to fit
-(common/memory_report.py)); stderr: the plan and its memory estimate, for people. A worker host (`launch.sh workers`,
-trainer/dist/hosts.py) calls plan_for / announce / worker_launch from Python.
+(common/placement/memory_report.py)); stderr: the plan and its memory estimate, for people. A worker host
+(`launch.sh workers`, trainer/dist/hosts.py) calls plan_for / announce / worker_launch from Python.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.cli import ArgumentParser
-from common.memory_report import Report, memory_report
-from common.placement import Placed, Plan, describe, plan_placement
+from common.placement.memory_report import Report, memory_report
+from common.placement.plan import Placed, Plan, describe, plan_placement
+from common.settings.cli import ArgumentParser
 
 
 def detect_gpus() -> tuple[list[int], str]:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = ArgumentParser(prog="python -m common.placement_cli", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m common.placement.cli", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; 2 on CPU)")
     p.add_argument("--ref-device", default="auto")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref-dtype", default="auto", help="the ref server's dtype, for the memory estimate")
     a = p.parse_args(argv)
     from common.config import GRPOConfig
-    from common.knobs import load_config
+    from common.settings.knobs import load_config
 
     try:
         cfg = load_config(GRPOConfig, rest, prog="trainer/main.py")

@@ -1,13 +1,13 @@
 """The weights' wire form: one safetensors blob (named tensors, tied weights once, never pickled) carrying the
 XXH3-64 checksum of its data section in `__metadata__["xxh3"]`; ParametersBody streams it without building
-it in memory, verify_blob / tensors_from_blob check and read one. common/weight_sync.py moves them."""
+it in memory, verify_blob / tensors_from_blob check and read one. common/weights/sync.py moves them."""
 from __future__ import annotations
 
 import json
 
 import torch
 
-from common.checksum import KEY, checksum, hasher
+from common.weights.checksum import KEY, checksum, hasher
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",  # ints: deltas
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.uint16: "U16", torch.uint8: "U8"}
@@ -28,7 +28,7 @@ class ParametersBody:
         each is cast while it is sent, one at a time, so no cast copy of the whole model is held.
         named: (name, tensor) pairs to send instead of every parameter (LoRA adapters only, trainer/lora/adapters.py),
         described by `metadata` (the safetensors header's __metadata__). crc: the data's checksum when the caller
-        already has it (common/weight_delta.py DeltaEncoder), saving a pass."""
+        already has it (common/weights/delta.py DeltaEncoder), saving a pass."""
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.items, offset = [], 0
         for name, p in (model.named_parameters() if named is None else named):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import requests
 import urllib3
 
-from common.protocol import CONTENT_TYPE, RolloutBatch, ScoredBatch, decode_scored, encode_rollout
+from common.wire.protocol import CONTENT_TYPE, RolloutBatch, ScoredBatch, decode_scored, encode_rollout
 
 log = logging.getLogger("ref_client")
 
@@ -199,7 +199,7 @@ class RefClient:
     def publish_weights(self, blob, version: int) -> None:
         """PUT the policy's safetensors bytes as `version` on every server (workers may use any).
 
-        `blob`: bytes, or a re-iterable of pieces with a len() (common.weight_blob.ParametersBody)."""
+        `blob`: bytes, or a re-iterable of pieces with a len() (common.weights.blob.ParametersBody)."""
         for url in self.urls:
             self._request("PUT", [url], "/weights", params={"version": str(version)}, data=blob,
                           headers={"Content-Type": "application/octet-stream"}, read_timeout=len(blob) / 50e6)
@@ -217,7 +217,7 @@ class RefClient:
 
     def fetch_weights(self, since: int | None = None) -> tuple[int, bytearray]:
         """(version, safetensors blob) of the newest published policy weights; with `since` (the version
-        this process holds), the server sends a delta from it instead when it has one (common/weight_delta.py).
+        this process holds), the server sends a delta from it instead when it has one (common/weights/delta.py).
 
         The read timeout is per socket read (self.timeout): a body that stops arriving mid-way, or a
         connection cut short, raises RefServerError (status 0) at once, never a half-read blob."""

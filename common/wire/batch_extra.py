@@ -12,7 +12,7 @@ import math
 
 
 class ExtraError(ValueError):
-    """extra does not fit its batch (common/protocol.py turns it into a ProtocolError)."""
+    """extra does not fit its batch (common/wire/limits.py turns it into a ProtocolError)."""
 
 
 def _number(x) -> bool:

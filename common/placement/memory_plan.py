@@ -10,7 +10,7 @@ The formula (docs/gpus.md, "Memory estimate", derives each term and compares it 
     vLLM worker = vllm_gpu_memory_utilization x the GPU (what vLLM reserves; its weights must leave KV room)
     HF worker   = weights + KV cache of one generate call + CUDA context
 
-Pure functions of a ModelShape and the run's settings; common/memory_report.py reads the GPUs and prints it,
+Pure functions of a ModelShape and the run's settings; common/placement/memory_report.py reads the GPUs and prints it,
 trainer/engine.py picks the GPU defaults (`pick`) when a run was started without the launcher's pick.
 """
 from __future__ import annotations

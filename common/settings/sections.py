@@ -1,6 +1,6 @@
 """The sections of `trainer/main.py --help`: (title, one line about it, GRPOConfig field names), in order.
 
-A field no section names still shows, under "other settings" (common/knobs.py); tests/test_config.py fails
+A field no section names still shows, under "other settings" (common/settings/knobs.py); tests/test_config.py fails
 while that group is not empty, so a new field gets its section here.
 """
 from __future__ import annotations

@@ -13,14 +13,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.knobs import knob
+from common.settings.knobs import knob
 
 # from_pretrained arguments we decide ourselves, refused in model_init_kwargs with where they are set
 OWNED = {
     "dtype": "precision is bf16 / ds_config for the ranks, worker_dtype for the workers, the ref server's dtype",
     "torch_dtype": "precision is bf16 / ds_config for the ranks, worker_dtype for the workers, the ref server's "
                    "dtype",
-    "device_map": "placement is launch.sh's (common/placement.py): every process gets its own device",
+    "device_map": "placement is launch.sh's (common/placement/plan.py): every process gets its own device",
     "quantization_config": "quantized training is not supported",
 }
 NAMED = ("trust_remote_code", "attn_implementation", "revision")  # fields of their own, also accepted inside
@@ -56,7 +56,7 @@ class ModelLoading:
 
     def cli_args(self) -> list[str]:
         """These options as flags for another process that loads the model (the ref server started by
-        launch.sh: common/placement_cli.py); only the ones set."""
+        launch.sh: common/placement/cli.py); only the ones set."""
         out: list[str] = ["--trust_remote_code", "true"] if self.trust_remote_code else []
         for name in ("attn_implementation", "revision"):
             if getattr(self, name) is not None:

@@ -3,10 +3,10 @@
     cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])
 
 Defaults <- JSON file (--config) <- CLI flags; an unknown key or a value of the wrong type is an error.
-Flags take dashes or underscores and are never abbreviated (common/cli.py); entry points use
+Flags take dashes or underscores and are never abbreviated (common/settings/cli.py); entry points use
 load_config_or_exit (one line, exit 2, on any config error). --help groups the fields by the class's
 HELP_SECTIONS. A class with `ACCEPTS_TRL_NAMES = True` (GRPOConfig) also takes TRL's names
-(common/trl_aliases.py).
+(common/settings/trl_aliases.py).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from common import trl_aliases
-from common.cli import ArgumentParser
+from common.settings import trl_aliases
+from common.settings.cli import ArgumentParser
 
 T = TypeVar("T")
 
@@ -117,8 +117,8 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
                            metavar=_base_type(tp).__name__.upper(),
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
     if _has_aliases(cls):
-        text = ("TRL's names, mapped to ours (common/trl_aliases.py; docs/trl.md); giving both names of one knob is "
-                "an error. Refused by name: " + ", ".join(sorted(trl_aliases.REFUSED)) + ".")
+        text = ("TRL's names, mapped to ours (common/settings/trl_aliases.py; docs/trl.md); giving both names of one "
+                "knob is an error. Refused by name: " + ", ".join(sorted(trl_aliases.REFUSED)) + ".")
         g = p.add_argument_group("TRL GRPOConfig aliases", textwrap.fill(text, 100))  # (a raw-text formatter)
         for alias, (target, conv, hint) in trl_aliases.ALIASES.items():
             tp = hints[target]
@@ -199,7 +199,7 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
 
 def load_config_or_exit(cls: type[T], argv: list[str] | None = None, prog: str | None = None, **kw: Any) -> T:
     """load_config for an entry point: a bad value, an unknown key in the file or a failed validation is one
-    line on stderr and exit 2, not a traceback (flag errors already are: common/cli.py)."""
+    line on stderr and exit 2, not a traceback (flag errors already are: common/settings/cli.py)."""
     try:
         return load_config(cls, argv, prog=prog, **kw)
     except (ValueError, FileNotFoundError) as e:

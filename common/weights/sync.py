@@ -4,12 +4,12 @@ Two transports with one interface:
 - HTTP through the ref server (`PUT/GET /weights`), for nodes that share no filesystem;
 - a shared directory (`sync_dir`), written atomically (temp file + rename), where users have one.
 
-Weights travel as safetensors (common/weight_blob.py: named parameters, tied weights once), never pickled. A worker
+Weights travel as safetensors (common/weights/blob.py: named parameters, tied weights once), never pickled. A worker
 copies the fetched tensors into its live parameters in place and drops the blob, so it holds
 two full copies only during the swap.
 
-Integrity: every blob carries the XXH3-64 checksum (common/checksum.py) of its data section in the safetensors header
-(`__metadata__["xxh3"]`); a worker verifies it before loading anything, retries a download that
+Integrity: every blob carries the XXH3-64 checksum (common/weights/checksum.py) of its data section in the safetensors
+header (`__metadata__["xxh3"]`); a worker verifies it before loading anything, retries a download that
 broke, stalled or fails the check (keeping its current weights meanwhile), and only ever moves to
 a newer version.
 """
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from common.checksum import KEY
-from common.delta_apply import HeldWeights
-from common.weight_blob import IntegrityError, ParametersBody, blob_metadata, tensors_from_blob
-from common.weight_delta import DELTA_FORMAT, NEEDS_FULL, DeltaEncoder, DeltaError
+from common.weights.apply import HeldWeights
+from common.weights.blob import IntegrityError, ParametersBody, blob_metadata, tensors_from_blob
+from common.weights.checksum import KEY
+from common.weights.delta import DELTA_FORMAT, NEEDS_FULL, DeltaEncoder, DeltaError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class WeightSync:
 
     delta=True (HTTP only; a shared directory keeps full copies): the publisher sends only what changed
     since its last publish and the follower asks for only what changed since the version it holds
-    (common/weight_delta.py); either falls back to a full copy, and says so, when the chain is broken."""
+    (common/weights/delta.py); either falls back to a full copy, and says so, when the chain is broken."""
 
     def __init__(self, client=None, sync_dir: str | None = None, adapter_loader=None, delta: bool = False,
                  delta_max_share: float | None = None):
@@ -66,7 +66,7 @@ class WeightSync:
         self.delta = delta and client is not None
         if delta_max_share is not None and not 0 <= delta_max_share:
             raise ValueError(f"sync_delta_max_share must be >= 0 (a share of the full weights), got {delta_max_share}")
-        self.delta_max_share = delta_max_share  # None: common/weight_delta.py DELTA_MAX_SHARE
+        self.delta_max_share = delta_max_share  # None: common/weights/delta.py DELTA_MAX_SHARE
         self.encoder: DeltaEncoder | None = None  # publisher: the last published copy
         self.held: HeldWeights | None = None  # follower: the full weights last received, for deltas
         self.last_kind = "full"  # what the last publish or follow moved: "full" or "delta"
@@ -118,7 +118,7 @@ class WeightSync:
         return ParametersBody(None, named=tensors, metadata={**meta, "base_version": str(self.version)}), "delta"
 
     def _publish_delta(self, body: ParametersBody, version: int) -> ParametersBody:
-        from common.client import RefServerError
+        from common.wire.client import RefServerError
 
         try:
             self.client.publish_weights(body, version)
@@ -171,7 +171,7 @@ class WeightSync:
         return int(meta["version"]), tensors_from_blob(blob), blob_metadata(blob)
 
     def _fetch_retrying(self, retries: int, backoff: float):
-        from common.client import RefServerError
+        from common.wire.client import RefServerError
 
         for attempt in range(retries + 1):
             try:

@@ -1,0 +1,155 @@
+"""launch.sh's side of the placement plan: `launch.sh train|workers --print-plan` with a fake `nvidia-smi` on PATH
+(nothing is started), the flags that reach the plan, and the plan in the ref server's /status. The plan itself:
+tests/test_placement.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import requests
+from conftest import REPO, subprocess_env
+
+from common.placement.plan import plan_placement
+
+
+# ------------------------------------------------------------------------------------- launch.sh's side
+def fake_smi(tmp_path, n: int):
+    d = tmp_path / f"bin{n}"
+    d.mkdir(exist_ok=True)
+    lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})"\n' for i in range(n))
+    (d / "nvidia-smi").write_text(f'#!/bin/sh\n[ "$1" = "-L" ] || exit 9\n{lines}')
+    (d / "nvidia-smi").chmod(0o755)
+    return d
+
+
+def plan_of(tmp_path, n: int, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(env_extra or {})
+    return subprocess.run(["bash", str(REPO / "launch.sh"), "train", "--print-plan", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_launch_prints_the_plan_and_hands_it_to_each_process(tmp_path):
+    proc = plan_of(tmp_path, 4, "--workers", "1", "--", "--model", "tiny", "--gen_backend", "vllm")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=3 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
+                                        "trainer: deepspeed --include localhost:0,1"]
+    assert "placement: 4 GPU(s) [0, 1, 2, 3], each process on its own GPU" in proc.stderr
+    assert not list(tmp_path.glob("runs")) and not (REPO / "runs" / "placement.json").exists()  # nothing started
+
+
+def test_launch_with_one_gpu_shares_it_and_sets_vllms_fraction(tmp_path):
+    proc = plan_of(tmp_path, 1, "--workers", "1", "--", "--gen_backend", "vllm")
+    assert proc.returncode == 0, proc.stderr
+    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0 --vllm_gpu_memory_utilization 0.3" in proc.stdout
+    assert "trainer: deepspeed --include localhost:0" in proc.stdout and "only 1 GPU" in proc.stderr
+
+
+def test_launch_flags_reach_the_plan(tmp_path):
+    proc = plan_of(tmp_path, 8, "--workers", "2", "--worker-gpus", "6,7", "--rank-gpus", "0,1,2,3",
+                   "--ref-device", "cuda:4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=4 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=6 --device cuda:0",
+                                        "worker1: CUDA_VISIBLE_DEVICES=7 --device cuda:0",
+                                        "trainer: deepspeed --include localhost:0,1,2,3"]
+    too_many = plan_of(tmp_path, 2, "--workers", "1")
+    assert too_many.returncode == 2 and "--share-gpu" in too_many.stderr and not too_many.stdout
+    visible = plan_of(tmp_path, 8, "--workers", "1", env_extra={"CUDA_VISIBLE_DEVICES": "2,5,6"})
+    assert visible.returncode == 0, visible.stderr
+    assert "trainer: deepspeed --include localhost:2" in visible.stdout and "CUDA_VISIBLE_DEVICES=6" in visible.stdout
+    cpu = plan_of(tmp_path, 0, "--workers", "1")
+    assert "trainer: deepspeed --num_gpus 2" in cpu.stdout and "placement: CPU" in cpu.stderr
+
+
+def test_launch_help_documents_the_plan():
+    out = subprocess.run(["bash", str(REPO / "launch.sh"), "--help"], capture_output=True, text=True).stdout
+    for flag in ("--print-plan", "--share-gpu", "--worker-gpus", "--rank-gpus"):
+        assert flag in out
+
+
+def test_ref_server_status_shows_the_plan(start_server, tiny_model_dir, tmp_path):
+    plan = dict(plan_placement(range(4), workers=1).to_json(), found_by="test")
+    (tmp_path / "placement.json").write_text(json.dumps(plan))
+    with start_server(tiny_model_dir, "--placement-file", str(tmp_path / "placement.json")) as srv:
+        status = requests.get(srv.url + "/status", timeout=10).json()
+        assert status["placement"] == plan
+        page = requests.get(srv.url + "/", timeout=10).text
+        assert "ref_server  GPU 3" in page and "deepspeed --include localhost:0,1" in page
+
+
+
+def test_ref_server_refuses_a_missing_placement_file(tmp_path):
+    from ref_server.config import ServerConfig
+    with pytest.raises(ValueError, match="placement_file .* not found"):
+        ServerConfig(model="tiny", placement_file=str(tmp_path / "nope.json")).validate()
+
+
+def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
+    """A CUDA_VISIBLE_DEVICES left in the environment names no GPU that this torch can reach (it once made a CPU
+    machine plan '1 GPU found' and refuse to start)."""
+    import shutil
+
+    import torch
+
+    from common.placement.cli import detect_gpus
+    if shutil.which("nvidia-smi") or torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    gpus, how = detect_gpus()
+    assert gpus == [] and "CUDA_VISIBLE_DEVICES=1" in how
+
+
+def workers_plan_of(tmp_path, n: int, *args: str) -> subprocess.CompletedProcess:
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(["bash", str(REPO / "launch.sh"), "workers", "--print-plan", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("n,args,want", [
+    (4, ["--workers", "4"], ["worker0: CUDA_VISIBLE_DEVICES=3 --device cuda:0",
+                             "worker1: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
+                             "worker2: CUDA_VISIBLE_DEVICES=1 --device cuda:0",
+                             "worker3: CUDA_VISIBLE_DEVICES=0 --device cuda:0"]),
+    (8, ["--workers", "2", "--first-id", "3", "--", "--gen_backend", "vllm", "--vllm_tensor_parallel_size", "4"],
+     ["worker3: CUDA_VISIBLE_DEVICES=4,5,6,7 --device cuda:0",
+      "worker4: CUDA_VISIBLE_DEVICES=0,1,2,3 --device cuda:0"]),
+    (8, ["--workers", "2", "--worker-gpus", "2,5"], ["worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
+                                                     "worker1: CUDA_VISIBLE_DEVICES=5 --device cuda:0"]),
+    (4, ["--workers", "2", "--share-gpu", "--worker-gpus", "1,1", "--", "--gen_backend", "vllm"],
+     ["worker0: CUDA_VISIBLE_DEVICES=1 --device cuda:0 --vllm_gpu_memory_utilization 0.15",
+      "worker1: CUDA_VISIBLE_DEVICES=1 --device cuda:0 --vllm_gpu_memory_utilization 0.15"]),
+])
+def test_launch_workers_prints_each_workers_own_gpus(tmp_path, n, args, want):
+    """`./launch.sh workers --print-plan` on a worker host with 4 or 8 GPUs: one line per worker, in the format of
+    `launch.sh train --print-plan` (before: no plan, every worker on GPU 0)."""
+    proc = workers_plan_of(tmp_path, n, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == want
+    assert f"placement: {n} GPU(s)" in proc.stderr and "[launch] worker" not in proc.stderr  # nothing started
+    assert not list(tmp_path.glob("**/placement.json"))
+
+
+def test_launch_workers_refuses_a_plan_that_does_not_fit(tmp_path):
+    proc = workers_plan_of(tmp_path, 4, "--workers", "5")
+    assert proc.returncode == 2 and not proc.stdout
+    assert "needs 5 GPUs" in proc.stderr and "--share-gpu" in proc.stderr
+    proc = workers_plan_of(tmp_path, 4, "--workers", "1", "--worker-gpus", "7")
+    assert proc.returncode == 2 and "GPU(s) [7]" in proc.stderr
+
+
+def test_launch_train_gives_a_tensor_parallel_worker_its_gpus(tmp_path):
+    proc = plan_of(tmp_path, 8, "--workers", "2", "--", "--gen_backend", "vllm", "--vllm_tensor_parallel_size", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=7 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=5,6 --device cuda:0",
+                                        "worker1: CUDA_VISIBLE_DEVICES=3,4 --device cuda:0",
+                                        "trainer: deepspeed --include localhost:0,1,2"]
+    one = plan_of(tmp_path, 1, "--workers", "1", "--", "--gen_backend", "vllm")
+    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0 --vllm_gpu_memory_utilization 0.3 --wait_for_ranks 1" \
+        in one.stdout.splitlines()
