@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 from conftest import REPO, subprocess_env
@@ -86,7 +87,9 @@ def fake_smi(tmp_path, n: int, mib: int | None):
 
 
 def print_plan(tmp_path, n: int, mib: int | None, *args: str) -> subprocess.CompletedProcess:
-    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n, mib)}:{os.environ['PATH']}")
+    # GRPO_PYTHON: no scripts/setup.sh, which would see the fake GPU and install CUDA torch on a stale stamp
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n, mib)}:{os.environ['PATH']}",
+                         GRPO_PYTHON=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run(["bash", str(REPO / "launch.sh"), "train", "--print-plan", *args], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)

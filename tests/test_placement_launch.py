@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import requests
@@ -25,7 +26,10 @@ def fake_smi(tmp_path, n: int):
 
 
 def plan_of(tmp_path, n: int, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}")
+    # GRPO_PYTHON: launch.sh uses this interpreter as it is; without it, a setup stamp gone stale (a changed
+    # requirements file) would make scripts/setup.sh see the fake GPU and install CUDA torch into the venv
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}",
+                         GRPO_PYTHON=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(env_extra or {})
     return subprocess.run(["bash", str(REPO / "launch.sh"), "train", "--print-plan", *args], cwd=tmp_path, env=env,
@@ -105,7 +109,10 @@ def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
 
 
 def workers_plan_of(tmp_path, n: int, *args: str) -> subprocess.CompletedProcess:
-    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}")
+    # GRPO_PYTHON: launch.sh uses this interpreter as it is; without it, a setup stamp gone stale (a changed
+    # requirements file) would make scripts/setup.sh see the fake GPU and install CUDA torch into the venv
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, n)}:{os.environ['PATH']}",
+                         GRPO_PYTHON=sys.executable)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return subprocess.run(["bash", str(REPO / "launch.sh"), "workers", "--print-plan", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
