@@ -98,8 +98,8 @@ def test_a_tool_turn_that_does_not_fit_ends_the_rollout_truncated(tok):
 
 def test_iteration_limit_and_no_limit(tok):
     fb = FakeToolBox({"mul": lambda a, b: a * b})
-    first, _ = turns(tok)
-    eng, (samples, msgs, stats) = run(tok, fb, [first], n=1, max_new_tokens=1000, max_iterations=2)  # the model always calls
+    first, _ = turns(tok)  # the model always calls
+    eng, (samples, msgs, stats) = run(tok, fb, [first], n=1, max_new_tokens=1000, max_iterations=2)
     assert stats[0]["calls"] == 2 and stats[0]["turns"] == 3 and len(eng.calls) == 3
     assert not samples[0].truncated and samples[0].completion_ids.tolist()[-len(first):] == first
     assert [m["role"] for m in msgs[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
