@@ -77,3 +77,22 @@ def test_without_a_toolbox_there_is_no_mask_and_no_tool_stats(tok):
     finally:
         scorer.close()
     assert b.loss_mask is None and "tools" not in b.extra and stats.tools == {}
+
+
+def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_prompt(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    fb.observe = lambda kw: f" (the board says {kw['ground_truth']})"  # what reset() returns
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer(["trl_rewards:tool_turns"], timeout=0)
+    prompt = [{"role": "user", "content": "What is 12 * 34?"}]
+    exs = [Example(prompt=prompt, ground_truth="408", columns={"ground_truth": "408"})]
+    try:
+        (b,), _ = generate_batches(engine, tok, exs, cfg(), scorer, toolbox=fb)
+    finally:
+        scorer.close()
+    assert fb.reset_kwargs == [{"prompt": prompt, "ground_truth": "408"}] * 3  # TRL: reset(**row)
+    for i in range(3):
+        text = tok.decode(b.input_ids[i, :int(b.prompt_lens[i])])
+        assert text.endswith("What is 12 * 34? (the board says 408)<|im_end|>\n<|im_start|>assistant\n")
+    assert engine.calls[0] == (3, 300)  # one prompt per rollout, n=1

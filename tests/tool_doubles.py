@@ -72,8 +72,11 @@ class FakeToolBox:
         self.started: list[int] = []
         self.ended: list[int] = []
         self.jobs: list = []
+        self.observations: dict = {}
+        self.reset_kwargs: list = []
+        self.observe = None  # fn(reset kwargs) -> what reset() returns (an environment's first observation)
 
-    def parse(self, text: str):
+    def parse(self, text: str, prefix: str = ""):
         calls, bad = [], []
         for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.S):
             try:
@@ -83,9 +86,12 @@ class FakeToolBox:
                 bad.append(Result("", f"malformed tool call: {e}", "malformed"))
         return calls, bad
 
-    def start_episodes(self, n: int) -> list[int]:
+    def start_episodes(self, n: int, reset_kwargs=None) -> list[int]:
         ids = list(range(len(self.started), len(self.started) + n))
         self.started += ids
+        self.reset_kwargs += reset_kwargs or [{}] * n
+        for i, kw in zip(ids, reset_kwargs or [{}] * n):
+            self.observations[i] = self.observe(kw) if self.observe else None
         return ids
 
     def run(self, jobs):

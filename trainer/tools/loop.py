@@ -109,16 +109,27 @@ def _count(r: Rollout, results) -> None:
 
 
 def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[int]], n: int, *,
-                  max_new_tokens: int, max_iterations: int | None, greedy: bool = False
+                  max_new_tokens: int, max_iterations: int | None, greedy: bool = False,
+                  reset_kwargs: list[dict] | None = None, with_observation=None
                   ) -> tuple[list[Sample], list[list[dict]], list[dict]]:
     """n rollouts per prompt (prompt-major, as engine.generate orders them) -> one Sample per rollout (all turns'
     tokens, loss_mask False on tool tokens, logprobs 0 there when the engine gives them), its completion as a
-    list of messages (what TRL gives reward functions for a conversational prompt), and its tool statistics."""
+    list of messages (what TRL gives reward functions for a conversational prompt), and its tool statistics.
+
+    reset_kwargs: one dict per prompt, what each rollout's environment reset() gets (TRL passes the dataset row).
+    with_observation(prompt index, observation) -> prompt ids: as TRL, what an environment's reset() returns is
+    appended to the prompt's last user message; the rollouts with one then start from their own prompt."""
     synced = getattr(engine, "synced_gpus", False)
-    first = engine.generate(prompt_ids, n, max_new_tokens=max_new_tokens, greedy=greedy)
-    rolls = [Rollout(list(s.prompt_ids)) for s in first]
-    episodes = toolbox.start_episodes(len(rolls))
+    episodes = toolbox.start_episodes(len(prompt_ids) * n,
+                                      [kw for kw in reset_kwargs for _ in range(n)] if reset_kwargs else None)
     try:
+        obs = [toolbox.observations.get(e) for e in episodes]
+        if with_observation is not None and any(o is not None for o in obs):
+            own = [prompt_ids[k // n] if o is None else with_observation(k // n, o) for k, o in enumerate(obs)]
+            first = engine.generate(own, 1, max_new_tokens=max_new_tokens, greedy=greedy)
+        else:
+            first = engine.generate(prompt_ids, n, max_new_tokens=max_new_tokens, greedy=greedy)
+        rolls = [Rollout(list(s.prompt_ids)) for s in first]
         turns = list(zip(range(len(rolls)), first))
         rounds = 0
         while True:
@@ -145,7 +156,9 @@ def _tool_round(tokenizer, toolbox, rolls: list[Rollout], episodes: list[int], t
     for i, s in turns:
         r = rolls[i]
         ids = r.add_turn(s, max_new_tokens)
-        calls, bad = ([], []) if r.truncated else toolbox.parse(tokenizer.decode(ids, skip_special_tokens=False))
+        calls, bad = ([], []) if r.truncated else toolbox.parse(
+            tokenizer.decode(ids, skip_special_tokens=False),
+            tokenizer.decode(r.prompt_ids + r.ids[:len(r.ids) - len(ids)], skip_special_tokens=False))
         r.messages.append(_assistant_message(tokenizer, ids, calls))
         if (calls or bad) and not last:
             jobs.append((episodes[i], calls))
