@@ -129,28 +129,25 @@ def with_observation(ex: Example, observation: str) -> Example:
     return replace(ex, prompt=ex.prompt + observation)
 
 
-def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[int]]], cfg, toolbox=None, *,
-                  greedy: bool = False, n: int | None = None, max_new_tokens: int | None = None,
-                  system_prompt: str | None = None, prompt_format: str | None = None
+def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[int]]], n: int, max_new_tokens: int, *,
+                  toolbox=None, max_iterations: int | None = None, greedy: bool = False,
+                  system_prompt: str | None = None, prompt_format: str = "auto"
                   ) -> tuple[list[Sample], list | None, list | None]:
     """n completions per prompt (prompt-major): one engine call, or with a ToolBox the multi-turn tool loop
     (trainer/tools/loop.py); then also each completion's messages and tool statistics (else None, None).
-    system_prompt / prompt_format: how the prompts were rendered (default: the config's), for a prompt that an
+    system_prompt / prompt_format: how the prompts were rendered (encode_prompts), for a prompt that an
     environment's reset() extends."""
-    n, max_new_tokens = n or cfg.num_pre_Q, max_new_tokens or cfg.max_new_tokens
     prompts = [ids for _, ids in kept]
     if toolbox is None:
         return engine.generate(prompts, n, max_new_tokens=max_new_tokens, greedy=greedy), None, None
-    system = cfg.system_prompt if system_prompt is None else system_prompt
-    fmt = prompt_format or cfg.prompt_format
 
     def render(i: int, observation: str) -> list[int]:
-        (_, ids), = encode_prompts(tokenizer, [with_observation(kept[i][0], str(observation))], system,
-                                   sys.maxsize, fmt, toolbox.schemas)[0]
+        (_, ids), = encode_prompts(tokenizer, [with_observation(kept[i][0], str(observation))], system_prompt,
+                                   sys.maxsize, prompt_format, toolbox.schemas)[0]
         return ids
 
     return tool_rollouts(engine, tokenizer, toolbox, prompts, n, max_new_tokens=max_new_tokens,
-                         max_iterations=cfg.max_tool_calling_iterations, greedy=greedy,
+                         max_iterations=max_iterations, greedy=greedy,
                          reset_kwargs=[{"prompt": ex.prompt, **ex.columns} for ex, _ in kept],
                          with_observation=render)
 
@@ -174,7 +171,10 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats
-    samples, messages, tool_stats = sample_groups(engine, tokenizer, kept, cfg, toolbox)
+    samples, messages, tool_stats = sample_groups(
+        engine, tokenizer, kept, cfg.num_pre_Q, cfg.max_new_tokens, toolbox=toolbox,
+        max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
+        prompt_format=cfg.prompt_format)
     q = cfg.num_pre_Q
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],

@@ -188,3 +188,35 @@ def stats_extra(stats: list[dict]) -> dict:
     names = sorted({k for s in stats for k in s if k.startswith("calls/")})
     keys = ["calls", "turns", "failed", "timed_out", "malformed", "seconds", *names]
     return {k: [float(s.get(k, 0)) for s in stats] for k in keys}
+
+
+COUNTED = ("failed", "timed_out", "malformed", "seconds")  # per-completion means, as tools/<key>
+
+
+def tool_metrics(tools: dict, prefix: str = "tools/") -> dict:
+    """A batch's extra["tools"] -> its metrics, each a mean per completion: tools/calls_per_completion,
+    tools/turns_per_completion, tools/failed, tools/timed_out, tools/malformed, tools/seconds, tools/<name>/calls."""
+    n = max(len(tools.get("calls", [])), 1)
+    mean = lambda k: sum(tools.get(k, [])) / n  # noqa: E731
+    out = {f"{prefix}calls_per_completion": mean("calls"), f"{prefix}turns_per_completion": mean("turns")}
+    out.update({f"{prefix}{k}": mean(k) for k in COUNTED})
+    out.update({f"{prefix}{k.removeprefix('calls/')}/calls": mean(k) for k in tools if k.startswith("calls/")})
+    return out
+
+
+def tool_metric_keys(names: list[str]) -> list[str]:
+    """The tools/... keys of a run with these tools (averaged over ranks, trainer/step_metrics.py)."""
+    return ["tools/calls_per_completion", "tools/turns_per_completion", *(f"tools/{k}" for k in COUNTED),
+            *(f"tools/{name}/calls" for name in names)]
+
+
+TOTALS = {"calls": "tool_calls", "failed": "tool_failed", "timed_out": "tool_timed_out",
+          "malformed": "tool_malformed"}
+
+
+def add_tool_totals(totals: dict, tools: dict) -> None:
+    """Cumulative counters a producer reports in its heartbeat (the ref server's /status view): completions,
+    tool_calls, tool_failed, tool_timed_out, tool_malformed."""
+    totals["completions"] = totals.get("completions", 0) + len(tools.get("calls", []))
+    for k, name in TOTALS.items():
+        totals[name] = totals.get(name, 0) + int(sum(tools.get(k, [])))
