@@ -31,20 +31,61 @@ def used_tools(prompts, completions, **kwargs):
 '''
 
 
-@pytest.mark.slow
-def test_tools_end_to_end_from_a_user_folder(tmp_path):
-    user = tmp_path / "user"
-    user.mkdir()
+def user_env() -> dict:
     env = subprocess_env()
     for k in ("PYTHONPATH", USER_DIR_ENV):
         env.pop(k, None)
-    sft = subprocess.run([sys.executable, str(REPO / "tests" / "tool_sft.py"), str(user), str(tmp_path / "model")],
-                         cwd=user, env=env, capture_output=True, text=True, timeout=600)
+    return env
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    """(a user folder with my_tools.py and my_env.py, the tiny model fine-tuned to call them): built once."""
+    root = tmp_path_factory.mktemp("tools")
+    user = root / "user"
+    user.mkdir()
+    sft = subprocess.run([sys.executable, str(REPO / "tests" / "tool_sft.py"), str(user), str(root / "model")],
+                         cwd=user, env=user_env(), capture_output=True, text=True, timeout=600)
     assert sft.returncode == 0, sft.stderr[-3000:]
+    return user, root / "model"
+
+
+@pytest.mark.slow
+def test_the_loop_on_real_hf_and_vllm_engines(tool_model):
+    """Turn by turn, the completion is exactly the engine's ids plus the template's tool turns (the probe rebuilds
+    it from what each engine returned); every environment instance is one rollout's (tally 1, then 2)."""
+    user, model = tool_model
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tool_engine_probe.py"), str(user), str(model)],
+                          cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    for backend in ("hf", "vllm"):
+        for mode in ("greedy", "sampled"):
+            rows = res[backend][mode]["rows"]
+            assert all(r["ids_exact"] for r in rows), (backend, mode, rows)
+            called = [r for r in rows if r["calls"]]
+            if mode == "greedy":  # the fine-tuned trace, reproduced
+                assert len(called) == 1, (backend, rows)
+                for r in called:
+                    assert r["tool_names"][:3] == ["add", "tally", "tally"]
+                    assert r["tool_contents"][:3] == ["5", "1", "2"]
+                    assert r["mask_false"] > 0 and "5" in r["last"]
+            for r in called:
+                assert r["mask_false"] > 0
+                if backend == "vllm":  # the engine's logprobs: 0 on tool tokens, the model's elsewhere
+                    assert r["logp_zero_on_tools"] and r["logp_nonzero_on_model"]
+                else:
+                    assert r["logp_zero_on_tools"] is None  # HF gives none (the trainer's forward computes them)
+
+
+@pytest.mark.slow
+def test_tools_end_to_end_from_a_user_folder(tool_model):
+    user, model = tool_model
+    env = user_env()
     (user / "my_rewards.py").write_text(REWARDS)
     rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}]} for _ in range(16)]
     (user / "train.json").write_text(json.dumps(rows))
-    args = ["--model", str(tmp_path / "model"), "--data", "train.json", "--system_prompt", "",
+    args = ["--model", str(model), "--data", "train.json", "--system_prompt", "",
             "--tools", "my_tools.py:add", "--environment_factory", "my_env:Counter",
             "--max_tool_calling_iterations", "2", "--max_new_tokens", "200", "--num_pre_Q", "4",
             "--Q_batch_size", "1", "--reward_fns", "my_rewards:used_tools", "--train_zero_spread", "true",

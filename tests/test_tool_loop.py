@@ -152,3 +152,36 @@ def test_tool_metrics_keys_per_completion():
     totals: dict = {}
     add_tool_totals(totals, tools)
     assert totals == {"completions": 2, "tool_calls": 2, "tool_failed": 1, "tool_timed_out": 1, "tool_malformed": 1}
+
+
+def _synced_rank(rank: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from common.tiny_model import build_tokenizer
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    tok = build_tokenizer()
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    # rank 0's model calls a tool in every turn (two tool rounds, then the iteration limit); rank 1's never does
+    script = [first] if rank == 0 else [final]
+    eng = ScriptEngine(tok, script, tok.convert_tokens_to_ids("<tool_response>"))
+    eng.synced_gpus = True  # ZeRO-3: every generate call is a collective (the HF engine's dummy call past ours)
+    samples, _, stats = tool_rollouts(eng, tok, fb, [prompt(tok, fb)], 2, max_new_tokens=1000, max_iterations=2)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"calls": eng.calls, "tool_calls": [s["calls"] for s in stats]}, f)
+    dist.destroy_process_group()
+
+
+def test_zero3_ranks_make_the_same_number_of_generate_calls(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'init'}"
+    mp.start_processes(_synced_rank, args=(init, str(tmp_path / "out")), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert r0["tool_calls"] == [2, 2] and r1["tool_calls"] == [0, 0]
+    assert len(r0["calls"]) == len(r1["calls"]) == 3  # rank 1 joins rank 0's two tool rounds with no prompts
+    assert [n for n, _ in r1["calls"]] == [1, 0, 0] and [n for n, _ in r0["calls"]] == [1, 2, 2]

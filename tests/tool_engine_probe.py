@@ -35,7 +35,8 @@ def check(engine, tok, box, greedy: bool) -> dict:
     p = tok(tok.apply_chat_template(prompt, tools=box.schemas, tokenize=False, add_generation_prompt=True),
             add_special_tokens=False)["input_ids"]
     rec = Recording(engine)
-    samples, messages, stats = tool_rollouts(rec, tok, box, [p], 2, max_new_tokens=400, max_iterations=3,
+    samples, messages, stats = tool_rollouts(rec, tok, box, [p], 1 if greedy else 3, max_new_tokens=400,
+                                             max_iterations=3,
                                              greedy=greedy)
     rows = []
     for i, (s, msgs) in enumerate(zip(samples, messages)):
