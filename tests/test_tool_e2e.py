@@ -71,7 +71,7 @@ def test_the_loop_on_real_hf_and_vllm_engines(tool_model):
                     assert r["tool_contents"][:3] == ["5", "1", "2"]
                     assert r["mask_false"] > 0 and "5" in r["last"]
             for r in called:
-                assert r["mask_false"] > 0
+                assert r["mask_false"] > 0 or not r["tool_contents"]  # none: the tool turn did not fit (truncated)
                 if backend == "vllm":  # the engine's logprobs: 0 on tool tokens, the model's elsewhere
                     assert r["logp_zero_on_tools"] and r["logp_nonzero_on_model"]
                 else:
@@ -87,7 +87,8 @@ def test_tools_end_to_end_from_a_user_folder(tool_model):
     (user / "train.json").write_text(json.dumps(rows))
     args = ["--model", str(model), "--data", "train.json", "--system_prompt", "",
             "--tools", "my_tools.py:add", "--environment_factory", "my_env:Counter",
-            "--max_tool_calling_iterations", "2", "--max_new_tokens", "200", "--num_pre_Q", "4",
+            "--max_tool_calling_iterations", "2", "--max_new_tokens", "200", "--max_prompt_length", "800",
+            "--num_pre_Q", "4",
             "--Q_batch_size", "1", "--reward_fns", "my_rewards:used_tools", "--train_zero_spread", "true",
             "--all_steps", "4", "--save_steps", "100", "--sync_steps", "1", "--max_staleness", "3",
             "--get_wait", "3", "--gen_backend", "vllm", "--vllm_dtype", "float32", "--log_completions", "true",

@@ -120,7 +120,7 @@ def test_malformed_unknown_and_raising_calls_are_tool_messages_counted(tok):
     _, final = turns(tok)
     _, (samples, msgs, stats) = run(tok, fb, [bad, final], n=1, max_new_tokens=1000)
     st = stats[0]
-    assert st["calls"] == 3 and st["malformed"] == 1 and st["failed"] == 2 and st["timed_out"] == 0
+    assert st["calls"] == 2 and st["malformed"] == 1 and st["failed"] == 2 and st["timed_out"] == 0
     tools = [m for m in msgs[0] if m["role"] == "tool"]
     assert [t["content"] for t in tools][:2] == ["unknown tool nope", "error: kaputt"]
     assert tools[2]["content"].startswith("malformed tool call")

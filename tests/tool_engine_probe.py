@@ -76,7 +76,8 @@ def main() -> None:
     out = {}
     for backend in ("hf", "vllm"):
         cfg = GRPOConfig(model=model, gen_backend=backend, tools=[str(user / t) for t in tool_sft.TOOL_ARGS],
-                         environment_factory=tool_sft.ENV, max_new_tokens=400, device="cpu",
+                         environment_factory=tool_sft.ENV, max_new_tokens=400, max_prompt_length=1024,
+                         device="cpu", vllm_dtype="float32",
                          vllm_gpu_memory_utilization=0.3).validate()
         tok = load_tokenizer(model, cfg.load_options())
         box = ToolBox.from_config(cfg, tok)

@@ -95,14 +95,15 @@ def _assistant_message(tokenizer, ids: list[int], calls) -> dict:
 
 def _count(r: Rollout, results) -> None:
     for res in results:
-        r.stats["calls"] += 1
         r.stats["seconds"] += res.seconds
+        if res.status == "malformed":  # not a call of any tool (TRL counts parsed calls only); said to the model
+            r.stats["malformed"] += 1
+            continue
+        r.stats["calls"] += 1
         if res.status in FAILED:
             r.stats["failed"] += 1
         elif res.status == "timeout":
             r.stats["timed_out"] += 1
-        elif res.status == "malformed":
-            r.stats["malformed"] += 1
         if res.name:
             key = f"calls/{res.name}"
             r.stats[key] = r.stats.get(key, 0) + 1
