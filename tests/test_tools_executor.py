@@ -70,14 +70,14 @@ def test_a_raising_tool_is_an_error_in_one_line(box):
 
 def test_a_tool_that_kills_its_process_is_an_error_and_the_next_call_works(box):
     r = run1(box, "die")
-    assert r.status == "error" and "died" in r.content
+    assert r.status == "error" and "process ended" in r.content
     assert run1(box, "multiply", a=4, b=4).content == "16"
 
 
 def test_huge_output_is_truncated(box):
     r = run1(box, "chatty", n=10 ** 6)
     assert r.status == "ok" and len(r.content) <= 200 and "truncated" in r.content
-    r = run1(box, "python", code="for i in range(10**6): print(i)")
+    r = run1(box, "python", code="for i in range(10**5): print(i)")
     assert len(r.content) <= 200 and r.content.startswith("0\n1\n2\n")
 
 
