@@ -90,9 +90,9 @@ def test_tools_end_to_end_from_a_user_folder(tool_model):
             "--max_tool_calling_iterations", "2", "--max_new_tokens", "200", "--max_prompt_length", "800",
             "--num_pre_Q", "4",
             "--Q_batch_size", "1", "--reward_fns", "my_rewards:used_tools", "--train_zero_spread", "true",
-            "--all_steps", "4", "--save_steps", "100", "--sync_steps", "1", "--max_staleness", "3",
-            "--get_wait", "3", "--gen_backend", "vllm", "--vllm_dtype", "float32", "--log_completions", "true",
-            "--lr", "1e-5", "--seed", "1"]
+            "--all_steps", "5", "--save_steps", "100", "--sync_steps", "1", "--max_staleness", "3",
+            "--get_wait", "0.5", "--gen_backend", "vllm", "--vllm_dtype", "float32", "--log_completions", "true",
+            "--lr", "1e-5", "--seed", "1", "--temperature", "0.5"]
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", "run", "--workers", "1", "--gpus", "2",
            "--port", str(find_free_port()), "--", *args]
     proc = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=900)
@@ -101,7 +101,7 @@ def test_tools_end_to_end_from_a_user_folder(tool_model):
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-3000:] for v in logs.values())
     assert "Traceback" not in "".join(logs.values())
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5]
     keys = {"tools/calls_per_completion", "tools/turns_per_completion", "tools/failed", "tools/timed_out",
             "tools/malformed", "tools/seconds", "tools/add/calls", "tools/tally/calls"}
     for r in metrics:

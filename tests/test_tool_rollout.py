@@ -96,3 +96,13 @@ def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_pr
         text = tok.decode(b.input_ids[i, :int(b.prompt_lens[i])])
         assert text.endswith("What is 12 * 34? (the board says 408)<|im_end|>\n<|im_start|>assistant\n")
     assert engine.calls[0] == (3, 300)  # one prompt per rollout, n=1
+
+
+def test_tool_statistics_are_checked_like_the_other_per_completion_lists():
+    from common.batch_extra import ExtraError, check_extra
+
+    check_extra({"tools": {"calls": [1.0, 0.0], "calls/add": [1.0, 0.0]}}, rows=2)
+    with pytest.raises(ExtraError, match="tools.calls"):
+        check_extra({"tools": {"calls": [1.0]}}, rows=2)
+    with pytest.raises(ExtraError, match="tools"):
+        check_extra({"tools": [1.0, 2.0]}, rows=2)
