@@ -91,7 +91,7 @@ def test_tools_end_to_end_from_a_user_folder(tool_model):
             "--num_pre_Q", "4",
             "--Q_batch_size", "1", "--reward_fns", "my_rewards:used_tools", "--train_zero_spread", "true",
             "--all_steps", "5", "--save_steps", "100", "--sync_steps", "1", "--max_staleness", "4",
-            "--worker_max_queued", "1",  # the worker pauses while a batch waits: the ranks' own batches get trained
+            "--worker_rounds", "3",  # then the worker stops: the ranks generate (HF) the rest of the batches
             "--get_wait", "0.5", "--gen_backend", "vllm", "--vllm_dtype", "float32", "--log_completions", "true",
             "--lr", "1e-5", "--seed", "1", "--temperature", "0.5"]
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", "run", "--workers", "1", "--gpus", "2",
