@@ -27,9 +27,11 @@ class ScriptEngine(GenEngine):
         self.tok, self.turns, self.response_id, self.with_logprobs = tok, turns, response_id, logprobs
         self.eos_ids = [tok.eos_token_id]
         self.calls: list[tuple[int, int]] = []  # (prompts, max_new_tokens) of each generate call
+        self.last_prompts: list[list[int]] = []  # the prompts of the first call
 
     def generate(self, prompt_ids, n, *, max_new_tokens, greedy=False):
         self.calls.append((len(prompt_ids), max_new_tokens))
+        self.last_prompts = [list(p) for p in prompt_ids] if len(self.calls) == 1 else self.last_prompts
         out = []
         for p in prompt_ids:
             for _ in range(n):
