@@ -124,6 +124,7 @@ def test_malformed_unknown_and_raising_calls_are_tool_messages_counted(tok):
     tools = [m for m in msgs[0] if m["role"] == "tool"]
     assert [t["content"] for t in tools][:2] == ["unknown tool nope", "error: kaputt"]
     assert tools[2]["content"].startswith("malformed tool call")
+    assert st["calls/boom"] == 1 and "calls/nope" not in st  # per tool: configured tools only
     assert samples[0].completion_ids.tolist()[-len(final):] == final  # the rollout went on
 
 

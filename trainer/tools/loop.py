@@ -104,7 +104,7 @@ def _count(r: Rollout, results) -> None:
             r.stats["failed"] += 1
         elif res.status == "timeout":
             r.stats["timed_out"] += 1
-        if res.name:
+        if res.status != "unknown_tool":  # per tool: the configured ones only (not names the model made up)
             key = f"calls/{res.name}"
             r.stats[key] = r.stats.get(key, 0) + 1
 
