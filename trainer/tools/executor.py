@@ -133,6 +133,9 @@ class ToolExecutor:
     def start_episode(self, episode: int, kwargs: dict) -> tuple[str, str | None]:
         return self.request({"op": "start", "episode": episode, "kwargs": kwargs})
 
+    def episode_reward(self, episode: int) -> tuple[str, float | str | None]:
+        return self.request({"op": "reward", "episode": episode})
+
     def end_episode(self, episode: int) -> None:
         if self.alive():
             self.request({"op": "end", "episode": episode})
