@@ -186,3 +186,26 @@ def test_zero3_ranks_make_the_same_number_of_generate_calls(tmp_path):
     assert r0["tool_calls"] == [2, 2] and r1["tool_calls"] == [0, 0]
     assert len(r0["calls"]) == len(r1["calls"]) == 3  # rank 1 joins rank 0's two tool rounds with no prompts
     assert [n for n, _ in r1["calls"]] == [1, 0, 0] and [n for n, _ in r0["calls"]] == [1, 2, 2]
+
+
+def test_with_the_real_toolbox_and_its_calculator(tok):
+    from common.config import GRPOConfig
+    from trainer.tools import ToolBox
+
+    box = ToolBox.from_config(GRPOConfig(model="tiny", tools=["calculator"]), tok)
+    try:
+        call = enc(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>')
+        broken = enc(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 *"}}\n</tool_call>')
+        _, final = turns(tok)
+        for first, content, status in ((call, "408", "ok"), (broken, "Error", "error")):
+            first = first + [tok.eos_token_id]
+            eng = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+            p = enc(tok, tok.apply_chat_template([{"role": "user", "content": "12*34?"}], tools=box.schemas,
+                                                 tokenize=False, add_generation_prompt=True))
+            (s,), (msgs,), (st,) = tool_rollouts(eng, tok, box, [p], 1, max_new_tokens=300, max_iterations=None)
+            assert msgs[1]["role"] == "tool" and msgs[1]["content"].startswith(content), msgs
+            suffix = tool_suffix_ids(tok, [msgs[1]])
+            assert s.completion_ids.tolist() == first + suffix + final
+            assert st["calls/calculator"] == 1 and st["failed"] == (status == "error")
+    finally:
+        box.close()

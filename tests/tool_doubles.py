@@ -1,6 +1,6 @@
 """Doubles for the tool-loop unit tests: a scripted engine (deterministic turns, chosen token by token so that
-decode + encode does not give them back) and, until the tool runtime is merged in, nothing else: the real ToolBox
-is used where the tests need one (trainer/tools)."""
+decode + encode does not give them back) and a ToolBox with the runtime's face over plain in-process functions
+(the real ToolBox, with its executor process, is in the slow tests: tests/test_tool_e2e.py)."""
 from __future__ import annotations
 
 import torch
@@ -42,7 +42,7 @@ class ScriptEngine(GenEngine):
         return out
 
 
-# --- the tool runtime's face (docs: /trainer/tools), used until it is merged in --------------------------------------
+# --- the tool runtime's face (trainer/tools): ToolCall, ToolResult, ToolBox ---------------------------------------
 import json  # noqa: E402
 import re  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -54,6 +54,9 @@ class Call:
     arguments: dict
     id: str | None = None
 
+    def to_dict(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
 
 @dataclass
 class Result:
@@ -61,6 +64,9 @@ class Result:
     content: str
     status: str
     seconds: float = 0.0
+
+    def to_message(self) -> dict:
+        return {"role": "tool", "name": self.name, "content": self.content}
 
 
 class FakeToolBox:

@@ -88,8 +88,7 @@ def _ids(out) -> list[int]:
 def _assistant_message(tokenizer, ids: list[int], calls) -> dict:
     msg = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     if calls:
-        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
+        msg["tool_calls"] = [c.to_dict() for c in calls]  # TRL's / the chat templates' shape
     return msg
 
 
@@ -169,7 +168,7 @@ def _tool_round(tokenizer, toolbox, rolls: list[Rollout], episodes: list[int], t
     for (i, bad), res in zip(pending, results):
         r, res = rolls[i], list(res) + list(bad)
         _count(r, res)
-        tool_msgs = [{"role": "tool", "name": x.name, "content": x.content} for x in res]
+        tool_msgs = [x.to_message() for x in res]
         suffix = tool_suffix_ids(tokenizer, tool_msgs)
         if len(r.ids) + len(suffix) >= max_new_tokens:  # no room for the tool turn and a token after it
             r.truncated = True
