@@ -306,12 +306,6 @@ class GRPOConfig(ModelLoading, ConfigChecks):
     weight_fetch_retries: int = knob(5, "genonly: a weight download that breaks or fails its checksum is retried "
                                         "this many times (the worker keeps its current weights meanwhile).")
 
-    def reporters(self) -> set[str]:
-        """report_to (+ the wandb flag) as a set of tensorboard/wandb; metrics.jsonl is always written."""
-        names = self._report_names()
-        out = {"tensorboard", "wandb"} if "all" in names else names - {"none"}
-        return out | ({"wandb"} if self.wandb else set())
-
     def __post_init__(self) -> None:
         """Derived settings, at construction: the deprecated tis_cap spelling and loss_type's aggregation."""
         if self.tis_cap is not None and self.tis_cap >= 1 and self.compute_gen_logps:

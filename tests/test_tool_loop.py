@@ -136,7 +136,7 @@ def test_an_engine_without_logprobs_gives_none(tok):
 
 
 def test_tool_metrics_keys_per_completion():
-    from common.protocol import ScoredBatch
+    from common.wire.protocol import ScoredBatch
     from trainer.step_metrics import batch_metrics
     from trainer.tools.loop import add_tool_totals, tool_metric_keys
 

@@ -99,7 +99,7 @@ def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_pr
 
 
 def test_tool_statistics_are_checked_like_the_other_per_completion_lists():
-    from common.batch_extra import ExtraError, check_extra
+    from common.wire.batch_extra import ExtraError, check_extra
 
     check_extra({"tools": {"calls": [1.0, 0.0], "calls/add": [1.0, 0.0]}}, rows=2)
     with pytest.raises(ExtraError, match="tools.calls"):

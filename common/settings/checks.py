@@ -21,6 +21,12 @@ C = TypeVar("C", bound="ConfigChecks")
 class ConfigChecks:
     """GRPOConfig's validation (mixed into it; every attribute named here is a GRPOConfig field)."""
 
+    def reporters(self) -> set[str]:
+        """report_to (+ the wandb flag) as a set of tensorboard/wandb; metrics.jsonl is always written."""
+        names = self._report_names()
+        out = {"tensorboard", "wandb"} if "all" in names else names - {"none"}
+        return out | ({"wandb"} if self.wandb else set())
+
     def _report_names(self) -> set[str]:
         names = self.report_to if isinstance(self.report_to, list) else str(self.report_to).split(",")
         return {str(n).strip().lower() for n in names if str(n).strip()}
