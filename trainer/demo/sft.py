@@ -27,27 +27,36 @@ def sft(model, tokenizer, examples: list[Example], solution: Callable[[str], str
         on_step: Callable[[int, float], bool | None] | None = None) -> list[float]:
     """Train in place; returns the loss per step. on_step(step, loss) is called after each step and
     stops the training early by returning True."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
     kept, _ = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length=10 ** 9)
     pairs = []
     for ex, p_ids in kept:
         c_ids = tokenizer(solution(ex.prompt), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        pairs.append((p_ids, c_ids))
+        pairs.append((p_ids, c_ids, [True] * len(c_ids)))
+    return sft_pairs(model, tokenizer, pairs, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                     progress=progress, on_step=on_step)
+
+
+def sft_pairs(model, tokenizer, pairs: list[tuple[list[int], list[int], list[bool]]], *, steps: int,
+              batch_size: int, lr: float, seed: int, progress: bool = True,
+              on_step: Callable[[int, float], bool | None] | None = None) -> list[float]:
+    """sft() on token ids: pairs = [(prompt ids, completion ids, completion mask)]; the loss is on the completion
+    tokens whose mask is True (False: a tool turn's tokens, which the model reads but never writes)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))  # short warmup
     model.train()
     losses = []
     for step in tqdm(range(1, steps + 1), desc="sft", disable=not progress):
         batch = rng.sample(pairs, min(batch_size, len(pairs)))
-        L = max(len(p) + len(c) for p, c in batch)
+        L = max(len(p) + len(c) for p, c, _ in batch)
         ids = torch.full((len(batch), L), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full_like(ids, -100)
         mask = torch.zeros_like(ids)
-        for i, (p, c) in enumerate(batch):
+        for i, (p, c, m) in enumerate(batch):
             seq = p + c
             ids[i, :len(seq)] = torch.tensor(seq)
-            labels[i, len(p):len(seq)] = torch.tensor(c)
+            labels[i, len(p):len(seq)] = torch.where(torch.tensor(m), torch.tensor(c), -100)
             mask[i, :len(seq)] = 1
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
