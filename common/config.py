@@ -13,6 +13,7 @@ from typing import ClassVar
 from common.config_sections import SECTIONS
 from common.knobs import knob
 from common.model_options import ModelLoading
+from common.tool_specs import tool_spec_errors
 
 # TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
 LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
@@ -172,6 +173,21 @@ class GRPOConfig(ModelLoading):
                                      "(queued + scored): rollouts stay fresh instead of piling up stale.")
     worker_id: int = knob(0, "genonly: this worker's index (seeds and prompt shard; launch.sh sets it).")
     device: str = knob("auto", "genonly/eval device: auto, cpu or cuda:N (trainer ranks use their local GPU).")
+    # --- tools in rollouts (issue 32; trainer/tools/, docs/tools.md) ----------------------
+    tools: list = knob([], "Tools the model may call while it generates (TRL's tools): built-in calculator "
+                           "(bounded arithmetic, in-process) and python (runs a snippet), or your typed functions "
+                           "with Google-style docstrings as 'module:function' or 'path/to/file.py:function'. Their "
+                           "JSON schemas (transformers' get_json_schema) reach the chat template.")
+    environment_factory: str | None = knob(None, "TRL's environment_factory: a class ('module:Class' or "
+                                                 "'path/to/file.py:Class') whose public methods besides reset are "
+                                                 "tools; one instance per rollout, reset() starts its episode.")
+    max_tool_calling_iterations: int | None = knob(None, "TRL's name: tool rounds per completion at most (null = "
+                                                         "no limit: a turn without a call, or max_new_tokens, ends "
+                                                         "it; 0 = tools are shown but never run).")
+    tool_timeout: float = knob(10.0, "Seconds one tool call may take; past it the tool process is killed (and "
+                                     "restarted) and the model reads that the call timed out. Also the call's "
+                                     "CPU-time limit (RLIMIT_CPU).")
+    tool_output_chars: int = knob(1000, "A tool's result is cut to this many characters before the model reads it.")
     # --- real checkpoints, real runs (issue 11) ---------------------------------------------
     train_zero_spread: bool = knob(False, "Also train on groups whose rewards are all equal (their advantages are "
                                           "0, so their loss is the KL term alone). Default: skip them (counted and "
@@ -337,6 +353,12 @@ class GRPOConfig(ModelLoading):
             (self.log_stall_every > 0, "log_stall_every must be > 0"),
         ]
         checks += self._check_data_and_rewards()
+        checks += [(False, msg) for msg in tool_spec_errors(self.tools, self.environment_factory)] + [  # issue 32
+            (self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+             "max_tool_calling_iterations must be >= 0 (or null = no limit)"),
+            (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
+            (self.tool_output_chars >= 50, "tool_output_chars must be >= 50 (room for the truncation note)"),
+        ]
         checks += [  # --- generation engine / mismatch (issue 12) ---
             (self.gen_backend in ("hf", "vllm"), f"unknown gen_backend {self.gen_backend!r}; use hf or vllm"),
             (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),

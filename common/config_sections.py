@@ -18,6 +18,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "gen_backend", "gen_batch_size", "compute_gen_logps", "worker_dtype", "vllm_dtype", "vllm_eager",
         "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_cpu_threads_bind",
         "vllm_tensor_parallel_size"]),
+    ("tools", "Multi-turn rollouts: tools the model calls while it generates (docs/tools.md).", [
+        "tools", "environment_factory", "max_tool_calling_iterations", "tool_timeout", "tool_output_chars"]),
     ("objective", "The GRPO loss: KL, clipping, advantages, aggregation, off-policy correction, variants.", [
         "beta", "loss_type", "eps_low", "eps_high", "advantage_mode", "aggregation", "mu", "mask_truncated",
         "train_zero_spread", "logp_temperature", "old_logps", "vllm_importance_sampling_correction",

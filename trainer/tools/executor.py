@@ -1,0 +1,152 @@
+"""The tool executor: user tools, the built-in `python` tool and the environment instances run in ONE reused
+child process (trainer/tools/executor_worker.py), never in the rollout process.
+
+Per call: a wall-clock timeout (tool_timeout): a call past it has its process (group) killed, the kill counted, and
+a fresh process started for the next call; the call's result is status "timeout" and the rollout goes on. In the
+child: RLIMIT_CPU (this call's CPU seconds = tool_timeout), RLIMIT_AS (the imports' address space + memory_mb),
+RLIMIT_FSIZE (file_mb per written file), and a scratch working folder per episode (rollout) under one folder that
+close() removes. A tool that raises is status "error" with the exception in one line; output is truncated to
+tool_output_chars. Environment instances (environment_factory) live in the child, keyed by episode id: a stateful
+environment keeps its state across the calls of one rollout. A kill loses every live instance: their later calls
+say so (status "error"), in one line.
+
+This is best-effort isolation, NOT a security boundary: the child runs as the same user, with the same network and
+filesystem access as the trainer (a tool can read and write anything the trainer can, outside the scratch folder
+too). It keeps a hanging, crashing, memory-hungry or chatty tool from taking the rollout down; it does not contain
+hostile code. Run untrusted code in a container or VM around the whole run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from trainer.tools.types import ToolResult
+
+log = logging.getLogger("trainer")
+
+STARTUP_TIMEOUT = 120.0  # importing the user's tool modules is not a tool call
+MEMORY_MB = 2048  # RLIMIT_AS headroom over what the child's imports took
+FILE_MB = 64  # RLIMIT_FSIZE: the largest file a tool may write
+
+
+class ToolExecutor:
+    """Runs `functions` ({tool name: spec}) and the environment `env` (a class spec, whose methods `env_tools` are
+    the tools) in a child process. `kills` counts the processes killed for a timeout (or found dead)."""
+
+    def __init__(self, functions: dict[str, str], env: str | None, env_tools: list[str], timeout: float,
+                 output_chars: int, memory_mb: int = MEMORY_MB, file_mb: int = FILE_MB):
+        self.scratch = tempfile.mkdtemp(prefix="grpo-tools-")
+        self.conf = {"functions": dict(functions), "env": env, "env_tools": list(env_tools), "timeout": timeout,
+                     "output_chars": output_chars, "memory_mb": memory_mb, "file_mb": file_mb,
+                     "scratch": self.scratch}
+        self.timeout = float(timeout)
+        self.proc: subprocess.Popen | None = None
+        self._buf = b""
+        self.kills = 0
+
+    # ------------------------------------------------------------------ the process
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the child imports by the same names
+        # Own session: a kill takes what a tool started (subprocesses) along; the child watches for our exit.
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.tools.executor_worker", json.dumps(self.conf)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env, bufsize=0, start_new_session=True, cwd=self.scratch)
+        threading.Thread(target=_relay, args=(self.proc.stderr,), daemon=True).start()
+        self._buf = b""
+        msg = self._read(STARTUP_TIMEOUT)
+        if not isinstance(msg, dict) or "ready" not in msg:
+            err = msg.get("error") if isinstance(msg, dict) else f"no answer within {STARTUP_TIMEOUT:.0f} s"
+            self._kill()
+            raise RuntimeError(f"the tool executor failed to start: {err}")
+
+    def _kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the child and whatever its tools started
+        except ProcessLookupError:  # already gone (it crashed): nothing to kill
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+        self.proc = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        self._kill()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def __del__(self):  # best effort: the child also exits when we do
+        if getattr(self, "proc", None) is not None:
+            self._kill()
+
+    def _read(self, timeout: float) -> dict | str | None:
+        """The child's next JSON line; None when `timeout` passes first; "died" when the child exited."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return "died"
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    # ------------------------------------------------------------------ requests
+    def request(self, req: dict) -> tuple[str, str | None]:
+        """(status, content) of one request, under the timeout. Never raises for the tool's own failure."""
+        if not self.alive():
+            if self.proc is not None:  # it died between requests (a tool's thread crashed it): start afresh
+                self._kill()
+                self.kills += 1
+            self._start()
+        try:
+            self.proc.stdin.write((json.dumps(req, default=str) + "\n").encode())  # (rows: dates...)
+            msg = self._read(self.timeout)
+        except BrokenPipeError:
+            msg = "died"
+        if isinstance(msg, dict):
+            return msg["status"], msg.get("content")
+        code = self.proc.poll()
+        self._kill()  # a hung call cannot be interrupted any other way; the next request starts a fresh child
+        self.kills += 1
+        if msg is None:
+            return "timeout", f"Error: the tool did not finish within {self.timeout:g} seconds and was stopped"
+        return "error", f"Error: the tool process died during this call (exit code {code}; out of memory?)"
+
+    def call(self, episode: int, name: str, arguments: dict) -> ToolResult:
+        t0 = time.monotonic()
+        status, content = self.request({"op": "call", "episode": episode, "name": name, "arguments": arguments})
+        return ToolResult(name=name, content=content or "", status=status, seconds=time.monotonic() - t0)
+
+    def start_episode(self, episode: int, kwargs: dict) -> tuple[str, str | None]:
+        return self.request({"op": "start", "episode": episode, "kwargs": kwargs})
+
+    def end_episode(self, episode: int) -> None:
+        if self.alive():
+            self.request({"op": "end", "episode": episode})
+        shutil.rmtree(os.path.join(self.scratch, f"episode_{episode}"), ignore_errors=True)
+
+
+def _relay(stream) -> None:
+    """The child's stderr (tools' prints, its crash traceback) into our log, one bounded line at a time."""
+    for raw in stream:
+        line = raw.decode(errors="replace").rstrip()
+        if line:
+            log.info("[tool] %s", line[:500])
+    stream.close()

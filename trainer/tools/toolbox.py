@@ -1,0 +1,146 @@
+"""ToolBox: the tools of one run, as the rollout loop sees them (trainer/tools/loop.py calls it).
+
+    box = ToolBox.from_config(cfg, tokenizer)        # None when the config has no tools
+    prompt = tokenizer.apply_chat_template(messages, tools=box.schemas, ...)
+    ids = box.start_episodes(len(rollouts))          # one environment instance per rollout, reset() called
+    calls, bad = box.parse(turn_text)                # bad: ToolResult(status="malformed") to show the model
+    results = box.run([(ids[i], calls_i), ...])      # one list of ToolResult per job, in order; never raises
+    box.end_episodes(ids); box.close()
+
+The calculator runs here; every other tool in the executor process (trainer/tools/executor.py: timeout, resource
+limits, scratch folder; best-effort isolation, not a security boundary).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from trainer.tools.executor import ToolExecutor
+from trainer.tools.parsing import has_response_template, parse_qwen, parse_with_template
+from trainer.tools.schemas import ToolDef, load_tools
+from trainer.tools.stats import ToolStats
+from trainer.tools.types import ToolCall, ToolResult, one_line, truncate
+
+log = logging.getLogger("trainer")
+
+
+class ToolBox:
+    def __init__(self, defs: list[ToolDef], environment_factory: str | None = None, tokenizer=None,
+                 timeout: float = 10.0, output_chars: int = 1000, **limits):
+        self.defs = {d.name: d for d in defs}
+        self.schemas: list[dict] = [d.schema for d in defs]
+        self.tokenizer = tokenizer
+        self.output_chars = int(output_chars)
+        self.has_env = bool(environment_factory)
+        functions = {d.name: d.spec for d in defs if d.where == "executor"}
+        env_tools = [d.name for d in defs if d.where == "env"]
+        self.executor = (ToolExecutor(functions, environment_factory, env_tools, timeout, output_chars, **limits)
+                         if functions or env_tools else None)
+        self._ids = itertools.count()
+        self.episodes: dict[int, str | None] = {}  # live episode -> why its reset() failed (None: it did not)
+        self.observations: dict[int, str | None] = {}  # what each episode's reset() returned (TRL: appended to
+        self._stats = ToolStats()                       # the last user message when not None)
+        self._kills_at_reset = 0
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer=None) -> ToolBox | None:
+        """The ToolBox of cfg.tools / cfg.environment_factory (None when it has neither). Loads every tool and
+        builds its schema here, so a bad tool fails before any rollout, in one line (ValueError)."""
+        tools = [t for t in (cfg.tools or []) if str(t).strip()]
+        if not tools and not cfg.environment_factory:
+            return None
+        defs = load_tools(tools, cfg.environment_factory)
+        return cls(defs, cfg.environment_factory, tokenizer, cfg.tool_timeout, cfg.tool_output_chars)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.defs)
+
+    # ------------------------------------------------------------------ parsing
+    def parse(self, text: str, prefix: str = "") -> tuple[list[ToolCall], list[ToolResult]]:
+        """The calls in one assistant turn's decoded text, and a malformed result for each call that could not be
+        parsed. prefix: the rendered conversation before the turn (only a tokenizer's response_template reads it;
+        "" is fine for templates that do not pre-write part of the turn)."""
+        if has_response_template(self.tokenizer):
+            calls, bad = parse_with_template(self.tokenizer, text, prefix, self.schemas)
+        else:
+            calls, bad = parse_qwen(text)
+        for r in bad:
+            self._stats.add(r, known=False)
+        return calls, bad
+
+    # ------------------------------------------------------------------ episodes
+    def start_episodes(self, n: int, reset_kwargs: list[dict] | None = None) -> list[int]:
+        """n new episodes (one per rollout); with environment_factory one instance each, reset(**kwargs) called
+        (TRL passes the dataset row: give reset_kwargs, one dict per episode). What reset returned is in
+        self.observations[id] (TRL appends it to the last user message). A reset that raises or hangs does not
+        stop the run: that episode's calls answer with the reason (status "error")."""
+        ids = [next(self._ids) for _ in range(n)]
+        for k, ep in enumerate(ids):
+            self.episodes[ep], self.observations[ep] = None, None
+            if self.has_env:
+                status, content = self.executor.start_episode(ep, (reset_kwargs or [{}] * n)[k])
+                if status == "ok":
+                    self.observations[ep] = content
+                else:
+                    self.episodes[ep] = one_line(content or status)
+                    log.warning("tools: an environment's reset() failed (episode %d): %s", ep, self.episodes[ep])
+        return ids
+
+    def end_episodes(self, ids: list[int]) -> None:
+        for ep in ids:
+            self.episodes.pop(ep, None)
+            self.observations.pop(ep, None)
+            if self.executor is not None:
+                self.executor.end_episode(ep)
+
+    # ------------------------------------------------------------------ running
+    def _run_one(self, episode: int, call: ToolCall) -> ToolResult:
+        d = self.defs.get(call.name)
+        if d is None:
+            return ToolResult(call.name, f"Error: unknown tool {call.name!r}; the tools are: "
+                                         f"{', '.join(self.defs)}", "unknown_tool")
+        if d.where == "env" and self.episodes.get(episode):
+            return ToolResult(call.name, f"Error: this rollout's environment did not start: {self.episodes[episode]}",
+                              "error")
+        if d.where != "inline":
+            return self.executor.call(episode, call.name, call.arguments)
+        t0 = time.monotonic()
+        try:
+            content, status = truncate(str(d.fn(**call.arguments)), self.output_chars), "ok"
+        except Exception as e:  # noqa: BLE001 - a tool's exception is its result: the model reads it
+            content, status = f"Error: {one_line(f'{type(e).__name__}: {e}')}", "error"
+        return ToolResult(call.name, content, status, time.monotonic() - t0)
+
+    def run(self, jobs: list[tuple[int, list[ToolCall]]]) -> list[list[ToolResult]]:
+        """[(episode id, that turn's calls)] -> one ToolResult per call, in order. A tool's own failure (raise,
+        timeout, crash, unknown name) is its result; this only raises for an episode id it never handed out."""
+        out = []
+        for episode, calls in jobs:
+            if episode not in self.episodes:
+                raise KeyError(f"episode {episode} was not started (or has ended): use start_episodes")
+            results = []
+            for call in calls:
+                r = self._run_one(episode, call)
+                self._stats.add(r, known=call.name in self.defs)
+                results.append(r)
+            out.append(results)
+        return out
+
+    # ------------------------------------------------------------------ counters and the end
+    def stats(self) -> dict:
+        """Counters since the last reset_stats():
+        calls, failed (status not "ok"), timed_out, malformed, unknown_tool, seconds (tool wall time),
+        kills (executor processes killed for a timeout or found dead), and per_tool {name: {calls, failed,
+        timed_out, seconds}} for the configured tools (malformed and unknown calls count in the totals only)."""
+        kills = self.executor.kills if self.executor is not None else 0
+        return self._stats.snapshot(kills - self._kills_at_reset)
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+        self._kills_at_reset = self.executor.kills if self.executor is not None else 0
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
