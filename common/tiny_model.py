@@ -20,13 +20,45 @@ from common.cli import ArgumentParser
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # Qwen2.5's, one id each
+# Qwen2.5-style: without tools or tool messages it renders exactly as before (each message in its own im_start/
+# im_end block, no default system prompt). With `tools`, a system section lists their JSON schemas; an assistant
+# turn's tool_calls are <tool_call>{"name": ..., "arguments": ...}</tool_call> lines; consecutive `tool` messages
+# are one user turn of <tool_response> blocks, as Qwen2.5's template renders them.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided '"
+    "'with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '"
+    "'<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": '"
+    "'<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{%- if (loop.first and message['content']) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-VERSION = "v2"  # bump when the recipe changes, so caches rebuild
+VERSION = "v3"  # bump when the recipe changes, so caches rebuild
 
 _NAMES = ["Natalia", "Weng", "Betty", "James", "Julie", "Mark", "Tina", "Albert", "Ken", "Alexis", "Sam", "Lee"]
 _THINGS = ["apples", "clips", "books", "dollars", "pages", "cookies", "marbles", "pencils", "eggs", "tickets"]
@@ -70,6 +102,7 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
                                    model_input_names=["input_ids", "attention_mask"])  # as Qwen: no token_type_ids
     # Tags are ordinary (non-special) added tokens: one id each, and they survive decode().
     fast.add_tokens(TAG_TOKENS)
+    fast.add_tokens(TOOL_TOKENS)  # after the tags: the tags keep their ids
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

@@ -61,3 +61,13 @@ def row_id(prompts, completions, id, **kwargs):
 def no_truth(completion, ground_truth):
     """Ours-style: 1.0 when the ground truth arrived as None (a prompt-only row), else 0.0."""
     return 1.0 if ground_truth is None else 0.0
+
+
+def tool_turns(prompts, completions, **kwargs):
+    """A multi-turn completion as TRL gives it: the number of tool messages, plus 1 when the last assistant turn
+    says 408 (tool-loop tests)."""
+    out = []
+    for c in completions:
+        tools = [m for m in c if m["role"] == "tool"]
+        out.append(len(tools) + float(c[-1]["role"] == "assistant" and "408" in c[-1]["content"]))
+    return out

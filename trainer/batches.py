@@ -61,8 +61,9 @@ class BatchSource:
     """Yields training batches: scored groups from the server, generating our own when none is ready."""
 
     def __init__(self, cfg, client, model, tokenizer, sampler, scorer, eos, vocab_size, producer_id,
-                 lockstep: bool = False):
+                 lockstep: bool = False, toolbox=None):
         self.cfg, self.client, self.model, self.tok = cfg, client, model, tokenizer
+        self.toolbox = toolbox  # trainer/tools ToolBox (the rank's own, closed by the rank): multi-turn rollouts
         self.sampler, self.scorer, self.eos, self.vocab = sampler, scorer, eos, vocab_size
         self.producer_id = producer_id
         # Ranks generate from the live DeepSpeed module with HF: it already holds the exact current weights,
@@ -183,7 +184,7 @@ class BatchSource:
         t0 = time.time()
         self._doing("generating its own rollouts")
         batches, st = generate_batches(self.engine, self.tok, self.sampler.next_batch(self.cfg.Q_batch_size),
-                                       self.cfg, self.scorer, policy_version, self.producer_id)
+                                       self.cfg, self.scorer, policy_version, self.producer_id, self.toolbox)
         info["gen_s"] += time.time() - t0
         _merge_stats(gen, st)
         self._doing("uploading its rollouts to the ref server {url}")
@@ -214,3 +215,5 @@ def _merge_stats(acc: RolloutStats, st: RolloutStats) -> None:
     acc.rewards.extend(st.rewards)
     for k, v in st.components.items():
         acc.components.setdefault(k, []).extend(v)
+    for k, v in st.tools.items():
+        acc.tools.setdefault(k, []).extend(v)

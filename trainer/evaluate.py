@@ -23,7 +23,8 @@ from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
 from trainer.rewards.builtin import reward_correct, reward_format
-from trainer.rollout import encode_prompts
+from trainer.rollout import encode_prompts, sample_groups
+from trainer.tools import ToolBox
 
 log = logging.getLogger("trainer")
 
@@ -39,7 +40,8 @@ def _one_line(e: Exception) -> str:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
-             num_samples: int = 20, progress: bool = True, prompt_format: str = "auto", scorer=None) -> dict:
+             num_samples: int = 20, progress: bool = True, prompt_format: str = "auto", scorer=None,
+             toolbox=None, max_tool_calling_iterations: int | None = None) -> dict:
     """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0.
     With `scorer` (the run's RewardScorer: in-training eval) the completions are scored with the run's reward
     functions instead: "rewards" {name: [sum, completions it applied to, completions it scored > 0]} and
@@ -47,29 +49,37 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     dataset has no ground truth for them).
 
     `model` is an HF model (wrapped in the HF engine) or any GenEngine (e.g. vLLM); greedy decoding
-    ignores the checkpoint's generation_config (no repetition_penalty) either way."""
+    ignores the checkpoint's generation_config (no repetition_penalty) either way.
+    toolbox (trainer/tools): the model may call tools (multi-turn, trainer/tools/loop.py; the prompt lists them);
+    "tool_calls" counts them and each sample shows its turns. Without one: single-turn, the accuracy without
+    tools."""
     t0 = time.time()
-    kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format)
+    kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format,
+                                   toolbox.schemas if toolbox is not None else None)
     engine = model if isinstance(model, GenEngine) else \
         HFEngine(model, tokenizer, eos_ids(tokenizer, model, chat=prompt_format != "r1zero"), temperature=1.0,
                  top_p=1.0, top_k=0, gen_batch_size=batch_size)
     correct = formatted = 0
     rewards: dict[str, list] = {}
     reward_total, reward_errors = 0.0, 0
-    samples = []
+    samples, tool_calls = [], 0
     bar = tqdm(total=len(kept), desc="eval", disable=not progress, leave=False)
     calls = math.ceil(len(kept) / batch_size)
     if getattr(engine, "synced_gpus", False):  # ZeRO-3 ranks evaluating their shards together: as many calls
         calls = all_reduce_int(calls, "max")
     for c in range(calls):
         chunk = kept[c * batch_size:(c + 1) * batch_size]
-        outs = engine.generate([ids for _, ids in chunk], 1, max_new_tokens=max_new_tokens, greedy=True)
-        for (ex, _), out in zip(chunk, outs):
+        outs, messages, stats = sample_groups(engine, tokenizer, chunk, 1, max_new_tokens, toolbox=toolbox,
+                                              max_iterations=max_tool_calling_iterations, greedy=True,
+                                              system_prompt=system_prompt, prompt_format=prompt_format)
+        tool_calls += sum(int(s["calls"]) for s in stats or [])
+        for k, ((ex, _), out) in enumerate(zip(chunk, outs)):
             text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)
+            conv = [messages[k]] if messages is not None else None
             if scorer is not None:
                 ids = [int(t) for t in out.completion_ids]  # plain ints: they go to the reward process as JSON
                 try:
-                    score = scorer.score_group(ex, [text], [ids])
+                    score = scorer.score_group(ex, [text], [ids], conv)
                 except RuntimeError as e:  # e.g. a TRL reward reading a column the held-out rows lack: eval
                     # must not end the run; counted (eval_reward_errors) and said, once per eval
                     if not reward_errors:
@@ -89,14 +99,15 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
                 formatted += fmt
             if len(samples) < num_samples:
                 samples.append({"prompt": ex.prompt, "ground_truth": ex.ground_truth, "completion": text,
-                                "correct": ok, "format": fmt})
+                                "correct": ok, "format": fmt, **({"messages": conv[0]} if conv else {})})
         bar.update(len(chunk))
     bar.close()
     n = max(len(kept), 1)
     # the counts too: ranks that evaluated shards sum them (trainer/loop.py run_eval), exactly
     return {"accuracy": correct / n, "format_rate": formatted / n, "n": len(kept), "correct": int(correct),
             "formatted": int(formatted), "skipped_long_prompt": skipped, "seconds": round(time.time() - t0, 2),
-            "samples": samples, "rewards": rewards, "reward_total": reward_total, "reward_errors": reward_errors}
+            "samples": samples, "rewards": rewards, "reward_total": reward_total, "reward_errors": reward_errors,
+            **({"tool_calls": tool_calls, "tool_calls_per_completion": tool_calls / n} if toolbox is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -120,6 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
     p.add_argument("--gen-backend", default="hf", choices=["hf", "vllm"], help="Generation engine.")
     p.add_argument("--vllm-dtype", default="auto", help="vLLM dtype (auto, bfloat16, float16, float32).")
+    p.add_argument("--tools", default="", help="Tools the model may call (comma-separated: calculator, python, "
+                                                "module:function, file.py:function); '' (default) = none: the "
+                                                "accuracy without tools.")
+    p.add_argument("--environment-factory", default=None, help="TRL's environment_factory: a class whose public "
+                                                               "methods are tools, one instance per example.")
+    p.add_argument("--max-tool-calling-iterations", type=int, default=None, help="Tool rounds per completion at "
+                                                                                "most (default: no limit).")
+    p.add_argument("--tool-timeout", type=float, default=10.0, help="Seconds one tool call may take.")
     p.add_argument("--out", default=None, help="Write the JSON summary (with sample completions) here.")
     # how the model loads: the trainer's options of the same names (common/model_options.py)
     p.add_argument("--trust-remote-code", type=parse_bool, default=False, help="Allow the checkpoint's own code.")
@@ -132,18 +151,29 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = GRPOConfig(model=path, gen_backend=a.gen_backend, vllm_dtype=a.vllm_dtype, max_new_tokens=a.max_new_tokens,
                      max_prompt_length=4096, device=a.device, prompt_format=a.prompt_format,
                      trust_remote_code=a.trust_remote_code, attn_implementation=a.attn_implementation,
-                     revision=a.revision, model_init_kwargs=a.model_init_kwargs).validate()
+                     revision=a.revision, model_init_kwargs=a.model_init_kwargs,
+                     tools=[t.strip() for t in a.tools.split(",") if t.strip()],
+                     environment_factory=a.environment_factory or None,
+                     max_tool_calling_iterations=a.max_tool_calling_iterations, tool_timeout=a.tool_timeout).validate()
     tok = load_tokenizer(path, cfg.load_options())
+    toolbox = ToolBox.from_config(cfg, tok)  # None: no tools
     if a.gen_backend == "vllm":
         model = make_engine(cfg, path, tokenizer=tok)
     else:
         model = load_model(path, device=a.device, dtype=a.dtype, options=cfg.load_options())
     columns = ColumnSpec(a.prompt_column, a.answer_column, a.prompt_template, a.prompt_format)
     examples = load_examples(a.data, split=a.split, limit=a.limit, columns=columns, config=a.dataset_config)
-    res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
-                   batch_size=a.batch_size, prompt_format=a.prompt_format)
+    try:
+        res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
+                       batch_size=a.batch_size, prompt_format=a.prompt_format, toolbox=toolbox,
+                       max_tool_calling_iterations=a.max_tool_calling_iterations)
+    finally:
+        if toolbox is not None:
+            toolbox.close()
     res.update(model=a.model, data=a.data, split=a.split)
-    print(f"accuracy {res['accuracy']:.4f}  format {res['format_rate']:.4f}  n={res['n']}  ({res['seconds']} s)")
+    calls = f"  tool calls per completion {res['tool_calls_per_completion']:.2f}" if toolbox is not None else ""
+    print(f"accuracy {res['accuracy']:.4f}  format {res['format_rate']:.4f}  n={res['n']}{calls}  "
+          f"({res['seconds']} s)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2))

@@ -50,6 +50,8 @@ from trainer.step_metrics import (
     model_summary,
     reduce_metrics,
 )
+from trainer.tools import ToolBox
+from trainer.tools.loop import add_tool_totals, tool_metric_keys
 
 log = logging.getLogger("trainer")
 
@@ -77,7 +79,7 @@ def round_metrics(batches: list) -> dict:
 CORRECTNESS_REWARDS = ("correct", "math_verify", "countdown")  # built-ins whose > 0 means "solved"
 
 
-def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scorer=None) -> dict:
+def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scorer=None, toolbox=None) -> dict:
     """Greedy eval on the eval set, called by every rank at every ZeRO stage: rank r evaluates examples
     r, r + world, ... (disjoint shares covering the set) and the counts are summed, so the result is what one
     process evaluating the whole set gives. One rank alone would keep the others waiting in a collective past
@@ -85,7 +87,8 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scor
     generation: each forward gathers the weights from all ranks).
     scorer (the run's RewardScorer): eval_reward_mean and eval_reward/<name> from the run's reward functions, and
     eval_accuracy / eval_format only where a correctness reward / `format` is among them. Without it: GSM8K-style
-    accuracy and format rate from the built-ins."""
+    accuracy and format rate from the built-ins. toolbox: the run's tools, used in eval too (multi-turn, greedy);
+    eval_tool_calls_per_completion then says how much the model called them."""
     from trainer.engines.hf import HFEngine
     from trainer.evaluate import evaluate
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -95,15 +98,16 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scor
     res = evaluate(model, tok, examples[rank::world], system_prompt=cfg.system_prompt,
                    prompt_format=cfg.prompt_format, max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False,
-                   scorer=scorer)
+                   scorer=scorer, toolbox=toolbox, max_tool_calling_iterations=cfg.max_tool_calling_iterations)
     parts: list = [None] * world  # an object collective: NCCL and gloo alike, no tensor device to pick
     torch.distributed.all_gather_object(parts, (res["correct"], res["formatted"], res["n"], res["rewards"],
-                                                res["reward_total"], res["reward_errors"]))
+                                                res["reward_total"], res["reward_errors"], res.get("tool_calls")))
     n = sum(p[2] for p in parts)
+    tools = {"eval_tool_calls_per_completion": sum(p[6] for p in parts) / max(n, 1)} if toolbox is not None else {}
     if scorer is None:
         correct, formatted = sum(p[0] for p in parts), sum(p[1] for p in parts)
-        return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n}
-    out = {"eval_n": n, "eval_reward_mean": sum(p[4] for p in parts) / max(n, 1)}
+        return {"eval_accuracy": correct / max(n, 1), "eval_format": formatted / max(n, 1), "eval_n": n, **tools}
+    out = {"eval_n": n, "eval_reward_mean": sum(p[4] for p in parts) / max(n, 1), **tools}
     errors = sum(p[5] for p in parts)
     if errors:  # examples a reward failed on (left unscored; trainer/evaluate.py says which)
         out["eval_reward_errors"] = errors
@@ -177,8 +181,9 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     scorer = RewardScorer.from_config(cfg)
     sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)
     stop_ids = eos_ids(tok, policy, chat=cfg.prompt_format != "r1zero")
+    toolbox = ToolBox.from_config(cfg, tok)  # None without tools; its tool process is this rank's own
     source = BatchSource(cfg, client, policy, tok, sampler, scorer, stop_ids,
-                         vocab, producer_id=f"{RANK_PRODUCER}{rank}", lockstep=zero_stage == 3)
+                         vocab, producer_id=f"{RANK_PRODUCER}{rank}", lockstep=zero_stage == 3, toolbox=toolbox)
     metrics = MetricsLogger(out, resume_step=start_step if cfg.resume else None, reporters=cfg.reporters(),
                             run_config=to_dict(cfg), wandb_project=cfg.wandb_project,
                             run_name=cfg.run_name) if rank == 0 else None
@@ -189,7 +194,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     publisher.publish(start_step)
 
     def maybe_eval(step: int) -> dict:
-        res = run_eval(policy, tok, cfg, eval_examples, lockstep=zero_stage == 3, scorer=scorer)  # every rank
+        res = run_eval(policy, tok, cfg, eval_examples, lockstep=zero_stage == 3, scorer=scorer,  # every rank
+                       toolbox=toolbox)
         if rank == 0:
             log.info("eval at step %d: %s", step, ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in
                                                             res.items() if k != "eval_n") + f" (n={res['eval_n']})")
@@ -209,6 +215,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
 
     keys = MEAN_KEYS + [f"reward/{name}" for name in scorer.names]
     keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
+    keys += tool_metric_keys(toolbox.names) if toolbox is not None else []  # tools/... per completion
     objective_mean, objective_sum = metric_keys(cfg)  # IS weights, masked shares, GSPO band, round pass
     keys += objective_mean
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
@@ -253,6 +260,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
                 completions.log(step, rows, metrics)
         totals["skipped_groups"] += own.skipped_no_spread
         totals["dropped_stale"] += info["dropped_stale"]
+        add_tool_totals(totals, own.tools)  # what this rank's own rollouts called (the /status view)
         if publisher.active and step % cfg.sync_steps == 0:
             watchdog.activity = f"publishing the weights of step {step}"
             row.update(publisher.publish(step))
@@ -266,7 +274,9 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             row["lr"] = engine.get_lr()[0]
             row["example_indices"] = trained  # per rank: the examples trained this step (exact-resume check)
             metrics.log(step, row)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}")
+            tools = {"tools": f"{row['tools/calls_per_completion']:.2f}"} if toolbox is not None else {}
+            bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
+                            **tools)  # tools: tool calls per completion
         bar.update(1)
         if step % cfg.save_steps == 0 or step == cfg.all_steps:
             watchdog.activity = f"saving the checkpoint of step {step}"
@@ -278,6 +288,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     watchdog.activity = "saving the final checkpoint"
     save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype, final=True)
     scorer.close()
+    if toolbox is not None:
+        toolbox.close()
     bar.close()
     if metrics:
         metrics.close()

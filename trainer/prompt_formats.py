@@ -80,9 +80,12 @@ def resolve_format(prompt_format: str, prompt) -> str:
     return prompt_format
 
 
-def build_prompt(tokenizer, prompt, system_prompt: str | None = SYSTEM_PROMPT, prompt_format: str = "chat") -> str:
+def build_prompt(tokenizer, prompt, system_prompt: str | None = SYSTEM_PROMPT, prompt_format: str = "chat",
+                 tools: list[dict] | None = None) -> str:
     """The text the policy continues. `system_prompt` is used by chat (and messages, when given; callers
-    pass None there for the config's 'default'); raw and r1zero ignore it (config.validate refuses one)."""
+    pass None there for the config's 'default'); raw and r1zero ignore it (config.validate refuses one).
+    `tools`: JSON schemas the chat template renders into the prompt (`apply_chat_template(tools=...)`, as TRL
+    does); with tools, system_prompt 'none' keeps the template's system turn, where it lists them."""
     prompt_format = resolve_format(prompt_format, prompt)
     if prompt_format == "raw":
         return prompt
@@ -92,20 +95,25 @@ def build_prompt(tokenizer, prompt, system_prompt: str | None = SYSTEM_PROMPT, p
         check_messages(prompt, "prompt")
         _need_template(tokenizer)
         messages = list(prompt)
-        if system_prompt == "none":
+        if system_prompt == "none" and not tools:
             return render_without_system(tokenizer, messages)
-        if system_prompt:
+        if system_prompt and system_prompt != "none":
             if messages[0]["role"] == "system":
                 raise ValueError("system_prompt is set but the conversation already has a system message; "
                                  "set system_prompt to '' to keep the dataset's own")
             messages.insert(0, {"role": "system", "content": system_prompt})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return _render(tokenizer, messages, tools)
     if prompt_format != "chat":
         raise ValueError(f"unknown prompt_format {prompt_format!r}; use one of {PROMPT_FORMATS}")
     _need_template(tokenizer)
     check_not_templated(tokenizer, prompt)
-    if system_prompt == "none":  # no system turn, even where the template inserts a default one (Qwen2.5)
+    if system_prompt == "none" and not tools:  # no system turn, even where the template inserts one (Qwen2.5)
         return render_without_system(tokenizer, [{"role": "user", "content": prompt}])
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt != "none" else []
     messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return _render(tokenizer, messages, tools)
+
+
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    # tools=None, never []: some templates (Llama) render their tool boilerplate for an empty list (TRL's note)
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)

@@ -7,9 +7,10 @@ masks come from lengths even when pad == eos.
 """
 from __future__ import annotations
 
+import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,6 +23,7 @@ from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
 from trainer.prompt_formats import resolve_format
+from trainer.tools.loop import stats_extra, tool_rollouts
 
 
 @dataclass
@@ -35,17 +37,20 @@ class RolloutStats:
     seconds: float = 0.0
     rewards: list = field(default_factory=list)
     components: dict = field(default_factory=dict)
+    tools: dict = field(default_factory=dict)  # tool run: per-completion statistics (trainer/tools/loop.py)
 
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
-                   prompt_format: str = "auto") -> tuple[list[tuple[Example, list[int]]], int]:
+                   prompt_format: str = "auto", tools: list[dict] | None = None
+                   ) -> tuple[list[tuple[Example, list[int]]], int]:
     """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
-    dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages."""
+    dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages. `tools`: the
+    ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does)."""
     kept, skipped = [], 0
     for ex in examples:
         fmt = resolve_format(prompt_format, ex.prompt)  # auto: messages for a message list, else chat
         system = (SYSTEM_PROMPT if fmt == "chat" else None) if system_prompt == "default" else system_prompt
-        text = build_prompt(tokenizer, ex.prompt, system, fmt)
+        text = build_prompt(tokenizer, ex.prompt, system, fmt, tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             skipped += 1
@@ -104,9 +109,57 @@ def policy_logps(batches: list[RolloutBatch], engine: GenEngine, cfg, synced: bo
             b.gen_logps = logps.float().cpu()
 
 
+def loss_mask(samples: list[Sample]) -> torch.Tensor:
+    """(B, T) bool of a group: True where the model sampled the token, False on tool turns and past each end."""
+    T = max(len(s.completion_ids) for s in samples)
+    out = torch.zeros(len(samples), T, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        out[i, :len(s.completion_ids)] = True if s.loss_mask is None else s.loss_mask
+    return out
+
+
+def with_observation(ex: Example, observation: str) -> Example:
+    """The example with an environment's first observation appended to its (last user) prompt message, as TRL
+    does with what reset() returns."""
+    if isinstance(ex.prompt, list):
+        last = max(i for i, m in enumerate(ex.prompt) if m.get("role") == "user")
+        msgs = [dict(m) for m in ex.prompt]
+        msgs[last]["content"] = msgs[last]["content"] + observation
+        return replace(ex, prompt=msgs)
+    return replace(ex, prompt=ex.prompt + observation)
+
+
+def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[int]]], n: int, max_new_tokens: int, *,
+                  toolbox=None, max_iterations: int | None = None, greedy: bool = False,
+                  system_prompt: str | None = None, prompt_format: str = "auto"
+                  ) -> tuple[list[Sample], list | None, list | None]:
+    """n completions per prompt (prompt-major): one engine call, or with a ToolBox the multi-turn tool loop
+    (trainer/tools/loop.py); then also each completion's messages and tool statistics (else None, None).
+    system_prompt / prompt_format: how the prompts were rendered (encode_prompts), for a prompt that an
+    environment's reset() extends."""
+    prompts = [ids for _, ids in kept]
+    if toolbox is None:
+        return engine.generate(prompts, n, max_new_tokens=max_new_tokens, greedy=greedy), None, None
+
+    def render(i: int, observation: str) -> list[int]:
+        (_, ids), = encode_prompts(tokenizer, [with_observation(kept[i][0], str(observation))], system_prompt,
+                                   sys.maxsize, prompt_format, toolbox.schemas)[0]
+        return ids
+
+    return tool_rollouts(engine, tokenizer, toolbox, prompts, n, max_new_tokens=max_new_tokens,
+                         max_iterations=max_iterations, greedy=greedy,
+                         reset_kwargs=[{"prompt": ex.prompt, **ex.columns} for ex, _ in kept],
+                         with_observation=render)
+
+
 def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg, scorer,
-                     policy_version: int = 0, producer_id: str = "") -> tuple[list[RolloutBatch], RolloutStats]:
+                     policy_version: int = 0, producer_id: str = "", toolbox=None
+                     ) -> tuple[list[RolloutBatch], RolloutStats]:
     """One generation round: a RolloutBatch per prompt group with reward spread.
+
+    toolbox (trainer/tools ToolBox, or None): multi-turn rollouts with tools; the batches then carry a loss_mask
+    (False on tool tokens), extra["tools"] (per-completion tool statistics), and rewards get each completion as
+    messages where the prompt is conversational (scorer.score_group).
 
     scorer: a trainer.rewards.scoring.RewardScorer (rewards, per-function components, timeouts per group).
     gen_logps are the engine's own logprobs when it returns them (vLLM, no second forward), otherwise
@@ -114,22 +167,29 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     t0 = time.time()
     stats = RolloutStats()
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
-                                                     cfg.prompt_format)
+                                                     cfg.prompt_format, toolbox.schemas if toolbox else None)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats
-    samples = engine.generate([ids for _, ids in kept], cfg.num_pre_Q, max_new_tokens=cfg.max_new_tokens)
-    groups = [samples[g * cfg.num_pre_Q:(g + 1) * cfg.num_pre_Q] for g in range(len(kept))]
+    samples, messages, tool_stats = sample_groups(
+        engine, tokenizer, kept, cfg.num_pre_Q, cfg.max_new_tokens, toolbox=toolbox,
+        max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
+        prompt_format=cfg.prompt_format)
+    q = cfg.num_pre_Q
+    groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
-                                 [s.completion_ids.tolist() for s in group]) for (ex, _), group in zip(kept, groups)]
+                                 [s.completion_ids.tolist() for s in group],
+                                 messages[g * q:(g + 1) * q] if messages is not None else None)
+              for g, ((ex, _), group) in enumerate(zip(kept, groups))]
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]
     penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,
                                   cfg.overlong_buffer, cfg.overlong_penalty) for group in groups]
     all_shaped = [r + p for r, p in zip(all_rewards, penalties)]
     advantages = round_advantages(all_shaped, cfg.advantage_mode)
     batches = []
-    for (ex, _), group, sc, rewards, penalty, shaped, adv in zip(kept, groups, scores, all_rewards, penalties,
-                                                                  all_shaped, advantages):
+    for g, ((ex, _), group, sc, rewards, penalty, shaped, adv) in enumerate(zip(kept, groups, scores, all_rewards,
+                                                                              penalties, all_shaped, advantages)):
+        tools = stats_extra(tool_stats[g * q:(g + 1) * q]) if tool_stats is not None else None
         rows = [(s.prompt_ids, s.completion_ids) for s in group]
         truncated = [s.truncated for s in group]
         stats.groups += 1
@@ -139,6 +199,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         stats.rewards.extend(rewards.tolist())
         for k, v in sc.components.items():
             stats.components.setdefault(k, []).extend(v)
+        for k, v in (tools or {}).items():
+            stats.tools.setdefault(k, []).extend(v)
         # DAPO overlong shaping acted where rewards became advantages; `rewards` stays the task reward (metrics)
         if not has_spread(shaped) and not getattr(cfg, "train_zero_spread", False):
             stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
@@ -149,11 +211,14 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
                  "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
         if cfg.overlong_buffer > 0:
             extra["overlong_penalty"] = penalty.tolist()
+        if tools is not None:
+            extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/step_metrics.py)
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
                              rewards=rewards, policy_version=policy_version, producer_id=producer_id,
-                             batch_id=uuid.uuid4().hex, extra=extra)
+                             batch_id=uuid.uuid4().hex, extra=extra,
+                             loss_mask=loss_mask(group) if toolbox is not None else None)
         if cfg.compute_gen_logps and group[0].logprobs is not None:
             batch.gen_logps = engine_logps(group)
             batch.extra["gen_logps_source"] = "engine"  # the trainer's mismatch metric compares against these

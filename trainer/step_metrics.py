@@ -10,6 +10,7 @@ from common.protocol import ScoredBatch
 from trainer.dist import comm
 from trainer.lora.adapters import is_lora, trainable_summary
 from trainer.rewards.scoring import component_means
+from trainer.tools.loop import tool_metrics
 
 log = logging.getLogger("trainer")
 
@@ -37,6 +38,8 @@ def batch_metrics(b: ScoredBatch) -> dict:
     out.update(component_means(comps))  # reward/<name>: each function's mean where it applied
     out["reward_timeouts"] = float(sum(b.extra.get("reward_timeouts", [])))
     out["completion_len"] = float(b.completion_lens.float().mean())
+    if "tools" in b.extra:  # a tool run: tools/... per completion (trainer/tools/loop.py)
+        out.update(tool_metrics(b.extra["tools"]))
     if "overlong_penalty" in b.extra:  # DAPO shaping: mean penalty added to the reward (not in reward_mean)
         out["overlong_penalty"] = sum(b.extra["overlong_penalty"]) / max(len(b.extra["overlong_penalty"]), 1)
     return out

@@ -103,21 +103,28 @@ class RewardScorer:
         raise RuntimeError(f"reward function {self.names[idx]!r} failed: {why}\n  prompt: {_short(example.prompt)}\n"
                            f"  ground_truth: {_short(example.ground_truth)}\n  completion: {_short(completion)}")
 
-    def _trl_kwargs(self, idx: int, example, completions: list[str], completion_ids: list | None) -> dict:
+    def _trl_kwargs(self, idx: int, example, completions: list[str], completion_ids: list | None,
+                    messages: list[list[dict]] | None = None) -> dict:
         n = len(completions)
         # conversational None (prompt_format auto): as TRL, message completions for a message-list prompt
         conv = isinstance(example.prompt, list) if self.conversational is None else self.conversational
-        comps = [[{"role": "assistant", "content": c}] for c in completions] if conv else completions
+        if conv and messages is not None:  # a tool run: every turn, as TRL gives them (assistant, tool, ...)
+            comps = messages
+        else:
+            comps = [[{"role": "assistant", "content": c}] for c in completions] if conv else completions
         kwargs = {col: [v] * n for col, v in example.columns.items()}
         kwargs.update(prompts=[example.prompt] * n, completions=comps)
         if completion_ids is not None:
             kwargs["completion_ids"] = completion_ids
         return _accepted_kwargs(self.fns[idx], kwargs)
 
-    def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None
-                    ) -> GroupScore:
+    def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None,
+                    messages: list[list[dict]] | None = None) -> GroupScore:
         """Rewards for the completions of one prompt (decoded text, special tokens stripped; TRL-style
-        functions also get `completion_ids`, the sampled token ids, when given)."""
+        functions also get `completion_ids`, the sampled token ids, when given). `messages`: in a tool run, each
+        completion as its list of messages (assistant turns with their tool_calls, tool turns): what TRL-style
+        functions receive as `completions` for a conversational prompt; the text is then the whole completion's
+        (tool turns included), for functions of our signature and plain-text prompts."""
         n = len(completions)
         comps: dict[str, list[float | None]] = {}
         score = GroupScore(rewards=[0.0] * n, components=comps)
@@ -126,7 +133,8 @@ class RewardScorer:
                 if kind == "ours":
                     values, late = self.caller.call_simple(i, [(c, example.ground_truth) for c in completions])
                 else:
-                    values = self.caller.call_trl(i, self._trl_kwargs(i, example, completions, completion_ids))
+                    values = self.caller.call_trl(i, self._trl_kwargs(i, example, completions, completion_ids,
+                                                                      messages))
                     late = [] if values is not None else list(range(n))
                     values = [None] * n if values is None else values
             except RewardCallError as e:

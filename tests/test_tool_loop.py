@@ -1,0 +1,134 @@
+"""The multi-turn tool loop (trainer/tools/loop.py) over a scripted engine: token exactness across turns (ids
+never re-tokenised), the tool turn as the chat template renders it, loss_mask / logprobs alignment, the token
+budget and the iteration limit, and a malformed / unknown / raising call as a counted tool message."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tool_doubles import FakeToolBox, ScriptEngine, spelled
+from trainer.tools.loop import stats_extra, tool_rollouts, tool_suffix_ids
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from common.tiny_model import build_tokenizer
+    return build_tokenizer()
+
+
+def enc(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+CALL = '<tool_call>\n{"name": "mul", "arguments": {"a": 12, "b": 34}}\n</tool_call>'
+
+
+def turns(tok):
+    first = spelled(tok, "<think> apples ") + enc(tok, " </think>\n" + CALL) + [tok.eos_token_id]
+    final = spelled(tok, "<answer> 408 </answer>") + [tok.eos_token_id]
+    return first, final
+
+
+def prompt(tok, fb):
+    msgs = [{"role": "user", "content": "What is 12 * 34?"}]
+    return enc(tok, tok.apply_chat_template(msgs, tools=fb.schemas, tokenize=False, add_generation_prompt=True))
+
+
+def run(tok, fb, script, n=2, max_new_tokens=200, max_iterations=None, logprobs=True):
+    eng = ScriptEngine(tok, script, tok.convert_tokens_to_ids("<tool_response>"), logprobs=logprobs)
+    out = tool_rollouts(eng, tok, fb, [prompt(tok, fb)], n, max_new_tokens=max_new_tokens,
+                        max_iterations=max_iterations)
+    return eng, out
+
+
+def test_ids_are_the_engine_turns_plus_the_template_tool_suffix_never_retokenised(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    # the premise: these ids do not survive decode + encode, so a loop that re-tokenised would change them
+    assert enc(tok, tok.decode(first)) != first and enc(tok, tok.decode(final)) != final
+    eng, (samples, messages, stats) = run(tok, fb, [first, final])
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "mul", "content": "408"}])
+    assert tok.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n" \
+                                 "<|im_start|>assistant\n"
+    for s in samples:
+        assert s.completion_ids.tolist() == first + suffix + final
+        assert s.loss_mask.tolist() == [True] * len(first) + [False] * len(suffix) + [True] * len(final)
+        lp = lambda k: [-(i + 1) / 100 for i in range(k)]  # noqa: E731 - the engine's logprob of token i of a turn
+        assert s.logprobs.tolist() == pytest.approx(lp(len(first)) + [0.0] * len(suffix) + lp(len(final)))
+        assert not s.truncated
+    # turn 2 was generated from exactly prompt + turn 1 + suffix: one batched call for both rollouts, n=1
+    assert eng.calls == [(1, 200), (2, 200 - len(first) - len(suffix))]
+    assert fb.started == [0, 1] and fb.ended == [0, 1]  # one episode per rollout, ended
+    assert messages[0][0]["tool_calls"] == [{"type": "function", "function": {"name": "mul",
+                                                                              "arguments": {"a": 12, "b": 34}}}]
+    assert messages[0][1] == {"role": "tool", "name": "mul", "content": "408"}
+    assert messages[0][2] == {"role": "assistant", "content": "<answer> 408 </answer>"}
+    assert stats[0]["calls"] == 1 and stats[0]["turns"] == 2 and stats[0]["calls/mul"] == 1
+    assert stats[0]["seconds"] == 0.5
+    ex = stats_extra(stats)
+    assert ex["calls"] == [1.0, 1.0] and ex["calls/mul"] == [1.0, 1.0] and ex["turns"] == [2.0, 2.0]
+
+
+def test_the_suffix_is_what_the_template_renders_for_the_whole_conversation(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    (s,), (msgs,), _ = run(tok, fb, [first, final], n=1)[1]
+    # the assistant content is the model's whole text (its calls included, as it wrote them); rendered as such
+    conv = [{"role": "user", "content": "What is 12 * 34?"}] + [
+        {k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
+    text = tok.apply_chat_template(conv, tools=fb.schemas, tokenize=False)
+    assert tok.decode(prompt(tok, fb) + s.completion_ids.tolist()) == text.rstrip("\n")
+
+
+def test_a_tool_turn_that_does_not_fit_ends_the_rollout_truncated(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "mul", "content": "408"}])
+    eng, (samples, _, stats) = run(tok, fb, [first, final], max_new_tokens=len(first) + len(suffix))
+    for s in samples:  # no room for a token after the tool turn: the rollout ends with the model's turn
+        assert s.completion_ids.tolist() == first and s.truncated and s.loss_mask.all()
+    assert len(eng.calls) == 1 and stats[0]["calls"] == 1  # the tool ran (its result's size decided)
+    # room for part of the last turn: cut there, truncated, never more than max_new_tokens in all
+    budget = len(first) + len(suffix) + 3
+    eng, (samples, _, _) = run(tok, fb, [first, final], max_new_tokens=budget)
+    assert eng.calls[-1][1] == 3
+    assert all(len(s.completion_ids) == budget and s.truncated for s in samples)
+    assert samples[0].completion_ids.tolist()[-3:] == final[:3]
+
+
+def test_iteration_limit_and_no_limit(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, _ = turns(tok)  # the model always calls
+    eng, (samples, msgs, stats) = run(tok, fb, [first], n=1, max_new_tokens=1000, max_iterations=2)
+    assert stats[0]["calls"] == 2 and stats[0]["turns"] == 3 and len(eng.calls) == 3
+    assert not samples[0].truncated and samples[0].completion_ids.tolist()[-len(first):] == first
+    assert [m["role"] for m in msgs[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    eng, (samples, _, stats) = run(tok, fb, [first], n=1, max_iterations=0)
+    assert stats[0]["calls"] == 0 and len(eng.calls) == 1
+    eng, (samples, _, stats) = run(tok, fb, [first], n=1, max_new_tokens=300, max_iterations=None)
+    assert samples[0].truncated and len(samples[0].completion_ids) <= 300 and stats[0]["calls"] >= 3
+
+
+def test_malformed_unknown_and_raising_calls_are_tool_messages_counted(tok):
+    def boom(x):
+        raise RuntimeError("kaputt")
+
+    fb = FakeToolBox({"boom": boom})
+    bad = enc(tok, '<tool_call>\n{"name": oops}\n</tool_call>\n<tool_call>\n{"name": "nope", "arguments": {}}\n'
+                   '</tool_call>\n<tool_call>\n{"name": "boom", "arguments": {"x": 1}}\n</tool_call>') \
+        + [tok.eos_token_id]
+    _, final = turns(tok)
+    _, (samples, msgs, stats) = run(tok, fb, [bad, final], n=1, max_new_tokens=1000)
+    st = stats[0]
+    assert st["calls"] == 3 and st["malformed"] == 1 and st["failed"] == 2 and st["timed_out"] == 0
+    tools = [m for m in msgs[0] if m["role"] == "tool"]
+    assert [t["content"] for t in tools][:2] == ["unknown tool nope", "error: kaputt"]
+    assert tools[2]["content"].startswith("malformed tool call")
+    assert samples[0].completion_ids.tolist()[-len(final):] == final  # the rollout went on
+
+
+def test_an_engine_without_logprobs_gives_none(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    _, (samples, _, _) = run(tok, fb, list(turns(tok)), logprobs=False)
+    assert all(s.logprobs is None for s in samples)
+    assert samples[0].loss_mask.dtype == torch.bool

@@ -1,0 +1,98 @@
+"""generate_batches with tools (trainer/rollout.py): the prompt lists the tools (chat template `tools=`), the
+batch's input_ids are the engine's ids turn by turn plus the template's tool turns, loss_mask is False exactly on
+tool tokens, engine gen_logps are 0 there, rewards get each completion as TRL's message list, and extra["tools"]
+holds the per-completion tool statistics."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trl_rewards, loaded by dotted path
+
+from common.config import GRPOConfig  # noqa: E402
+from tests.test_tool_loop import turns  # noqa: E402
+from tests.tool_doubles import FakeToolBox, ScriptEngine  # noqa: E402
+from trainer.data import Example  # noqa: E402
+from trainer.rewards.scoring import RewardScorer  # noqa: E402
+from trainer.rollout import encode_prompts, generate_batches  # noqa: E402
+from trainer.tools.loop import tool_suffix_ids  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from common.tiny_model import build_tokenizer
+    return build_tokenizer()
+
+
+def cfg(**kw):
+    c = GRPOConfig(model="tiny", num_pre_Q=3, max_new_tokens=300, train_zero_spread=True, **kw)
+    c.max_tool_calling_iterations = None  # the tool runtime's field (toolrt32); set here until it is merged
+    return c
+
+
+def test_prompts_list_the_tools_and_plain_runs_are_unchanged(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    ex = [Example(prompt=[{"role": "user", "content": "What is 12 * 34?"}], ground_truth="408")]
+    (_, with_tools), = encode_prompts(tok, ex, "default", 4096, "auto", fb.schemas)[0]
+    (_, plain), = encode_prompts(tok, ex, "default", 4096, "auto")[0]
+    assert '"name": "mul"' in tok.decode(with_tools) and "# Tools" in tok.decode(with_tools)
+    assert tok.decode(plain) == "<|im_start|>user\nWhat is 12 * 34?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_generate_batches_with_tools(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer(["trl_rewards:tool_turns"], timeout=0)
+    exs = [Example(prompt=[{"role": "user", "content": "What is 12 * 34?"}], ground_truth="408",
+                   columns={"ground_truth": "408"})]
+    try:
+        batches, stats = generate_batches(engine, tok, exs, cfg(), scorer, toolbox=fb)
+    finally:
+        scorer.close()
+    (b,) = batches
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "mul", "content": "408"}])
+    comp = first + suffix + final
+    P = int(b.prompt_lens[0])
+    for i in range(3):
+        assert b.input_ids[i, P:P + int(b.completion_lens[i])].tolist() == comp  # exactly what was sampled
+    assert b.loss_mask.tolist() == [[True] * len(first) + [False] * len(suffix) + [True] * len(final)] * 3
+    tool_at = slice(len(first), len(first) + len(suffix))
+    assert torch.all(b.gen_logps[:, tool_at] == 0) and torch.all(b.gen_logps[:, :len(first)] < 0)
+    assert b.rewards.tolist() == [2.0] * 3  # one tool message + the last turn says 408: TRL's message list
+    assert b.extra["tools"]["calls"] == [1.0] * 3 and b.extra["tools"]["calls/mul"] == [1.0] * 3
+    assert stats.tools["turns"] == [2.0] * 3
+
+
+def test_without_a_toolbox_there_is_no_mask_and_no_tool_stats(tok):
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer(["trl_rewards:digit_reward"], timeout=0)
+    exs = [Example(prompt="What is 12 * 34?", ground_truth="408", columns={"ground_truth": "408"})]
+    try:
+        (b,), stats = generate_batches(engine, tok, exs, cfg(), scorer)
+    finally:
+        scorer.close()
+    assert b.loss_mask is None and "tools" not in b.extra and stats.tools == {}
+
+
+def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_prompt(tok):
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    fb.observe = lambda kw: f" (the board says {kw['ground_truth']})"  # what reset() returns
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer(["trl_rewards:tool_turns"], timeout=0)
+    prompt = [{"role": "user", "content": "What is 12 * 34?"}]
+    exs = [Example(prompt=prompt, ground_truth="408", columns={"ground_truth": "408"})]
+    try:
+        (b,), _ = generate_batches(engine, tok, exs, cfg(), scorer, toolbox=fb)
+    finally:
+        scorer.close()
+    assert fb.reset_kwargs == [{"prompt": prompt, "ground_truth": "408"}] * 3  # TRL: reset(**row)
+    for i in range(3):
+        text = tok.decode(b.input_ids[i, :int(b.prompt_lens[i])])
+        assert text.endswith("What is 12 * 34? (the board says 408)<|im_end|>\n<|im_start|>assistant\n")
+    assert engine.calls[0] == (3, 300)  # one prompt per rollout, n=1

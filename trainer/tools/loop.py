@@ -1,0 +1,222 @@
+"""Multi-turn rollouts with tools (TRL's tool-calling loop, over our GenEngine face).
+
+Sample a group; for each rollout whose turn calls tools (ToolBox.parse on the decoded turn), run the calls (one
+environment episode per rollout), append the tool turn's tokens as the chat template renders them, and generate
+the next turn for every still-active rollout in one batched call per round (n=1), until a turn has no call,
+`max_tool_calling_iterations` tool rounds, or the completion's token budget is spent.
+
+Token exactness: the model's own tokens are never decoded and re-tokenised. Only the tool turn's suffix (the tool
+message(s) and the next assistant opener) is tokenised, the way TRL's `_get_tool_suffix_ids` does it: render a
+dummy conversation with and without the tool messages and keep the new tail. Those tokens are in the completion
+(the policy and the reference see them) with loss_mask False and logprob 0.
+
+`max_new_tokens` counts every token after the prompt, tool tokens included: a tool turn that does not fit with at
+least one token left to generate ends the rollout (truncated), as TRL drops tool results past max_completion_length.
+
+ZeRO-3 (an HF engine with synced_gpus): every forward is a collective, so every rank makes the same number of
+generate calls: the ranks agree each round whether any still has an active rollout, and a rank with none calls
+generate with no prompts (the engine makes its dummy call, trainer/engines/hf.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.dist.comm import all_reduce_int
+from trainer.engines.base import GenEngine, Sample
+
+FAILED = ("error", "unknown_tool")  # statuses counted as tools/failed (timeouts and malformed calls apart)
+
+
+@dataclass
+class Rollout:
+    """One rollout being built: its completion so far (every turn, tool tokens included)."""
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logps: list[float] | None = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the conversational completion rewards receive
+    truncated: bool = False
+    stats: dict = field(default_factory=lambda: {"calls": 0, "turns": 0, "failed": 0, "timed_out": 0,
+                                                 "malformed": 0, "seconds": 0.0})
+
+    def add_turn(self, s: Sample, limit: int) -> list[int]:
+        """Append a generated turn, cut to what is left of the budget (cut there = truncated)."""
+        ids = s.completion_ids.tolist()
+        room = limit - len(self.ids)
+        cut = len(ids) > room
+        ids = ids[:room]
+        self.ids += ids
+        self.mask += [True] * len(ids)
+        if self.logps is not None:
+            self.logps = None if s.logprobs is None else self.logps + s.logprobs[:len(ids)].tolist()
+        self.truncated = s.truncated or cut
+        self.stats["turns"] += 1
+        return ids
+
+    def sample(self) -> Sample:
+        return Sample(self.prompt_ids, torch.tensor(self.ids, dtype=torch.long),
+                      None if self.logps is None else torch.tensor(self.logps, dtype=torch.float32),
+                      self.truncated, torch.tensor(self.mask, dtype=torch.bool))
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+    """The tokens the chat template puts after an assistant turn that called tools: the tool message(s) and the
+    next assistant opener. Rendered after a dummy assistant turn (with the real tool name: some templates derive
+    the tool header from it), the prefix cut after its last eos (templates add a newline after a turn's end, which
+    the model did not sample: that newline belongs to the suffix)."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True))
+    full = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True))
+    ends = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if ends:
+        prefix = prefix[:ends[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ValueError("the chat template renders a tool turn that does not extend the conversation before it "
+                         "(its rendering of the assistant turn changes when tool messages follow): cannot append "
+                         "tool turns without re-tokenising the model's tokens")
+    return full[len(prefix):]
+
+
+def _ids(out) -> list[int]:
+    """apply_chat_template(tokenize=True) gives a list, or (transformers 5) a BatchEncoding."""
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _assistant_message(tokenizer, ids: list[int], calls) -> dict:
+    msg = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+    if calls:
+        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in calls]
+    return msg
+
+
+def _count(r: Rollout, results) -> None:
+    for res in results:
+        r.stats["calls"] += 1
+        r.stats["seconds"] += res.seconds
+        if res.status in FAILED:
+            r.stats["failed"] += 1
+        elif res.status == "timeout":
+            r.stats["timed_out"] += 1
+        elif res.status == "malformed":
+            r.stats["malformed"] += 1
+        if res.name:
+            key = f"calls/{res.name}"
+            r.stats[key] = r.stats.get(key, 0) + 1
+
+
+def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[int]], n: int, *,
+                  max_new_tokens: int, max_iterations: int | None, greedy: bool = False,
+                  reset_kwargs: list[dict] | None = None, with_observation=None
+                  ) -> tuple[list[Sample], list[list[dict]], list[dict]]:
+    """n rollouts per prompt (prompt-major, as engine.generate orders them) -> one Sample per rollout (all turns'
+    tokens, loss_mask False on tool tokens, logprobs 0 there when the engine gives them), its completion as a
+    list of messages (what TRL gives reward functions for a conversational prompt), and its tool statistics.
+
+    reset_kwargs: one dict per prompt, what each rollout's environment reset() gets (TRL passes the dataset row).
+    with_observation(prompt index, observation) -> prompt ids: as TRL, what an environment's reset() returns is
+    appended to the prompt's last user message; the rollouts with one then start from their own prompt."""
+    synced = getattr(engine, "synced_gpus", False)
+    episodes = toolbox.start_episodes(len(prompt_ids) * n,
+                                      [kw for kw in reset_kwargs for _ in range(n)] if reset_kwargs else None)
+    try:
+        obs = [toolbox.observations.get(e) for e in episodes]
+        if with_observation is not None and any(o is not None for o in obs):
+            own = [prompt_ids[k // n] if o is None else with_observation(k // n, o) for k, o in enumerate(obs)]
+            first = engine.generate(own, 1, max_new_tokens=max_new_tokens, greedy=greedy)
+        else:
+            first = engine.generate(prompt_ids, n, max_new_tokens=max_new_tokens, greedy=greedy)
+        rolls = [Rollout(list(s.prompt_ids)) for s in first]
+        turns = list(zip(range(len(rolls)), first))
+        rounds = 0
+        while True:
+            active = _tool_round(tokenizer, toolbox, rolls, episodes, turns, max_new_tokens,
+                                 max_iterations is not None and rounds >= max_iterations)
+            rounds += 1
+            go = all_reduce_int(int(bool(active)), "max") if synced else int(bool(active))
+            if not go:
+                break
+            ctx = [rolls[i].prompt_ids + rolls[i].ids for i in active]
+            budget = max((max_new_tokens - len(rolls[i].ids) for i in active), default=1)
+            outs = engine.generate(ctx, 1, max_new_tokens=budget, greedy=greedy)
+            turns = list(zip(active, outs))
+    finally:
+        toolbox.end_episodes(episodes)
+    return [r.sample() for r in rolls], [r.messages for r in rolls], [r.stats for r in rolls]
+
+
+def _tool_round(tokenizer, toolbox, rolls: list[Rollout], episodes: list[int], turns: list[tuple[int, Sample]],
+                max_new_tokens: int, last: bool) -> list[int]:
+    """Append each rollout's new turn; run the tool calls of the turns that made some and append the tool turns.
+    Returns the rollouts that go on to generate another turn."""
+    jobs, pending = [], []
+    for i, s in turns:
+        r = rolls[i]
+        ids = r.add_turn(s, max_new_tokens)
+        calls, bad = ([], []) if r.truncated else toolbox.parse(
+            tokenizer.decode(ids, skip_special_tokens=False),
+            tokenizer.decode(r.prompt_ids + r.ids[:len(r.ids) - len(ids)], skip_special_tokens=False))
+        r.messages.append(_assistant_message(tokenizer, ids, calls))
+        if (calls or bad) and not last:
+            jobs.append((episodes[i], calls))
+            pending.append((i, bad))
+    results = toolbox.run(jobs) if jobs else []
+    active = []
+    for (i, bad), res in zip(pending, results):
+        r, res = rolls[i], list(res) + list(bad)
+        _count(r, res)
+        tool_msgs = [{"role": "tool", "name": x.name, "content": x.content} for x in res]
+        suffix = tool_suffix_ids(tokenizer, tool_msgs)
+        if len(r.ids) + len(suffix) >= max_new_tokens:  # no room for the tool turn and a token after it
+            r.truncated = True
+            continue
+        r.ids += suffix
+        r.mask += [False] * len(suffix)
+        if r.logps is not None:
+            r.logps += [0.0] * len(suffix)
+        r.messages += tool_msgs
+        active.append(i)
+    return active
+
+
+def stats_extra(stats: list[dict]) -> dict:
+    """Per-completion tool statistics for a batch's `extra["tools"]` (a dict of lists: collate concatenates them,
+    and every tool name seen in the group gets a list)."""
+    names = sorted({k for s in stats for k in s if k.startswith("calls/")})
+    keys = ["calls", "turns", "failed", "timed_out", "malformed", "seconds", *names]
+    return {k: [float(s.get(k, 0)) for s in stats] for k in keys}
+
+
+COUNTED = ("failed", "timed_out", "malformed", "seconds")  # per-completion means, as tools/<key>
+
+
+def tool_metrics(tools: dict, prefix: str = "tools/") -> dict:
+    """A batch's extra["tools"] -> its metrics, each a mean per completion: tools/calls_per_completion,
+    tools/turns_per_completion, tools/failed, tools/timed_out, tools/malformed, tools/seconds, tools/<name>/calls."""
+    n = max(len(tools.get("calls", [])), 1)
+    mean = lambda k: sum(tools.get(k, [])) / n  # noqa: E731
+    out = {f"{prefix}calls_per_completion": mean("calls"), f"{prefix}turns_per_completion": mean("turns")}
+    out.update({f"{prefix}{k}": mean(k) for k in COUNTED})
+    out.update({f"{prefix}{k.removeprefix('calls/')}/calls": mean(k) for k in tools if k.startswith("calls/")})
+    return out
+
+
+def tool_metric_keys(names: list[str]) -> list[str]:
+    """The tools/... keys of a run with these tools (averaged over ranks, trainer/step_metrics.py)."""
+    return ["tools/calls_per_completion", "tools/turns_per_completion", *(f"tools/{k}" for k in COUNTED),
+            *(f"tools/{name}/calls" for name in names)]
+
+
+TOTALS = {"calls": "tool_calls", "failed": "tool_failed", "timed_out": "tool_timed_out",
+          "malformed": "tool_malformed"}
+
+
+def add_tool_totals(totals: dict, tools: dict) -> None:
+    """Cumulative counters a producer reports in its heartbeat (the ref server's /status view): completions,
+    tool_calls, tool_failed, tool_timed_out, tool_malformed."""
+    totals["completions"] = totals.get("completions", 0) + len(tools.get("calls", []))
+    for k, name in TOTALS.items():
+        totals[name] = totals.get(name, 0) + int(sum(tools.get(k, [])))
