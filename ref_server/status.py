@@ -19,7 +19,9 @@ import time
 from common.placement import describe as describe_placement
 
 MAX_PARTICIPANTS = 1000  # the table is bounded: identities come from clients
-_COUNTS = ("skipped_groups", "dropped_stale", "rounds")  # cumulative totals a client reports in its heartbeat
+# cumulative totals a client reports in its heartbeat; the tool_* ones (and completions) from tool runs
+_COUNTS = ("skipped_groups", "dropped_stale", "rounds", "completions", "tool_calls", "tool_failed", "tool_timed_out",
+           "tool_malformed")
 
 
 def _clean(value: object, limit: int = 80) -> str:
@@ -125,6 +127,13 @@ def _ago(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f} s"
 
 
+def _tools_cell(r: dict) -> str:
+    if not r.get("completions"):
+        return "-"
+    return (f"{r['tool_calls']} ({r['tool_calls'] / r['completions']:.2f}; {r.get('tool_failed', 0)}/"
+            f"{r.get('tool_timed_out', 0)}/{r.get('tool_malformed', 0)})")
+
+
 def format_table(status: dict) -> str:
     """The status as plain text (the terminal view of `./launch.sh status`, and the HTML page's table)."""
     lines = []
@@ -144,12 +153,15 @@ def format_table(status: dict) -> str:
             "taken", "skipped_groups", "dropped_stale", "state")
     heads = ("id", "role", "address", "host", "ver", "silent", "last upload", "last get", "uploaded", "taken",
              "no spread", "stale dropped", "state")
+    if any(r.get("tool_calls") for r in status.get("participants", [])):  # a tool run: calls and failures
+        cols, heads = cols[:-1] + ("tools",), heads[:-1] + ("tool calls (per c.; fail/timeout/bad)",)
+        cols, heads = cols + ("state",), heads + ("state",)
     cells = [list(heads)]
     stalled = {s["id"] for s in status.get("stalled", [])}
     for r in status.get("participants", []):
         row = []
         for c in cols:
-            v = r.get(c)
+            v = _tools_cell(r) if c == "tools" else r.get(c)
             row.append(_ago(v) if c.endswith("_s") else ("-" if v is None or v == "" else str(v)))
         row[0] = ("! " if r["id"] in stalled else "  ") + row[0]
         cells.append(row)

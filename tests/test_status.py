@@ -130,3 +130,20 @@ def test_table_is_bounded_and_formats_empty():
     assert len(rows) == st.MAX_PARTICIPANTS
     text = format_table({"participants": [], "stalled": [], "queues": {}, "weights": {}})
     assert "no participant" in text and "stalled: none" in text
+
+
+def test_tool_counters_from_heartbeats_show_in_the_table():
+    t = HeartbeatTable()
+    t.on_heartbeat({"id": "worker0", "role": "worker", "host": "h", "version": 3},
+                   {"state": "generating", "completions": 40, "tool_calls": 30, "tool_failed": 2,
+                    "tool_timed_out": 1, "tool_malformed": 4})
+    t.on_heartbeat({"id": "trainer-rank0", "role": "rank", "host": "h", "version": 3}, {"state": "training"})
+    rows, _ = t.snapshot(stall_warn=100)
+    w = next(r for r in rows if r["id"] == "worker0")
+    assert (w["completions"], w["tool_calls"], w["tool_failed"], w["tool_timed_out"], w["tool_malformed"]) == \
+        (40, 30, 2, 1, 4)
+    text = format_table({"participants": rows, "stalled": [], "queues": {}, "weights": {}})
+    assert "tool calls" in text and "30 (0.75; 2/1/4)" in text
+    plain = format_table({"participants": [r for r in rows if r["id"] != "worker0"], "stalled": [], "queues": {},
+                          "weights": {}})
+    assert "tool calls" not in plain  # a run without tools: the table as before

@@ -132,3 +132,23 @@ def test_an_engine_without_logprobs_gives_none(tok):
     _, (samples, _, _) = run(tok, fb, list(turns(tok)), logprobs=False)
     assert all(s.logprobs is None for s in samples)
     assert samples[0].loss_mask.dtype == torch.bool
+
+
+def test_tool_metrics_keys_per_completion():
+    from common.protocol import ScoredBatch
+    from trainer.step_metrics import batch_metrics
+    from trainer.tools.loop import add_tool_totals, tool_metric_keys
+
+    tools = stats_extra([{"calls": 2, "turns": 3, "failed": 1, "timed_out": 0, "malformed": 1, "seconds": 0.5,
+                          "calls/calculator": 2},
+                         {"calls": 0, "turns": 1, "failed": 0, "timed_out": 1, "malformed": 0, "seconds": 0.0}])
+    b = ScoredBatch(input_ids=torch.ones(2, 4, dtype=torch.long), prompt_lens=torch.tensor([2, 2]),
+                    completion_lens=torch.tensor([2, 2]), advantages=torch.zeros(2), extra={"tools": tools})
+    m = batch_metrics(b)
+    assert m["tools/calls_per_completion"] == 1.0 and m["tools/turns_per_completion"] == 2.0
+    assert m["tools/failed"] == 0.5 and m["tools/timed_out"] == 0.5 and m["tools/malformed"] == 0.5
+    assert m["tools/seconds"] == 0.25 and m["tools/calculator/calls"] == 1.0
+    assert set(tool_metric_keys(["calculator"])) == {k for k in m if k.startswith("tools/")}
+    totals: dict = {}
+    add_tool_totals(totals, tools)
+    assert totals == {"completions": 2, "tool_calls": 2, "tool_failed": 1, "tool_timed_out": 1, "tool_malformed": 1}

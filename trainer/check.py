@@ -7,6 +7,8 @@ One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
     data     the first rows go through the column mapping and the prompt format (the first prompt is printed as the
              model will see it, template and all)
     rewards  every reward function imports as the workers import it (common/user_code.py) and scores one completion
+    tools    with tools/environment_factory: each tool imports and has a JSON schema (one line per tool), and the
+             chat template shows them to the model
     port     the ref server's port is free (when launch.sh starts the server)
     disk     the run directory's filesystem has room for checkpoints: at least twice the model's size
 The placement plan is checked by launch.sh itself (common/placement_cli.py), before these.
@@ -110,6 +112,43 @@ def check_rewards(c: Checker) -> str:
     return ", ".join(f"{n}={v[0]}" for n, v in score.components.items()) + " on a well-formed answer"
 
 
+def check_tools(c: Checker) -> None:
+    """One line per tool (its import and schema), then one for the set (unique names) and the chat template."""
+    specs = [str(t).strip() for t in c.cfg.tools or [] if str(t).strip()]
+    failed_before = len(c.failed)
+    for spec in specs:
+        c.run("tools", lambda spec=spec: _schema_line(_load([spec], None)))
+    env = c.cfg.environment_factory
+    if env:
+        c.run("tools", lambda: f"environment_factory {env}: " + _schema_line(_load([], env)))
+    if len(c.failed) == failed_before:  # (a tool that failed above would fail this line again)
+        c.run("tools", lambda: _check_tool_set(c, specs, env))
+
+
+def _load(specs: list[str], env: str | None) -> list:
+    from trainer.tools.schemas import load_tools
+    return load_tools(specs, env)
+
+
+def _schema_line(defs: list) -> str:
+    return "; ".join(f"{d.name}({', '.join(d.schema['function']['parameters'].get('properties', {}))})"
+                     for d in defs) + " has a schema"
+
+
+def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
+    defs = _load(specs, env)
+    names = [d.name for d in defs]
+    if c.tokenizer is None:
+        return f"{len(names)} tools (chat template not checked: no tokenizer)"
+    rendered = c.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[d.schema for d in defs],
+                                               add_generation_prompt=True, tokenize=False)
+    missing = [n for n in names if n not in rendered]
+    if missing:
+        raise ValueError(f"the chat template does not show the tools {missing} to the model: give the model a "
+                         f"template that renders `tools` (docs/tools.md)")
+    return f"{len(names)} tools, all shown by the chat template"
+
+
 def check_port(port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -165,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         c.run("model", lambda: check_model(c))
         c.run("data", lambda: check_data(c))
         c.run("rewards", lambda: check_rewards(c))
+        if c.cfg.tools or c.cfg.environment_factory:
+            check_tools(c)
     if not args.ref_url:
         c.run("port", lambda: check_port(args.port))
     if c.model_path is not None:

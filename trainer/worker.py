@@ -29,6 +29,8 @@ from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
 from trainer.stall import StallReporter
+from trainer.tools import ToolBox
+from trainer.tools.loop import add_tool_totals
 
 log = logging.getLogger("trainer")
 
@@ -57,6 +59,7 @@ def genonly(cfg: GRPOConfig) -> None:
         resume.restore(sampler, json.loads(state_path.read_text()))
         log.info("data order resumed from %s: epoch %d", state_path, sampler.epoch)
     scorer = RewardScorer.from_config(cfg)
+    toolbox = ToolBox.from_config(cfg, tok)  # None without tools; this worker's own tool process, closed at the end
     if cfg.wait_for_ranks:
         wait_for_ranks(client, cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
@@ -68,11 +71,12 @@ def genonly(cfg: GRPOConfig) -> None:
                                 revision=cfg.load_options().get("revision"))
 
     rounds = uploaded = skipped = timeouts = gen_tokens = 0
+    tool_totals: dict = {}  # cumulative tool counters for the /status view (tool runs)
     gen_s = 0.0
     stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
     doing = {"now": "starting"}
     heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
-                          lambda: {"rounds": rounds, "skipped_groups": skipped}).start()
+                          lambda: {"rounds": rounds, "skipped_groups": skipped, **tool_totals}).start()
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
         try:
@@ -88,7 +92,8 @@ def genonly(cfg: GRPOConfig) -> None:
             client.set_version(version)
             doing["now"] = f"generating round {rounds + 1}"
             batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
-                                           policy_version=version, producer_id=f"worker{cfg.worker_id}")
+                                           policy_version=version, producer_id=f"worker{cfg.worker_id}",
+                                           toolbox=toolbox)
             for rb in batches:
                 if stop["now"]:
                     break
@@ -106,12 +111,15 @@ def genonly(cfg: GRPOConfig) -> None:
         stall.add(st, len(batches))
         stall.maybe_log()
         timeouts += st.reward_timeouts
+        add_tool_totals(tool_totals, st.tools)
         gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds
         resume.write_json(state_path, resume.capture(sampler))
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
                      uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
     scorer.close()
+    if toolbox is not None:
+        toolbox.close()
     heartbeat.stop("done")
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
              "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,

@@ -1,0 +1,146 @@
+"""The tool executor process (issue 32): user tools and `python` run in one reused child process with a per-call
+timeout, RLIMIT_CPU/AS/FSIZE and a scratch folder per episode; a hanging tool is killed (counted) and the next call
+works; a crashing tool is an error result; output is truncated; environments keep state within an episode."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.tools import ToolBox, ToolCall
+from trainer.tools.schemas import load_tools
+
+HERE = Path(__file__).resolve().parent
+MOD = "tools_user_ex"  # a name no other test module uses (sys.modules caches it per process)
+FNS = ["multiply", "sleepy", "spin", "crash", "die", "chatty", "allocate", "write_file", "list_folder"]
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    """One ToolBox for the module: the executor is reused across calls, as in a run."""
+    folder = tmp_path_factory.mktemp("user")
+    shutil.copy(HERE / "tools_user_code.py", folder / f"{MOD}.py")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRPO_USER_DIR", str(folder))
+        tb = ToolBox(load_tools(["python", "calculator"] + [f"{MOD}:{f}" for f in FNS], f"{MOD}.py:Counter"),
+                     f"{MOD}.py:Counter", timeout=2.0, output_chars=200, memory_mb=256, file_mb=1)
+        yield tb
+        tb.close()
+
+
+def run1(box: ToolBox, tool: str, **arguments):
+    [ep] = box.start_episodes(1)
+    try:
+        [[r]] = box.run([(ep, [ToolCall(tool, arguments)])])
+    finally:
+        box.end_episodes([ep])
+    return r
+
+
+def test_a_user_tool_runs_in_a_reused_process(box):
+    assert run1(box, "multiply", a=6, b=7).content == "42"
+    pid = box.executor.proc.pid
+    assert pid != os.getpid()
+    assert run1(box, "multiply", a=2, b=3).content == "6" and box.executor.proc.pid == pid
+
+
+def test_a_hanging_tool_is_killed_within_the_timeout_counted_and_the_next_call_works(box):
+    box.reset_stats()
+    for name, args in (("sleepy", {"seconds": 60}), ("spin", {})):
+        t0 = time.monotonic()
+        r = run1(box, name, **args)
+        assert r.status == "timeout" and "2 seconds" in r.content
+        assert time.monotonic() - t0 < 2.0 + 3.0  # the timeout, plus a kill and a fresh start
+        assert run1(box, "multiply", a=3, b=3).content == "9"
+    s = box.stats()
+    assert s["timed_out"] == 2 and s["kills"] == 2 and s["per_tool"]["sleepy"]["timed_out"] == 1
+    assert s["per_tool"]["multiply"] == {"calls": 2, "failed": 0, "timed_out": 0, "seconds": pytest.approx(
+        s["per_tool"]["multiply"]["seconds"])}
+
+
+def test_a_raising_tool_is_an_error_in_one_line(box):
+    r = run1(box, "crash", message="bad input\nsecond line")
+    assert r.status == "error" and r.content == "Error: RuntimeError: bad input second line"
+    r = run1(box, "multiply", a=1)  # a call with a missing argument is the tool's error too
+    assert r.status == "error" and "missing 1 required positional argument" in r.content
+
+
+def test_a_tool_that_kills_its_process_is_an_error_and_the_next_call_works(box):
+    r = run1(box, "die")
+    assert r.status == "error" and "died" in r.content
+    assert run1(box, "multiply", a=4, b=4).content == "16"
+
+
+def test_huge_output_is_truncated(box):
+    r = run1(box, "chatty", n=10 ** 6)
+    assert r.status == "ok" and len(r.content) <= 200 and "truncated" in r.content
+    r = run1(box, "python", code="for i in range(10**6): print(i)")
+    assert len(r.content) <= 200 and r.content.startswith("0\n1\n2\n")
+
+
+def test_allocating_too_much_is_an_error_result_not_a_crash(box):
+    """RLIMIT_AS: 256 MiB over the imports here."""
+    assert run1(box, "allocate", megabytes=16).status == "ok"
+    r = run1(box, "allocate", megabytes=1024)
+    assert r.status == "error" and "MemoryError" in r.content
+    assert run1(box, "multiply", a=5, b=5).content == "25"
+
+
+def test_a_file_past_rlimit_fsize_fails_as_an_error(box):
+    assert run1(box, "write_file", name="small.bin", megabytes=0).status == "ok"
+    r = run1(box, "write_file", name="big.bin", megabytes=4)  # file_mb=1
+    assert r.status == "error" and "File too large" in r.content
+
+
+def test_each_episode_has_its_own_scratch_folder_removed_at_its_end_and_at_close(box):
+    a, b = box.start_episodes(2)
+    [[wa], [wb]] = box.run([(a, [ToolCall("write_file", {"name": "mine.txt", "megabytes": 0})]),
+                            (b, [ToolCall("list_folder", {})])])
+    folder_a = Path(wa.content).parent
+    assert folder_a.parent == Path(box.executor.scratch) and folder_a.is_dir()
+    assert "mine.txt" not in wb.content and str(folder_a) not in wb.content  # b does not see a's file
+    [[py]] = box.run([(a, [ToolCall("python", {"code": "import os; print(sorted(os.listdir('.')))"})])])
+    assert py.content.strip() == "['mine.txt']"
+    box.end_episodes([a, b])
+    assert not folder_a.exists()
+
+
+def test_close_removes_the_scratch_folder(tmp_path):
+    tb = ToolBox(load_tools(["python"], None), timeout=5.0, output_chars=100)
+    [ep] = tb.start_episodes(1)
+    [[r]] = tb.run([(ep, [ToolCall("python", {"code": "open('f.txt', 'w').write('x'); print('done')"})])])
+    assert r.content.strip() == "done" and os.path.isdir(tb.executor.scratch)
+    child = tb.executor.proc
+    tb.close()
+    assert not os.path.exists(tb.executor.scratch) and child.poll() is not None
+
+
+def test_the_python_tool_returns_stdout_and_stderr(box):
+    r = run1(box, "python", code="import sys\nprint('out')\nprint('err', file=sys.stderr)\n1/0")
+    assert r.status == "ok" and r.content == "out\nerr\nZeroDivisionError: division by zero\n"
+    assert run1(box, "python", code="exit(0)").content == "(no output)"  # exit() ends the snippet, not the executor
+    assert run1(box, "python", code="x = 1").content == "(no output)"
+
+
+def test_a_stateful_environment_keeps_state_within_an_episode_and_is_fresh_per_episode(box):
+    a, b = box.start_episodes(2, [{"start": 10}, {}])
+    assert box.observations[a] == "The counter starts at 10." and box.observations[b] == "The counter starts at 0."
+    add = [ToolCall("add", {"amount": 1}), ToolCall("add", {"amount": 2})]
+    assert [[r.content for r in rs] for rs in box.run([(a, add), (b, add)])] == [["11", "13"], ["1", "3"]]
+    assert [r.content for r in box.run([(a, add[:1])])[0]] == ["14"]
+    box.end_episodes([a, b])
+    [c] = box.start_episodes(1)
+    assert box.run([(c, add[:1])])[0][0].content == "1"
+    # a kill (another call's timeout) loses every live instance: their calls say so, they do not restart silently
+    assert box.run([(c, [ToolCall("sleepy", {"seconds": 60})])])[0][0].status == "timeout"
+    lost = box.run([(c, add[:1])])[0][0]
+    assert lost.status == "error" and "environment is gone" in lost.content
+    box.end_episodes([c])
+
+
+def test_an_episode_never_started_is_the_callers_error(box):
+    with pytest.raises(KeyError, match="was not started"):
+        box.run([(10 ** 6, [ToolCall("multiply", {"a": 1, "b": 1})])])
