@@ -2,8 +2,10 @@
 
 A two-digit by two-digit product is beyond the tiny model's own arithmetic (it learns the digit-by-digit
 `a o b o c` of arith.py, not long multiplication), but easy with the built-in `calculator`: copy the expression
-into the call, copy the result into the answer. All 90 x 90 x 10 = 81,000 problems exist; a fixed seeded
-permutation holds 1,000 out (the test split).
+into the call, copy the result into the answer. The factors are 32-99, so every value has 4 digits (32*32 = 1024):
+copying it is then the same positional move for every problem, which the tiny model learns in a few hundred SFT
+steps (with 3- and 4-digit values mixed it had not after 250). All 68 x 68 x 10 = 46,240 problems exist; a fixed
+seeded permutation holds 1,000 out (the test split).
 
 The cold-start SFT (trainer/demo/tool_sft.py) sees two kinds of worked solution, chosen at random per example:
   with the tool      assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "37*48+5"}}</tool_call>
@@ -24,16 +26,17 @@ from trainer.example import Example
 HELD_OUT = 1000
 SPLIT_SEED = 4321  # fixed: the held-out set is the same for every run seed
 TOOL = "calculator"
+LOW = 32  # smallest factor: 32 * 32 = 1024, so every value has 4 digits
 
 
 def all_problems() -> list[str]:
-    return [f"{a}*{b}+{c}" for a, b, c in itertools.product(range(10, 100), range(10, 100), range(10))]
+    return [f"{a}*{b}+{c}" for a, b, c in itertools.product(range(LOW, 100), range(LOW, 100), range(10))]
 
 
 def parse(problem: str) -> tuple[int, int, int]:
     """"37*48+5" -> (37, 48, 5)."""
     m = re.fullmatch(r"(\d\d)\*(\d\d)\+(\d)", problem)
-    if m is None:
+    if m is None or min(int(m.group(1)), int(m.group(2))) < LOW:
         raise ValueError(f"not an arith_tools problem: {problem!r}")
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
@@ -44,7 +47,7 @@ def value(problem: str) -> int:
 
 
 def load_arith_tools(split: str = "train") -> list[Example]:
-    """split: 'train' (80,000 problems) or 'test' (the 1,000 held out)."""
+    """split: 'train' (45,240 problems) or 'test' (the 1,000 held out)."""
     if split not in ("train", "test"):
         raise ValueError(f"arith_tools has splits 'train' and 'test', not {split!r}")
     probs = all_problems()
