@@ -15,7 +15,7 @@ from trainer.tools.schemas import load_tools
 
 HERE = Path(__file__).resolve().parent
 MOD = "tools_user_ex"  # a name no other test module uses (sys.modules caches it per process)
-FNS = ["multiply", "sleepy", "spin", "crash", "die", "chatty", "allocate", "write_file", "list_folder"]
+FNS = ["shout", "multiply", "sleepy", "spin", "crash", "die", "chatty", "allocate", "write_file", "list_folder"]
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +70,14 @@ def test_a_raising_tool_is_an_error_in_one_line(box):
 
 def test_a_tool_that_kills_its_process_is_an_error_and_the_next_call_works(box):
     r = run1(box, "die")
-    assert r.status == "error" and "died" in r.content
+    assert r.status == "error" and "process ended" in r.content
     assert run1(box, "multiply", a=4, b=4).content == "16"
 
 
 def test_huge_output_is_truncated(box):
     r = run1(box, "chatty", n=10 ** 6)
     assert r.status == "ok" and len(r.content) <= 200 and "truncated" in r.content
-    r = run1(box, "python", code="for i in range(10**6): print(i)")
+    r = run1(box, "python", code="for i in range(10**5): print(i)")
     assert len(r.content) <= 200 and r.content.startswith("0\n1\n2\n")
 
 
@@ -139,6 +139,64 @@ def test_a_stateful_environment_keeps_state_within_an_episode_and_is_fresh_per_e
     lost = box.run([(c, add[:1])])[0][0]
     assert lost.status == "error" and "environment is gone" in lost.content
     box.end_episodes([c])
+
+
+CPU_PROBE = """
+import resource, signal, time
+from trainer.tools.executor_worker import CPULimitExceeded, _on_sigxcpu, call_with_cpu_limit
+signal.signal(signal.SIGXCPU, _on_sigxcpu)
+def spin():
+    while True:
+        pass
+t0 = time.process_time()
+try:
+    call_with_cpu_limit(spin, {}, 0.5)
+except CPULimitExceeded:
+    print("limited after", round(time.process_time() - t0, 1))
+print("lifted", resource.getrlimit(resource.RLIMIT_CPU)[0] == resource.RLIM_INFINITY)
+"""
+
+
+def test_rlimit_cpu_stops_a_call_and_is_lifted_after_it():
+    """The executor child's CPU-time limit per call (its wall timeout usually comes first; threads that release
+    the GIL can use CPU faster than wall time)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", CPU_PROBE], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[0].startswith("limited after") and float(lines[0].split()[-1]) <= 3.0 and lines[1] == "lifted True"
+
+
+def test_an_async_tool_runs(box):
+    assert run1(box, "shout", text="hi").content == "HI"
+
+
+def test_get_reward_scores_each_episode_from_its_environment(box):
+    """TRL: an environment with get_reward() owns a reward, read from the instance's state."""
+    a, b = box.start_episodes(2, [{"start": 5}, {}])
+    box.run([(a, [ToolCall("add", {"amount": 2})])])
+    assert box.episode_rewards([a, b]) == [7.0, 0.0]
+    box.end_episodes([a, b])
+    plain = ToolBox(load_tools([], f"{MOD}:Plain"), f"{MOD}:Plain", timeout=5.0, output_chars=100)
+    try:
+        [ep] = plain.start_episodes(1)
+        assert plain.observations[ep] is None  # reset() returned None: nothing is added to the prompt
+        assert plain.run([(ep, [ToolCall("note", {"text": "x"})])])[0][0].content == "1"
+        assert plain.episode_rewards([ep]) is None
+    finally:
+        plain.close()
+
+
+def test_an_unclosed_executor_is_cleaned_up_when_dropped():
+    import gc
+    tb = ToolBox(load_tools(["python"], None), timeout=5.0, output_chars=100)
+    [ep] = tb.start_episodes(1)
+    tb.run([(ep, [ToolCall("python", {"code": "print(1)"})])])
+    scratch, child = tb.executor.scratch, tb.executor.proc
+    del tb
+    gc.collect()
+    assert not os.path.exists(scratch) and child.poll() is not None
 
 
 def test_an_episode_never_started_is_the_callers_error(box):

@@ -187,8 +187,11 @@ def test_a_calculator_refusal_is_an_error_result_the_model_reads():
     assert box.stats()["calls"] == 0
 
 
-def test_tool_results_have_the_shared_shape():
-    assert ToolResult("f", "x", "ok").seconds == 0.0
+def test_calls_and_results_as_chat_messages():
+    """The shapes apply_chat_template and TRL's reward functions take."""
+    assert ToolCall("f", {"a": 1}).to_dict() == {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    assert ToolCall("f", {}, id="c1").to_dict()["id"] == "c1"
+    assert ToolResult("f", "x", "ok").to_message() == {"role": "tool", "name": "f", "content": "x"}
 
 
 # ---------------------------------------------------------------- config

@@ -114,3 +114,29 @@ class Counter:
 
     def _private(self) -> None:
         pass
+
+
+async def shout(text: str) -> str:
+    """Say it louder (an async tool, as TRL takes).
+
+    Args:
+        text: What to say.
+    """
+    return text.upper()
+
+
+class Plain:
+    """An environment without get_reward."""
+
+    def reset(self, **kwargs) -> None:
+        self.seen = []
+
+    def note(self, text: str) -> int:
+        """Remember a note and return how many there are.
+
+        Args:
+            text: The note.
+        """
+        self.seen.append(text)
+        return len(self.seen)
+

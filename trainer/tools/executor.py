@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 from trainer.tools.types import ToolResult
 
@@ -49,9 +50,18 @@ class ToolExecutor:
                      "output_chars": output_chars, "memory_mb": memory_mb, "file_mb": file_mb,
                      "scratch": self.scratch}
         self.timeout = float(timeout)
-        self.proc: subprocess.Popen | None = None
+        self._live: dict = {"proc": None}  # what the finalizer cleans up if close() is never called
         self._buf = b""
         self.kills = 0
+        self._finalizer = weakref.finalize(self, _cleanup, self._live, self.scratch)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self._live["proc"]
+
+    @proc.setter
+    def proc(self, value: subprocess.Popen | None) -> None:
+        self._live["proc"] = value
 
     # ------------------------------------------------------------------ the process
     def _start(self) -> None:
@@ -70,27 +80,14 @@ class ToolExecutor:
             raise RuntimeError(f"the tool executor failed to start: {err}")
 
     def _kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the child and whatever its tools started
-        except ProcessLookupError:  # already gone (it crashed): nothing to kill
-            pass
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            f.close()
+        _kill(self.proc)
         self.proc = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def close(self) -> None:
-        self._kill()
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-    def __del__(self):  # best effort: the child also exits when we do
-        if getattr(self, "proc", None) is not None:
-            self._kill()
+        self._finalizer()  # kills the child, removes the scratch folder; once
 
     def _read(self, timeout: float) -> dict | str | None:
         """The child's next JSON line; None when `timeout` passes first; "died" when the child exited."""
@@ -122,12 +119,11 @@ class ToolExecutor:
             msg = "died"
         if isinstance(msg, dict):
             return msg["status"], msg.get("content")
-        code = self.proc.poll()
         self._kill()  # a hung call cannot be interrupted any other way; the next request starts a fresh child
         self.kills += 1
         if msg is None:
             return "timeout", f"Error: the tool did not finish within {self.timeout:g} seconds and was stopped"
-        return "error", f"Error: the tool process died during this call (exit code {code}; out of memory?)"
+        return "error", "Error: the tool's process ended during this call (it exited, crashed or ran out of memory)"
 
     def call(self, episode: int, name: str, arguments: dict) -> ToolResult:
         t0 = time.monotonic()
@@ -137,10 +133,32 @@ class ToolExecutor:
     def start_episode(self, episode: int, kwargs: dict) -> tuple[str, str | None]:
         return self.request({"op": "start", "episode": episode, "kwargs": kwargs})
 
+    def episode_reward(self, episode: int) -> tuple[str, float | str | None]:
+        return self.request({"op": "reward", "episode": episode})
+
     def end_episode(self, episode: int) -> None:
         if self.alive():
             self.request({"op": "end", "episode": episode})
         shutil.rmtree(os.path.join(self.scratch, f"episode_{episode}"), ignore_errors=True)
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child and whatever its tools started
+    except ProcessLookupError:  # already gone (it crashed): nothing to kill
+        pass
+    proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        f.close()
+
+
+def _cleanup(live: dict, scratch: str) -> None:
+    """close(), or at garbage collection / interpreter exit when close() was never called."""
+    _kill(live["proc"])
+    live["proc"] = None
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _relay(stream) -> None:

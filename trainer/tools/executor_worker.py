@@ -7,6 +7,7 @@ the parent relays to its log), so a tool that prints cannot corrupt the protocol
 Requests and answers, one JSON object a line:
     {"op": "start", "episode": 3, "kwargs": {...}} -> {"status": "ok", "content": <reset()'s return, or null>}
     {"op": "call", "episode": 3, "name": "f", "arguments": {...}} -> {"status": "ok" | "error", "content": "..."}
+    {"op": "reward", "episode": 3} -> {"status": "ok", "content": <get_reward()'s float>} (or "error")
     {"op": "end", "episode": 3} -> {"status": "ok"}
 """
 from __future__ import annotations
@@ -64,8 +65,11 @@ def call_with_cpu_limit(fn, arguments: dict, cpu_seconds: float):
     soft = int(usage.ru_utime + usage.ru_stime + cpu_seconds) + 1
     hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
-    out = fn(**arguments)
-    return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL takes async tools too
+    try:
+        out = fn(**arguments)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL takes async tools too
+    finally:  # lifted between calls: SIGXCPU, sent every second past the soft limit, must not hit the serve loop
+        resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
 
 
 class Worker:
@@ -109,6 +113,14 @@ class Worker:
             return {"status": "error", "content": f"Error: the tool called exit({e.code})"}
         return {"status": "ok", "content": truncate(str(result), self.conf["output_chars"])}
 
+    def reward(self, req: dict) -> dict:
+        """TRL: an environment with get_reward() scores its own rollout from its state."""
+        env = self.envs.get(req["episode"])
+        if env is None:
+            return {"status": "error", "content": "the rollout's environment is gone (the tool process restarted)"}
+        value = call_with_cpu_limit(env.get_reward, {}, self.conf["timeout"])
+        return {"status": "ok", "content": None if value is None else float(value)}
+
     def end(self, req: dict) -> dict:
         self.envs.pop(req["episode"], None)
         os.chdir(self.scratch)
@@ -117,11 +129,12 @@ class Worker:
 
     def handle(self, req: dict) -> dict:
         op = req["op"]
-        if op == "start":
+        if op in ("start", "reward"):
             try:
-                return self.start(req)
-            except Exception as e:  # noqa: BLE001 - said to the parent, which marks the episode broken
-                return {"status": "error", "content": f"Error: reset() failed: {one_line(f'{type(e).__name__}: {e}')}"}
+                return self.start(req) if op == "start" else self.reward(req)
+            except Exception as e:  # noqa: BLE001 - said to the parent, which marks the episode or reward
+                what = "reset()" if op == "start" else "get_reward()"
+                return {"status": "error", "content": f"Error: {what} failed: {one_line(f'{type(e).__name__}: {e}')}"}
         return self.call(req) if op == "call" else self.end(req)
 
 

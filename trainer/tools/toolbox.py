@@ -16,6 +16,7 @@ import itertools
 import logging
 import time
 
+from common.user_code import load_object
 from trainer.tools.executor import ToolExecutor
 from trainer.tools.parsing import has_response_template, parse_qwen, parse_with_template
 from trainer.tools.schemas import ToolDef, load_tools
@@ -26,6 +27,9 @@ log = logging.getLogger("trainer")
 
 
 class ToolBox:
+    """The tools of one process's rollouts (see the module docstring). One ToolBox per rollout process; its
+    executor child starts at the first call that needs it. limits: memory_mb / file_mb (trainer/tools/executor.py)."""
+
     def __init__(self, defs: list[ToolDef], environment_factory: str | None = None, tokenizer=None,
                  timeout: float = 10.0, output_chars: int = 1000, **limits):
         self.defs = {d.name: d for d in defs}
@@ -33,14 +37,16 @@ class ToolBox:
         self.tokenizer = tokenizer
         self.output_chars = int(output_chars)
         self.has_env = bool(environment_factory)
+        self.env_reward = self.has_env and callable(getattr(load_object(environment_factory), "get_reward", None))
         functions = {d.name: d.spec for d in defs if d.where == "executor"}
         env_tools = [d.name for d in defs if d.where == "env"]
         self.executor = (ToolExecutor(functions, environment_factory, env_tools, timeout, output_chars, **limits)
                          if functions or env_tools else None)
         self._ids = itertools.count()
         self.episodes: dict[int, str | None] = {}  # live episode -> why its reset() failed (None: it did not)
-        self.observations: dict[int, str | None] = {}  # what each episode's reset() returned (TRL: appended to
-        self._stats = ToolStats()                       # the last user message when not None)
+        # What each episode's reset() returned: TRL appends it to the last user message when it is not None.
+        self.observations: dict[int, str | None] = {}
+        self._stats = ToolStats()
         self._kills_at_reset = 0
 
     @classmethod
@@ -87,6 +93,24 @@ class ToolBox:
                     self.episodes[ep] = one_line(content or status)
                     log.warning("tools: an environment's reset() failed (episode %d): %s", ep, self.episodes[ep])
         return ids
+
+    def episode_rewards(self, ids: list[int]) -> list[float | None] | None:
+        """TRL: an environment class with a get_reward() method owns a reward (weight 1, named after the class):
+        its value for each episode, read from the instance's state in the executor; None for an episode whose
+        instance is gone, whose reset failed or whose get_reward raised (said in the log). None (not a list)
+        when the environment has no get_reward."""
+        if not self.env_reward:
+            return None
+        out: list[float | None] = []
+        for ep in ids:
+            if self.episodes.get(ep):
+                out.append(None)
+                continue
+            status, value = self.executor.episode_reward(ep)
+            if status != "ok":
+                log.warning("tools: get_reward() of episode %d: %s", ep, one_line(str(value or status)))
+            out.append(value if status == "ok" else None)
+        return out
 
     def end_episodes(self, ids: list[int]) -> None:
         for ep in ids:

@@ -13,6 +13,11 @@ class ToolCall:
     arguments: dict
     id: str | None = None  # if the template/parser gives one
 
+    def to_dict(self) -> dict:
+        """The call as an assistant message's `tool_calls` entry (TRL's and the chat templates' shape)."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments},
+                **({"id": self.id} if self.id is not None else {})}
+
 
 @dataclass
 class ToolResult:
@@ -24,6 +29,10 @@ class ToolResult:
     content: str
     status: str
     seconds: float = 0.0
+
+    def to_message(self) -> dict:
+        """The tool message the model reads (TRL's shape: role, name, content)."""
+        return {"role": "tool", "name": self.name, "content": self.content}
 
 
 def one_line(text: str, limit: int = 300) -> str:
