@@ -2,7 +2,8 @@
 400 to its producer, a bad scored batch is rejected by the trainer) and before encoding.
 
 Per-completion lists must have one entry per row: `truncated` (bools; mask_truncated reads it),
-`overlong_penalty` (numbers) and each `components` list (numbers or null). `logp_temperature` (a number > 0)
+`overlong_penalty` (numbers), each `components` list (numbers or null) and each `tools` list (numbers: a tool
+run's per-completion statistics). `logp_temperature` (a number > 0)
 is the temperature of the batch's logprobs, which the ref server uses for ref_logps; `needs_ref` (bool)
 false tells the ref server to skip the reference forward (beta = 0).
 """
@@ -37,6 +38,12 @@ def check_extra(extra: dict, rows: int) -> None:
             raise ExtraError("extra['components'] must be an object {reward name: [value per completion]}")
         for name, vals in comps.items():
             per_row(f"components.{name}", vals, lambda v: v is None or _number(v), "numbers or null")
+    if "tools" in extra:  # a tool run's per-completion statistics (trainer/tools/loop.py): the tools/... metrics
+        tools = extra["tools"]
+        if not isinstance(tools, dict):
+            raise ExtraError("extra['tools'] must be an object {statistic: [number per completion]}")
+        for name, vals in tools.items():
+            per_row(f"tools.{name}", vals, _number, "numbers")
     if "logp_temperature" in extra and not (_number(extra["logp_temperature"]) and extra["logp_temperature"] > 0):
         raise ExtraError(f"extra['logp_temperature'] must be a number > 0, got {extra['logp_temperature']!r}")
     if "needs_ref" in extra and not isinstance(extra["needs_ref"], bool):

@@ -135,3 +135,29 @@ def test_chat_template(loaded):
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert tok.decode(ids) == text
     assert tok.convert_tokens_to_ids("<|im_start|>") in ids and tok.eos_token_id in ids  # single-token markers
+
+
+def test_tool_tokens_and_template_keep_the_single_turn_tokenisation():
+    """Issue 32: the four Qwen2.5 tool tags are one token each and the template renders tools, tool calls and tool
+    messages as Qwen2.5 does; what the single-turn demo tokenises and renders stays exactly as before."""
+    from common.tiny_model import TOOL_TOKENS, build_tokenizer
+    tok = build_tokenizer()
+    for t in TOOL_TOKENS:
+        assert len(tok.encode(t)) == 1, t
+    assert tok.tokenize("3+4*2") == ["3", "+", "4", "*", "2"]
+    assert tok.tokenize("<think> 12 </think>")[:3] == ["<think>", "Ġ", "1"]
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 3+4*2?"},
+            {"role": "assistant", "content": "<think> x </think> <answer> 11 </answer>"}]
+    before = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWhat is 3+4*2?<|im_end|>\n<|im_start|>assistant\n"
+              "<think> x </think> <answer> 11 </answer><|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == before
+    schema = {"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}
+    conv = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}]},
+            {"role": "tool", "name": "calculator", "content": "6"}]
+    text = tok.apply_chat_template(conv, tools=[schema], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "calculator"' in text
+    assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+                         '"2*3"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n6\n</tool_response>'
+                         '<|im_end|>\n<|im_start|>assistant\n')

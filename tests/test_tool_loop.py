@@ -120,10 +120,11 @@ def test_malformed_unknown_and_raising_calls_are_tool_messages_counted(tok):
     _, final = turns(tok)
     _, (samples, msgs, stats) = run(tok, fb, [bad, final], n=1, max_new_tokens=1000)
     st = stats[0]
-    assert st["calls"] == 3 and st["malformed"] == 1 and st["failed"] == 2 and st["timed_out"] == 0
+    assert st["calls"] == 2 and st["malformed"] == 1 and st["failed"] == 2 and st["timed_out"] == 0
     tools = [m for m in msgs[0] if m["role"] == "tool"]
     assert [t["content"] for t in tools][:2] == ["unknown tool nope", "error: kaputt"]
     assert tools[2]["content"].startswith("malformed tool call")
+    assert st["calls/boom"] == 1 and "calls/nope" not in st  # per tool: configured tools only
     assert samples[0].completion_ids.tolist()[-len(final):] == final  # the rollout went on
 
 
@@ -152,3 +153,59 @@ def test_tool_metrics_keys_per_completion():
     totals: dict = {}
     add_tool_totals(totals, tools)
     assert totals == {"completions": 2, "tool_calls": 2, "tool_failed": 1, "tool_timed_out": 1, "tool_malformed": 1}
+
+
+def _synced_rank(rank: int, init: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from common.tiny_model import build_tokenizer
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    tok = build_tokenizer()
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    # rank 0's model calls a tool in every turn (two tool rounds, then the iteration limit); rank 1's never does
+    script = [first] if rank == 0 else [final]
+    eng = ScriptEngine(tok, script, tok.convert_tokens_to_ids("<tool_response>"))
+    eng.synced_gpus = True  # ZeRO-3: every generate call is a collective (the HF engine's dummy call past ours)
+    samples, _, stats = tool_rollouts(eng, tok, fb, [prompt(tok, fb)], 2, max_new_tokens=1000, max_iterations=2)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"calls": eng.calls, "tool_calls": [s["calls"] for s in stats]}, f)
+    dist.destroy_process_group()
+
+
+def test_zero3_ranks_make_the_same_number_of_generate_calls(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'init'}"
+    mp.start_processes(_synced_rank, args=(init, str(tmp_path / "out")), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert r0["tool_calls"] == [2, 2] and r1["tool_calls"] == [0, 0]
+    assert len(r0["calls"]) == len(r1["calls"]) == 3  # rank 1 joins rank 0's two tool rounds with no prompts
+    assert [n for n, _ in r1["calls"]] == [1, 0, 0] and [n for n, _ in r0["calls"]] == [1, 2, 2]
+
+
+def test_with_the_real_toolbox_and_its_calculator(tok):
+    from common.config import GRPOConfig
+    from trainer.tools import ToolBox
+
+    box = ToolBox.from_config(GRPOConfig(model="tiny", tools=["calculator"]), tok)
+    try:
+        call = enc(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>')
+        broken = enc(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 *"}}\n</tool_call>')
+        _, final = turns(tok)
+        for first, content, status in ((call, "408", "ok"), (broken, "Error", "error")):
+            first = first + [tok.eos_token_id]
+            eng = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+            p = enc(tok, tok.apply_chat_template([{"role": "user", "content": "12*34?"}], tools=box.schemas,
+                                                 tokenize=False, add_generation_prompt=True))
+            (s,), (msgs,), (st,) = tool_rollouts(eng, tok, box, [p], 1, max_new_tokens=300, max_iterations=None)
+            assert msgs[1]["role"] == "tool" and msgs[1]["content"].startswith(content), msgs
+            suffix = tool_suffix_ids(tok, [msgs[1]])
+            assert s.completion_ids.tolist() == first + suffix + final
+            assert st["calls/calculator"] == 1 and st["failed"] == (status == "error")
+    finally:
+        box.close()

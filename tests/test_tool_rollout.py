@@ -96,3 +96,30 @@ def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_pr
         text = tok.decode(b.input_ids[i, :int(b.prompt_lens[i])])
         assert text.endswith("What is 12 * 34? (the board says 408)<|im_end|>\n<|im_start|>assistant\n")
     assert engine.calls[0] == (3, 300)  # one prompt per rollout, n=1
+
+
+def test_tool_statistics_are_checked_like_the_other_per_completion_lists():
+    from common.batch_extra import ExtraError, check_extra
+
+    check_extra({"tools": {"calls": [1.0, 0.0], "calls/add": [1.0, 0.0]}}, rows=2)
+    with pytest.raises(ExtraError, match="tools.calls"):
+        check_extra({"tools": {"calls": [1.0]}}, rows=2)
+    with pytest.raises(ExtraError, match="tools"):
+        check_extra({"tools": [1.0, 2.0]}, rows=2)
+
+
+def test_evaluate_with_and_without_tools(tok):
+    from trainer.evaluate import evaluate
+
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    exs = [Example(prompt="What is 12 * 34?", ground_truth="408")] * 3
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    res = evaluate(engine, tok, exs, max_new_tokens=300, progress=False, toolbox=fb, max_tool_calling_iterations=2)
+    assert res["tool_calls"] == 3 and res["tool_calls_per_completion"] == 1.0 and res["accuracy"] == 1.0
+    assert [m["role"] for m in res["samples"][0]["messages"]] == ["assistant", "tool", "assistant"]
+    assert len(engine.calls) == 2 and '"name": "mul"' in tok.decode(engine.last_prompts[0])  # the tools listed
+    plain = ScriptEngine(tok, [final], tok.convert_tokens_to_ids("<tool_response>"))
+    res = evaluate(plain, tok, exs, max_new_tokens=300, progress=False)  # no toolbox: single turn, no tool fields
+    assert "tool_calls" not in res and len(plain.calls) == 1 and res["accuracy"] == 1.0
+    assert "# Tools" not in tok.decode(plain.last_prompts[0])

@@ -1,6 +1,6 @@
 """Doubles for the tool-loop unit tests: a scripted engine (deterministic turns, chosen token by token so that
-decode + encode does not give them back) and, until the tool runtime is merged in, nothing else: the real ToolBox
-is used where the tests need one (trainer/tools)."""
+decode + encode does not give them back) and a ToolBox with the runtime's face over plain in-process functions
+(the real ToolBox, with its executor process, is in the slow tests: tests/test_tool_e2e.py)."""
 from __future__ import annotations
 
 import torch
@@ -27,9 +27,11 @@ class ScriptEngine(GenEngine):
         self.tok, self.turns, self.response_id, self.with_logprobs = tok, turns, response_id, logprobs
         self.eos_ids = [tok.eos_token_id]
         self.calls: list[tuple[int, int]] = []  # (prompts, max_new_tokens) of each generate call
+        self.last_prompts: list[list[int]] = []  # the prompts of the first call
 
     def generate(self, prompt_ids, n, *, max_new_tokens, greedy=False):
         self.calls.append((len(prompt_ids), max_new_tokens))
+        self.last_prompts = [list(p) for p in prompt_ids] if len(self.calls) == 1 else self.last_prompts
         out = []
         for p in prompt_ids:
             for _ in range(n):
@@ -40,7 +42,7 @@ class ScriptEngine(GenEngine):
         return out
 
 
-# --- the tool runtime's face (docs: /trainer/tools), used until it is merged in --------------------------------------
+# --- the tool runtime's face (trainer/tools): ToolCall, ToolResult, ToolBox ---------------------------------------
 import json  # noqa: E402
 import re  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -52,6 +54,9 @@ class Call:
     arguments: dict
     id: str | None = None
 
+    def to_dict(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
 
 @dataclass
 class Result:
@@ -59,6 +64,9 @@ class Result:
     content: str
     status: str
     seconds: float = 0.0
+
+    def to_message(self) -> dict:
+        return {"role": "tool", "name": self.name, "content": self.content}
 
 
 class FakeToolBox:

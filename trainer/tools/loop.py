@@ -88,22 +88,22 @@ def _ids(out) -> list[int]:
 def _assistant_message(tokenizer, ids: list[int], calls) -> dict:
     msg = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     if calls:
-        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
+        msg["tool_calls"] = [c.to_dict() for c in calls]  # TRL's / the chat templates' shape
     return msg
 
 
 def _count(r: Rollout, results) -> None:
     for res in results:
-        r.stats["calls"] += 1
         r.stats["seconds"] += res.seconds
+        if res.status == "malformed":  # not a call of any tool (TRL counts parsed calls only); said to the model
+            r.stats["malformed"] += 1
+            continue
+        r.stats["calls"] += 1
         if res.status in FAILED:
             r.stats["failed"] += 1
         elif res.status == "timeout":
             r.stats["timed_out"] += 1
-        elif res.status == "malformed":
-            r.stats["malformed"] += 1
-        if res.name:
+        if res.status != "unknown_tool":  # per tool: the configured ones only (not names the model made up)
             key = f"calls/{res.name}"
             r.stats[key] = r.stats.get(key, 0) + 1
 
@@ -168,7 +168,7 @@ def _tool_round(tokenizer, toolbox, rolls: list[Rollout], episodes: list[int], t
     for (i, bad), res in zip(pending, results):
         r, res = rolls[i], list(res) + list(bad)
         _count(r, res)
-        tool_msgs = [{"role": "tool", "name": x.name, "content": x.content} for x in res]
+        tool_msgs = [x.to_message() for x in res]
         suffix = tool_suffix_ids(tokenizer, tool_msgs)
         if len(r.ids) + len(suffix) >= max_new_tokens:  # no room for the tool turn and a token after it
             r.truncated = True
