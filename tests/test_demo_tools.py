@@ -18,7 +18,7 @@ from conftest import REPO, subprocess_env
 
 from common.config import GRPOConfig
 from common.modeling import load_model, load_tokenizer
-from trainer.demo.tool_task import load_arith_tools, own_solution, reward_tool_answer, value
+from trainer.demo.tool_task import is_correct, load_arith_tools, own_solution, reward_tool_answer, value
 from trainer.tools import ToolBox
 
 KEYS = ("accuracy_before", "accuracy_after", "tool_calls_per_completion_before", "tool_calls_per_completion_after",
@@ -37,7 +37,11 @@ def test_task_splits_and_values() -> None:
 def test_reward_reads_only_the_models_answer() -> None:
     assert reward_tool_answer("<answer>1781</answer>", "1781") == 1.0
     assert reward_tool_answer("<answer>17</answer> x <answer>1781</answer>", "1781") == 1.0
-    assert reward_tool_answer("<answer>1780</answer>", "1781") == -1.0
+    # partial credit below 0 for digits right in place: copying most of the result beats guessing
+    assert reward_tool_answer("<answer>1780</answer>", "1781") == pytest.approx(-1.0 + 3 / 5)
+    assert reward_tool_answer("<answer>9999</answer>", "1781") == -1.0
+    assert reward_tool_answer("<answer>17810</answer>", "1781") == -1.0
+    assert is_correct("<answer>1781</answer>", "1781") and not is_correct("<answer>1780</answer>", "1781")
     # the tool's own output in the text is no answer of the model's (the built-in `correct` would count it)
     assert reward_tool_answer("<tool_call>..</tool_call>user\n<tool_response>\n1781\n</tool_response>", "1781") == -1.0
 

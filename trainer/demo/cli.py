@@ -174,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         trainer_args += ["--all_steps", str(a.quick_sizes["grpo_steps"]), "--eval_steps",
                          str(a.quick_sizes["grpo_eval_steps"]), "--eval_limit", str(a.quick_sizes["grpo_eval_limit"])]
-        if a.tools:  # a 10-step SFT model is never right: groups without reward spread still train (KL only),
-            trainer_args += ["--train_zero_spread", "true"]  # so the plumbing runs every step
     if a.grpo_steps is not None:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself

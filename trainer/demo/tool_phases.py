@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from trainer.demo.phases import DEV_HOLDOUT, Log, _free_cuda, _system_prompt
-from trainer.demo.tool_task import reward_tool_answer
+from trainer.demo.tool_task import is_correct
 
 
 def tool_cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str) -> str:
@@ -77,7 +77,7 @@ def run_tool_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch_
             toolbox.close()
     del model
     _free_cuda()
-    ok = [reward_tool_answer(s["completion"], s["ground_truth"]) > 0 for s in res["samples"]]
+    ok = [is_correct(s["completion"], s["ground_truth"]) for s in res["samples"]]
     called = ["<tool_call>" in s["completion"] for s in res["samples"]]
     if len(ok) != res["n"]:
         raise RuntimeError(f"evaluation returned {len(ok)} samples for {res['n']} examples")
@@ -114,6 +114,6 @@ def tool_table(log: Log, before: dict, after: dict, without: dict) -> None:
 
 def show_tool_samples(log: Log, res: dict, n: int = 3) -> None:
     for s in res.get("samples", [])[:n]:
-        ok = reward_tool_answer(s["completion"], s["ground_truth"]) > 0
+        ok = is_correct(s["completion"], s["ground_truth"])
         log(f"  [{'ok ' if ok else 'bad'}] {s['prompt']!r:>10} -> {s['completion'][:120]!r} "
             f"(answer {s['ground_truth']})")

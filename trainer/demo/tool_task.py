@@ -77,11 +77,22 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
 def reward_tool_answer(completion: str, ground_truth: str) -> float:
-    """+1 when the last <answer>...</answer> holds the right integer, else -1.
+    """+1 when the last <answer>...</answer> holds the value; otherwise -1 plus partial credit, up to (but below) 0,
+    for the digits it has right in their places: -1 + right/len(value). No <answer>: -1.
 
-    Unlike the built-in `correct`, a completion without <answer> gets no credit for the last number elsewhere in
-    its text: with tools that text holds the tool's own output, and only the model's answer may count."""
+    Only the model's answer counts: a number elsewhere in the text (with tools, the tool's own output is there)
+    gets no credit, unlike the built-in `correct`. The partial credit gives GRPO a signal before any answer is
+    exactly right: copying the calculator's result digit by digit scores above guessing them."""
     spans = _ANSWER.findall(completion)
     if not spans:
         return -1.0
-    return 1.0 if spans[-1].strip() == str(ground_truth).strip() else -1.0
+    got, want = spans[-1].strip(), str(ground_truth).strip()
+    if got == want:
+        return 1.0
+    right = sum(a == b for a, b in zip(got, want)) if len(got) == len(want) else 0
+    return -1.0 + right / (len(want) + 1)
+
+
+def is_correct(completion: str, ground_truth: str) -> bool:
+    """The demo's accuracy: the last <answer> holds exactly the value."""
+    return reward_tool_answer(completion, ground_truth) == 1.0
