@@ -39,7 +39,7 @@ log = logging.getLogger("trainer")
 # The configuration a hub dataset gets when dataset_config is not given (GSM8K has "main" and "socratic").
 _HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
 # Generated tasks by name -> "module:function(split) -> list[Example]".
-SYNTHETIC_SOURCES = {"arith": "trainer.demo.arith:load_arith"}
+SYNTHETIC_SOURCES = {"arith": "trainer.demo.arith:load_arith", "arith_tools": "trainer.demo.tool_task:load_arith_tools"}
 
 
 # ----------------------------------------------------------------------------- rows -> examples

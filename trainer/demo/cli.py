@@ -2,6 +2,7 @@
 the phases themselves are phases.py).
 
     ./launch.sh demo [--run-dir DIR] [--seed N] [--quick]
+    ./launch.sh demo --tools [--run-dir DIR] [--seed N] [--quick]      # multi-turn, with the calculator
     ./launch.sh demo --model Qwen/Qwen2.5-1.5B-Instruct --data openai/gsm8k --config configs/gsm8k_qwen.json
 
 Default (CPU, the embedded tiny model):
@@ -12,6 +13,12 @@ Default (CPU, the embedded tiny model):
   4. pure GRPO through the real pipeline, `launch.sh train`: the ref server as its own process, a
      genonly worker and the `deepspeed` trainer with 2 CPU ranks (configs/demo.json);
   5. the same evaluation (after), a before/after table, RUN_DIR/summary.json and RUN_DIR/plot.png.
+
+With --tools (issue 32) the same five phases teach tool use instead: the task is `ab*cd+e` (tool_task.py), beyond
+the tiny model's own arithmetic but easy with the built-in `calculator`; SFT on a mix of traces with and without a
+call (tool_sft.py), then GRPO whose rollouts are multi-turn (configs/demo_tools.json: `tools`); the evaluations
+run with the tools, and once without them (accuracy_without_tools), and the summary adds the tool calls per
+completion before and after (tool_phases.py).
 
 With --model/--data it runs the real thing (e.g. Qwen2.5 on GSM8K on GPU nodes): no SFT unless
 --sft-steps is given (and the data has worked solutions), the data's train/test splits, and
@@ -29,14 +36,19 @@ from pathlib import Path
 
 from common.settings.cli import ArgumentParser
 from trainer.demo.phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
+from trainer.demo.tool_phases import run_tool_eval, show_tool_samples, tool_cold_start_sft
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "demo.json"
+TOOLS_CONFIG = REPO / "configs" / "demo_tools.json"
 
 # The demo's own settings (the GRPO phase's live in configs/demo.json); --quick shrinks them for CI.
 DEFAULTS = dict(sft_steps=400, sft_batch_size=64, sft_lr=1e-3, sft_target=0.40, sft_check_from=160, sft_check_every=20,
                 sft_dev=200, eval_limit=1000, eval_batch_size=250)
 QUICK = dict(sft_steps=30, eval_limit=100, grpo_steps=6, grpo_eval_steps=3, grpo_eval_limit=50)
+# --tools: sized from measurements on 2 shared CPU cores (docs/benchmarks.md#the-tool-demo)
+TOOLS = dict(sft_steps=250, sft_batch_size=32, sft_lr=3e-3, sft_tool_share=0.35, eval_limit=200, eval_batch_size=100)
+TOOLS_QUICK = dict(sft_steps=10, eval_limit=20, grpo_steps=3, grpo_eval_steps=3, grpo_eval_limit=10)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -56,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--quick", action="store_true",
                    help=f"CI-sized run: {QUICK['sft_steps']} SFT steps, {QUICK['grpo_steps']} GRPO steps, "
                         f"{QUICK['eval_limit']} eval examples (checks the plumbing, not the learning).")
+    p.add_argument("--tools", action="store_true",
+                   help="The tool demo (issue 32): ab*cd+e with the built-in calculator; SFT on traces with and "
+                        "without a call, GRPO with multi-turn rollouts (configs/demo_tools.json); summary.json adds "
+                        "tool_calls_per_completion_before/_after and accuracy_without_tools. Tiny model only.")
+    p.add_argument("--sft-tool-share", type=float, default=None,
+                   help=f"--tools: share of SFT traces that call the calculator (default "
+                        f"{TOOLS['sft_tool_share']}); the rest compute by themselves.")
     p.add_argument("--model", default=None, help="Start from this model (HF id or directory) instead of "
                                                   "building the tiny one; then SFT is skipped unless --sft-steps.")
     p.add_argument("--data", default=None, help="Data for --model (hub id, directory or file; default: the "
@@ -71,8 +90,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         f"{DEFAULTS['sft_check_every']} steps from step {DEFAULTS['sft_check_from']}; default "
                         f"{DEFAULTS['sft_target']}; 0 = run all --sft-steps). Able but imperfect is what GRPO "
                         f"needs.")
-    p.add_argument("--sft-batch-size", type=int, default=DEFAULTS["sft_batch_size"])
-    p.add_argument("--sft-lr", type=float, default=DEFAULTS["sft_lr"])
+    p.add_argument("--sft-batch-size", type=int, default=None,
+                   help=f"default {DEFAULTS['sft_batch_size']} ({TOOLS['sft_batch_size']} with --tools)")
+    p.add_argument("--sft-lr", type=float, default=None,
+                   help=f"default {DEFAULTS['sft_lr']} ({TOOLS['sft_lr']} with --tools)")
     p.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps (default: the config's all_steps).")
     p.add_argument("--eval-limit", type=int, default=None,
                    help=f"Held-out examples in the before/after evaluation (default {DEFAULTS['eval_limit']} "
@@ -88,16 +109,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         "OpenMP step measured 3x the CPU time of a 1-thread one.")
     a = p.parse_args(argv)
     a.tiny = a.model is None
-    if a.tiny and a.data not in (None, "arith"):
-        p.error("--data needs --model (the tiny demo trains on the built-in arith task)")
+    if a.tools and not a.tiny:
+        p.error("--tools runs the tiny tool demo: it takes no --model (give a real run `tools` in its config)")
+    if a.tiny and a.data not in (None, "arith_tools" if a.tools else "arith"):
+        p.error("--data needs --model (the tiny demo trains on its built-in task)")
+    if a.tools and a.sft_target is not None:
+        p.error("--sft-target is the plain demo's stopping rule; --tools runs --sft-steps steps")
+    own = {**DEFAULTS, **TOOLS} if a.tools else DEFAULTS
+    quick = {**QUICK, **TOOLS_QUICK} if a.tools else QUICK
     if a.tiny:
-        a.data = "arith"
+        a.data = "arith_tools" if a.tools else "arith"
     if a.sft_steps is None:
-        a.sft_steps = (QUICK if a.quick else DEFAULTS)["sft_steps"] if a.tiny else 0
+        a.sft_steps = (quick if a.quick else own)["sft_steps"] if a.tiny else 0
     if a.sft_target is None:
-        a.sft_target = DEFAULTS["sft_target"] if a.tiny and not a.quick else 0.0
+        a.sft_target = DEFAULTS["sft_target"] if a.tiny and not a.quick and not a.tools else 0.0
+    a.sft_batch_size = own["sft_batch_size"] if a.sft_batch_size is None else a.sft_batch_size
+    a.sft_lr = own["sft_lr"] if a.sft_lr is None else a.sft_lr
+    a.sft_tool_share = TOOLS["sft_tool_share"] if a.sft_tool_share is None else a.sft_tool_share
+    if not 0.0 <= a.sft_tool_share <= 1.0:
+        p.error(f"--sft-tool-share must be within [0, 1], got {a.sft_tool_share}")
+    a.own, a.quick_sizes = own, quick
     if a.config is None and a.tiny:
-        a.config = str(DEMO_CONFIG)
+        a.config = str(TOOLS_CONFIG if a.tools else DEMO_CONFIG)
     if a.run_dir is None:
         a.run_dir = str(REPO / "runs" / f"demo-{datetime.now():%Y%m%d-%H%M%S}")
     return a, extra
@@ -139,17 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.tiny and not on_gpu:
         trainer_args += cpu_precision_args(log)
     if a.quick:
-        trainer_args += ["--all_steps", str(QUICK["grpo_steps"]), "--eval_steps", str(QUICK["grpo_eval_steps"]),
-                         "--eval_limit", str(QUICK["grpo_eval_limit"])]
+        trainer_args += ["--all_steps", str(a.quick_sizes["grpo_steps"]), "--eval_steps",
+                         str(a.quick_sizes["grpo_eval_steps"]), "--eval_limit", str(a.quick_sizes["grpo_eval_limit"])]
     if a.grpo_steps is not None:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
     cfg = load_config_or_exit(GRPOConfig, trainer_args + extra, prog="./launch.sh demo --")
     a.data = cfg.data
-    eval_bs = a.eval_batch_size or (DEFAULTS["eval_batch_size"] if a.tiny else cfg.gen_batch_size)
-    eval_limit = a.eval_limit or ((QUICK if a.quick else DEFAULTS)["eval_limit"] if a.tiny else cfg.eval_limit)
+    eval_bs = a.eval_batch_size or (a.own["eval_batch_size"] if a.tiny else cfg.gen_batch_size)
+    eval_limit = a.eval_limit or ((a.quick_sizes if a.quick else a.own)["eval_limit"] if a.tiny else cfg.eval_limit)
 
-    log.banner(f"R1 in miniature: run dir {run_dir}")
+    log.banner(f"{'Tool use' if a.tools else 'R1'} in miniature: run dir {run_dir}")
     log(f"seed {a.seed}   model {'tiny (built here)' if a.tiny else a.model}   data {a.data}   "
         f"SFT steps {a.sft_steps}   GRPO steps {cfg.all_steps}   held-out eval {eval_limit} examples"
         + (f"   torch threads {a.threads}" if not on_gpu else ""))
@@ -172,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. cold-start SFT -------------------------------------------------------------------------
     t0 = time.time()
-    if a.sft_steps > 0:
+    if a.sft_steps > 0 and a.tools:
+        model_dir = tool_cold_start_sft(a, cfg, model_dir, run_dir, log, device)
+    elif a.sft_steps > 0:
         model_dir = cold_start_sft(a, cfg, model_dir, run_dir, log, device, eval_bs,
                                    check={"from": DEFAULTS["sft_check_from"], "every": DEFAULTS["sft_check_every"],
                                           "dev": DEFAULTS["sft_dev"]})
@@ -183,10 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     # 3. eval before ----------------------------------------------------------------------------
     t0 = time.time()
     log.banner(f"3/5 held-out evaluation before GRPO ({cfg.eval_split} split, {eval_limit} examples, greedy)")
-    before = run_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
-    log(f"accuracy {100 * before['accuracy']:.1f}%   format {100 * before['format_rate']:.1f}%   "
-        f"({before['seconds']:.0f} s)")
-    show_samples(log, before)
+    without = None
+    if a.tools:
+        before = run_tool_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device, with_tools=True)
+        log(f"with the calculator: accuracy {100 * before['accuracy']:.1f}%   tool calls per completion "
+            f"{before['tool_calls_per_completion']:.2f}   ({before['seconds']:.0f} s)")
+        show_tool_samples(log, before)
+        without = run_tool_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device, with_tools=False)
+        log(f"without tools:       accuracy {100 * without['accuracy']:.1f}%   ({without['seconds']:.0f} s)")
+    else:
+        before = run_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
+        log(f"accuracy {100 * before['accuracy']:.1f}%   format {100 * before['format_rate']:.1f}%   "
+            f"({before['seconds']:.0f} s)")
+        show_samples(log, before)
     timings["eval_before_s"] = round(time.time() - t0, 1)
 
     # 4. GRPO -------------------------------------------------------------------------------------
@@ -209,12 +253,17 @@ def main(argv: list[str] | None = None) -> int:
     # 5. eval after, table, summary, plot --------------------------------------------------------
     t0 = time.time()
     log.banner("5/5 held-out evaluation after GRPO")
-    after = run_eval(str(final_dir), a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
-    show_samples(log, after)
+    if a.tools:
+        after = run_tool_eval(str(final_dir), a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device,
+                              with_tools=True)
+        show_tool_samples(log, after)
+    else:
+        after = run_eval(str(final_dir), a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
+        show_samples(log, after)
     timings["eval_after_s"] = round(time.time() - t0, 1)
     wall = time.time() - t_start
 
-    report(a, cfg, before, after, metrics, timings, wall, run_dir, grpo_dir, log)
+    report(a, cfg, before, after, metrics, timings, wall, run_dir, grpo_dir, log, without=without)
     return 0
 
 

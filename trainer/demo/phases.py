@@ -144,14 +144,20 @@ def cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str,
 
 
 def report(a, cfg, before: dict, after: dict, metrics: list[dict], timings: dict, wall: float, run_dir: Path,
-           grpo_dir: Path, log: Log) -> None:
-    """The before/after table on the terminal, RUN_DIR/summary.json and RUN_DIR/plot.png."""
+           grpo_dir: Path, log: Log, without: dict | None = None) -> None:
+    """The before/after table on the terminal, RUN_DIR/summary.json and RUN_DIR/plot.png. `without`: the tool
+    demo's evaluation of the SFT model with tools disabled (its table and summary keys are tool_phases.py's)."""
     d_acc = 100 * (after["accuracy"] - before["accuracy"])
     d_fmt = 100 * (after["format_rate"] - before["format_rate"])
-    log("")
-    log(f"{'held-out (' + str(before['n']) + ' examples)':<28}{'before':>10}{'after':>10}{'change':>10}")
-    log(f"{'accuracy':<28}{100 * before['accuracy']:>9.1f}%{100 * after['accuracy']:>9.1f}%{d_acc:>+9.1f}")
-    log(f"{'format':<28}{100 * before['format_rate']:>9.1f}%{100 * after['format_rate']:>9.1f}%{d_fmt:>+9.1f}")
+    if without is not None:
+        from trainer.demo.tool_phases import tool_table
+        tool_table(log, before, after, without)
+    else:
+        log("")
+        log(f"{'held-out (' + str(before['n']) + ' examples)':<28}{'before':>10}{'after':>10}{'change':>10}")
+        log(f"{'accuracy':<28}{100 * before['accuracy']:>9.1f}%{100 * after['accuracy']:>9.1f}%{d_acc:>+9.1f}")
+        log(f"{'format':<28}{100 * before['format_rate']:>9.1f}%{100 * after['format_rate']:>9.1f}%"
+            f"{d_fmt:>+9.1f}")
     train_rows = [r for r in metrics if "reward_mean" in r]
     if train_rows:
         k = max(1, len(train_rows) // 10)
@@ -166,14 +172,24 @@ def report(a, cfg, before: dict, after: dict, metrics: list[dict], timings: dict
         "eval_examples": before["n"], "sft_steps": a.sft_steps, "model": "tiny" if a.tiny else a.model,
         "data": a.data, "timings": timings, "run_dir": str(run_dir),
     }
+    if without is not None:
+        from trainer.demo.tool_phases import tool_summary
+        summary.update(tool_summary(before, after, without), tools=list(cfg.tools))
+        summary.pop("format_before"), summary.pop("format_after")  # the R1 format is not the tool traces' format
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = run_dir / "plot.png"
     make_plot(metrics, before, after, cfg.all_steps, plot,
-              f"GRPO on {'a o b o c arithmetic (tiny Qwen2)' if a.tiny else a.data}, seed {a.seed}: "
+              f"GRPO on {_task_name(a)}, seed {a.seed}: "
               f"held-out accuracy {100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% "
               f"({d_acc:+.1f} points)")
     log(f"\nwall time {wall:.0f} s ({', '.join(f'{k[:-2]} {v:.0f}' for k, v in timings.items())})")
     log(f"summary: {run_dir / 'summary.json'}\nplot:    {plot}\nlogs:    {run_dir}/demo.log, {grpo_dir}/*.log")
+
+
+def _task_name(a) -> str:
+    if not a.tiny:
+        return a.data
+    return "ab*cd+e with a calculator (tiny Qwen2)" if a.data == "arith_tools" else "a o b o c arithmetic (tiny Qwen2)"
 
 
 def _system_prompt(sp: str | None) -> str | None:
