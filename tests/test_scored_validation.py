@@ -69,7 +69,7 @@ def test_check_scored_rejects_what_this_trainer_cannot_use():
     beyond.input_ids = beyond.input_ids.clone()
     beyond.input_ids[1, 2] = VOCAB + 3  # the server's model has a bigger vocab than the policy: must not index
     beyond = decode_scored(encode_scored(beyond))
-    with pytest.raises(ProtocolError, match=r"token ids beyond the policy vocab \(548\)"):
+    with pytest.raises(ProtocolError, match=rf"token ids beyond the policy vocab \({VOCAB}\)"):
         check_scored(beyond, cfg, VOCAB)
     no_ref = decode_scored(encode_scored(_scored(ref_logps=None)))
     with pytest.raises(ProtocolError, match="has no ref_logps but beta=0.04"):

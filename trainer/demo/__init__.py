@@ -7,7 +7,7 @@
     plot.py     the figure: reward per step, held-out accuracy, KL to the reference
     tool_task.py    --tools: the task `ab*cd+e` (data source "arith_tools") and its reward
     tool_sft.py     --tools: SFT traces with and without a calculator call, tokenised as the tool loop builds them
-    tool_phases.py  --tools: SFT on them, evaluation with and without tools, the summary's tool keys
+    tool_phases.py  --tools: SFT on them, evaluation with and without tools (tool_report.py: its table and summary keys)
 
 Nothing below the demo imports it: data loading reaches the synthetic task by name (trainer/data.py).
 """

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from trainer.demo.plot import make_plot
+from trainer.demo.tool_report import tool_summary, tool_table
 
 REPO = Path(__file__).resolve().parents[2]
 DEV_HOLDOUT = 500  # the first 500 train-split problems: SFT's stopping check reads them, SFT never trains on them
@@ -146,11 +147,10 @@ def cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str,
 def report(a, cfg, before: dict, after: dict, metrics: list[dict], timings: dict, wall: float, run_dir: Path,
            grpo_dir: Path, log: Log, without: dict | None = None) -> None:
     """The before/after table on the terminal, RUN_DIR/summary.json and RUN_DIR/plot.png. `without`: the tool
-    demo's evaluation of the SFT model with tools disabled (its table and summary keys are tool_phases.py's)."""
+    demo's evaluation of the SFT model with tools disabled (its table and summary keys are tool_report.py's)."""
     d_acc = 100 * (after["accuracy"] - before["accuracy"])
     d_fmt = 100 * (after["format_rate"] - before["format_rate"])
     if without is not None:
-        from trainer.demo.tool_phases import tool_table
         tool_table(log, before, after, without)
     else:
         log("")
@@ -173,7 +173,6 @@ def report(a, cfg, before: dict, after: dict, metrics: list[dict], timings: dict
         "data": a.data, "timings": timings, "run_dir": str(run_dir),
     }
     if without is not None:
-        from trainer.demo.tool_phases import tool_summary
         summary.update(tool_summary(before, after, without), tools=list(cfg.tools))
         summary.pop("format_before"), summary.pop("format_after")  # the R1 format is not the tool traces' format
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -89,29 +89,6 @@ def run_tool_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch_
     return res
 
 
-def tool_summary(before: dict, after: dict, without: dict) -> dict:
-    """The summary.json keys of the tool demo (issue 32), accuracies as fractions."""
-    return {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-            "tool_calls_per_completion_before": before["tool_calls_per_completion"],
-            "tool_calls_per_completion_after": after["tool_calls_per_completion"],
-            "accuracy_without_tools": without["accuracy"]}
-
-
-def tool_table(log: Log, before: dict, after: dict, without: dict) -> None:
-    log("")
-    log(f"{'held-out (' + str(before['n']) + ' examples)':<36}{'before':>10}{'after':>10}{'change':>10}")
-    for name, key, pct in (("accuracy (with the calculator)", "accuracy", True),
-                           ("tool calls per completion", "tool_calls_per_completion", False),
-                           ("  accuracy when it calls", "accuracy_with_call", True),
-                           ("  accuracy by itself", "accuracy_own", True)):
-        b, f = before[key], after[key]
-        if pct:
-            log(f"{name:<36}{100 * b:>9.1f}%{100 * f:>9.1f}%{100 * (f - b):>+10.1f}")
-        else:
-            log(f"{name:<36}{b:>10.2f}{f:>10.2f}{f - b:>+10.2f}")
-    log(f"{'accuracy without tools (SFT model)':<36}{100 * without['accuracy']:>9.1f}%")
-
-
 def show_tool_samples(log: Log, res: dict, n: int = 3) -> None:
     for s in res.get("samples", [])[:n]:
         ok = is_correct(s["completion"], s["ground_truth"])
