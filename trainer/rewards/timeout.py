@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
+
+from trainer.child_pipe import ChildExited, JsonLineReader
 
 log = logging.getLogger("trainer")
 
@@ -87,7 +88,7 @@ class ProcessCaller:
     def __init__(self, specs: list[str], timeout: float):
         self.specs, self.timeout = list(specs), float(timeout)
         self.proc: subprocess.Popen | None = None
-        self._buf = b""
+        self._reader: JsonLineReader | None = None  # one per worker: its buffer dies with the process
         self.timeouts = 0  # timed-out calls over this caller's life
         self.restarts = 0
 
@@ -98,7 +99,7 @@ class ProcessCaller:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "trainer.rewards.timeout", json.dumps(self.specs)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-        self._buf = b""
+        self._reader = JsonLineReader(self.proc.stdout)
         msg = self._read(STARTUP_TIMEOUT)
         if msg is None or "ready" not in msg:
             err = (msg or {}).get("error", f"no answer within {STARTUP_TIMEOUT:.0f} s")
@@ -127,19 +128,11 @@ class ProcessCaller:
 
     def _read(self, timeout: float) -> dict | None:
         """Next JSON line from the worker, or None when `timeout` passes first."""
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                code = self.proc.poll()
-                raise RuntimeError(f"reward worker exited unexpectedly (code {code}); see its stderr above")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            return self._reader.read(timeout)
+        except ChildExited:  # a reward that kills its process is a broken reward, not a timeout: stop the run
+            code = self.proc.poll()
+            raise RuntimeError(f"reward worker exited unexpectedly (code {code}); see its stderr above") from None
 
     def _on_timeout(self) -> None:
         self.timeouts += 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -30,6 +29,7 @@ import threading
 import time
 import weakref
 
+from trainer.child_pipe import ChildExited, JsonLineReader
 from trainer.tools.types import ToolResult
 
 log = logging.getLogger("trainer")
@@ -51,7 +51,7 @@ class ToolExecutor:
                      "scratch": self.scratch}
         self.timeout = float(timeout)
         self._live: dict = {"proc": None}  # what the finalizer cleans up if close() is never called
-        self._buf = b""
+        self._reader: JsonLineReader | None = None  # one per child: its buffer dies with the process
         self.kills = 0
         self._finalizer = weakref.finalize(self, _cleanup, self._live, self.scratch)
 
@@ -72,7 +72,7 @@ class ToolExecutor:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, bufsize=0, start_new_session=True, cwd=self.scratch)
         threading.Thread(target=_relay, args=(self.proc.stderr,), daemon=True).start()
-        self._buf = b""
+        self._reader = JsonLineReader(self.proc.stdout)
         msg = self._read(STARTUP_TIMEOUT)
         if not isinstance(msg, dict) or "ready" not in msg:
             err = msg.get("error") if isinstance(msg, dict) else f"no answer within {STARTUP_TIMEOUT:.0f} s"
@@ -91,18 +91,10 @@ class ToolExecutor:
 
     def _read(self, timeout: float) -> dict | str | None:
         """The child's next JSON line; None when `timeout` passes first; "died" when the child exited."""
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return "died"
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            return self._reader.read(timeout)
+        except ChildExited:  # a tool may crash its process: a result for this call, not an error for the rollout
+            return "died"
 
     # ------------------------------------------------------------------ requests
     def request(self, req: dict) -> tuple[str, str | None]:

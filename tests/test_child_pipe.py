@@ -1,0 +1,100 @@
+"""The shared child-pipe reader (trainer/child_pipe.py): a deadline gives None and keeps what arrived, the end of
+the pipe raises ChildExited, lines that share one read or span two come out whole; and each caller maps a dead
+child its own way (the tool executor: "died"; the reward caller: RuntimeError)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainer.child_pipe import ChildExited, JsonLineReader
+from trainer.rewards.timeout import ProcessCaller
+from trainer.tools.executor import ToolExecutor
+
+
+@pytest.fixture
+def pipe():
+    """(reader over the read end, write end fd)."""
+    r, w = os.pipe()
+    stream = os.fdopen(r, "rb", buffering=0)
+    yield JsonLineReader(stream), w
+    stream.close()
+    try:
+        os.close(w)
+    except OSError:  # the test closed it already (the "child exited" case)
+        pass
+
+
+def test_deadline_passes_gives_none(pipe) -> None:
+    reader, _w = pipe
+    t0 = time.monotonic()
+    assert reader.read(0.3) is None
+    assert 0.3 <= time.monotonic() - t0 < 3.0
+
+
+def test_several_lines_in_one_read(pipe) -> None:
+    reader, w = pipe
+    os.write(w, b'{"a": 1}\n{"b": [2, 3]}\n"tail"\n')  # one write: the first os.read takes all three
+    assert reader.read(1.0) == {"a": 1}
+    # timeout 0: the next lines are served from the buffer, without waiting on the pipe
+    assert reader.read(0) == {"b": [2, 3]}
+    assert reader.read(0) == "tail"
+    assert reader.read(0.05) is None
+
+
+def test_line_split_across_reads(pipe) -> None:
+    reader, w = pipe
+    os.write(w, b'{"ok": "par')
+    assert reader.read(0.1) is None  # half a line: not parsed, and not lost either
+    os.write(w, b'ts"}\n{"next"')
+    assert reader.read(1.0) == {"ok": "parts"}
+    os.write(w, b": true}\n")
+    assert reader.read(1.0) == {"next": True}
+
+
+def test_end_of_pipe_raises_child_exited(pipe) -> None:
+    reader, w = pipe
+    os.write(w, b'{"last": 1}\n{"half')
+    os.close(w)
+    assert reader.read(1.0) == {"last": 1}  # what came before the exit is still read
+    with pytest.raises(ChildExited):
+        reader.read(1.0)
+
+
+def test_real_child_that_exits() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.write('{\"ready\": true}\\n')"],
+                            stdout=subprocess.PIPE, bufsize=0)
+    try:
+        reader = JsonLineReader(proc.stdout)
+        assert reader.read(30.0) == {"ready": True}
+        t0 = time.monotonic()
+        with pytest.raises(ChildExited):
+            reader.read(30.0)
+        assert time.monotonic() - t0 < 20.0  # the exit is seen when it happens, not at the deadline
+    finally:
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_tool_executor_maps_a_dead_child_to_died() -> None:
+    ex = ToolExecutor({}, None, [], timeout=5.0, output_chars=100)
+    try:
+        ex._start()
+        ex.proc.kill()
+        assert ex._read(30.0) == "died"
+    finally:
+        ex.close()
+
+
+def test_reward_caller_maps_a_dead_worker_to_an_error() -> None:
+    caller = ProcessCaller(["contains"], timeout=5.0)
+    try:
+        caller._start()
+        caller.proc.kill()
+        with pytest.raises(RuntimeError, match="reward worker exited unexpectedly"):
+            caller._read(30.0)
+    finally:
+        caller.close()
