@@ -1,6 +1,7 @@
 """Padded vs padding-free logprob forwards (issue 33), through the code the trainer and the ref server run.
 
-    .venv/bin/python bench/packing.py [--layers 8] [--repeats 2] [--threads 2]
+    .venv/bin/python bench/packing.py [--layers 8] [--repeats 2] [--threads 2] [--pack_tokens 4096]
+    .venv/bin/python bench/packing.py --rows 32 --median 500 --max 600 --tasks train  # a long micro-batch
 
 Model: Qwen2.5-0.5B's width (hidden 896, 14 heads, 2 KV heads, MLP 4,864, vocabulary 151,936, tied embedding),
 `--layers` layers, random weights (seeded: every measuring process builds the same model), float32.
@@ -12,7 +13,9 @@ Batch: one GRPO group, `--rows` completions after the same `--prompt`-token prom
   score  ref_server/scorer.Scorer.score_rows under inference_mode (ServerConfig's chunk_tokens and
          score_token_budget), the ref server's own scoring
 
-each padded (padding_free false: right-padded to the longest row) and padding-free (one packed sequence), every
+each padded (padding_free false: right-padded to the longest row) and padding-free (train: packs of at most
+`--pack_tokens` tokens as the trainer makes them, 0 = the whole group as one pack; score: the ref server's
+score_token_budget), every
 (task, mode) in its own fresh process so that its peak memory is its own (peak RSS above the process's RSS
 before the task, sampled every 5 ms). Times: the best of `--repeats` runs. The last line is JSON with
 train_speedup, score_speedup (padded s / padding-free s), padding_share_before (padded tokens / computed tokens of
@@ -44,8 +47,9 @@ def group(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     z = torch.randn(a.rows, generator=g, dtype=torch.float64)
     cl = torch.exp(math.log(a.median) + a.sigma * z).round().long().clamp(1, a.max)
     pl = torch.full((a.rows,), a.prompt, dtype=torch.long)
-    ids = torch.randint(0, 151643, (a.rows, int((pl + cl).max())), generator=g)
-    prompt = torch.randint(0, 151643, (a.prompt,), generator=g)
+    top = min(151643, a.vocab)  # Qwen2.5's text tokens, or the whole smaller --vocab
+    ids = torch.randint(0, top, (a.rows, int((pl + cl).max())), generator=g)
+    prompt = torch.randint(0, top, (a.prompt,), generator=g)
     ids[:, :a.prompt] = prompt  # one prompt, several completions: a GRPO group
     return ids, pl, cl
 
@@ -56,7 +60,7 @@ def build_model(a: argparse.Namespace, train: bool):
     from common.config import GRPOConfig
     from trainer.engine import prepare_policy
     torch.manual_seed(0)
-    conf = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=a.layers,
+    conf = Qwen2Config(vocab_size=a.vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=a.layers,
                        num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
                        max_position_embeddings=32768, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(conf)
@@ -110,7 +114,7 @@ def measure(task: str, packed: bool, a: argparse.Namespace, out: mp.Queue) -> No
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
                 logps, _ = sequence_logprobs(model, ids, pl, cl, chunk_tokens=chunk, with_entropy=True,
-                                             padding_free=packed)
+                                             padding_free=packed, pack_tokens=a.pack_tokens or None)
                 (-(logps * adv[:, None] * mask).sum() / mask.sum()).backward()
                 times.append(time.perf_counter() - t0)
         named = dict(model.named_parameters())
@@ -156,7 +160,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--pack_tokens", type=int, default=4096, help="train: tokens per pack (0: one pack)")
+    ap.add_argument("--vocab", type=int, default=151936, help="a smaller LM head (the head dominates at long rows)")
+    ap.add_argument("--tasks", default="train,score", help="comma-separated: train, score")
     a = ap.parse_args()
+    tasks = [t for t in ("train", "score") if t in a.tasks.split(",")]
 
     from common.packing import forward_tokens, padding_share
     ids, pl, cl = group(a)
@@ -165,21 +173,25 @@ def main() -> None:
     print(f"group: {a.rows} completions of {sorted(cl.tolist())} tokens after a {a.prompt}-token prompt; padded "
           f"{computed} tokens for {real} real (padding share {share:.3f}); {a.layers} layers, {a.threads} threads",
           flush=True)
-    r = {(t, p): run(t, p, a) for t in ("train", "score") for p in (False, True)}
+    r = {(t, p): run(t, p, a) for t in tasks for p in (False, True)}
     best = {k: min(v["times"]) for k, v in r.items()}
-    diff = max(float((r[(t, True)]["logps"] - r[(t, False)]["logps"]).abs().max()) for t in ("train", "score"))
-    grad_rel = max(float((r[("train", True)]["grads"][n] - r[("train", False)]["grads"][n]).abs().max()
-                         / r[("train", False)]["grads"][n].abs().max()) for n in GRAD_PARAMS)
+    out: dict = {"padding_share_before": round(share, 4),
+                 "max_abs_diff": max(float((r[(t, True)]["logps"] - r[(t, False)]["logps"]).abs().max())
+                                     for t in tasks)}
+    for t in tasks:  # speedup = padded s / padding-free s
+        out[f"{t}_speedup"] = round(best[(t, False)] / best[(t, True)], 3)
+        out[f"{t}_s"] = {"padded": round(best[(t, False)], 3), "padding_free": round(best[(t, True)], 3)}
+    if "train" in tasks:
+        out["grad_max_rel_diff"] = max(float((r[("train", True)]["grads"][n] - r[("train", False)]["grads"][n])
+                                             .abs().max() / r[("train", False)]["grads"][n].abs().max())
+                                       for n in GRAD_PARAMS)
+    if "score" in tasks:
+        out["score_computed_tokens"] = {"padded": r[("score", False)]["computed"],
+                                        "padding_free": r[("score", True)]["computed"]}
     print(json.dumps({
-        "train_speedup": round(best[("train", False)] / best[("train", True)], 3),
-        "score_speedup": round(best[("score", False)] / best[("score", True)], 3),
-        "padding_share_before": round(share, 4), "max_abs_diff": diff, "grad_max_rel_diff": grad_rel,
-        "train_s": {"padded": round(best[("train", False)], 3), "padding_free": round(best[("train", True)], 3)},
-        "score_s": {"padded": round(best[("score", False)], 3), "padding_free": round(best[("score", True)], 3)},
-        "peak_mb": {f"{t}_{'padding_free' if p else 'padded'}": round(v["peak_mb"]) for (t, p), v in r.items()},
-        "completion_lens": cl.tolist(), "prompt_len": a.prompt, "layers": a.layers, "threads": a.threads,
-        "score_computed_tokens": {"padded": r[("score", False)]["computed"],
-                                  "padding_free": r[("score", True)]["computed"]},
+        **out, "peak_mb": {f"{t}_{'padding_free' if p else 'padded'}": round(v["peak_mb"]) for (t, p), v in r.items()},
+        "completion_lens": cl.tolist(), "prompt_len": a.prompt, "rows": a.rows, "layers": a.layers,
+        "threads": a.threads, "pack_tokens": a.pack_tokens, "vocab": a.vocab,
     }))
 
 

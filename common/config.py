@@ -138,6 +138,11 @@ class GRPOConfig(ModelLoading, ConfigChecks):
                                      "(common/packing.py); false pads to the longest row and groups rows of similar "
                                      "length into micro-batches. auto: true on CPU (measured, docs/benchmarks.md) "
                                      "and on CUDA with a varlen (flash-attn) kernel, false otherwise.")
+    pack_tokens: int = knob(4096, "padding_free: the most tokens (prompt + completion, summed over rows) of one packed "
+                                  "forward; a micro-batch's rows go into packs of up to this many (a longer row "
+                                  "alone), one forward each, the same logprobs and gradient. Bounds the dense N x N "
+                                  "attention mask sdpa builds for a packed sequence (quadratic in N, CPU). The ref "
+                                  "server bounds its forwards by its own score_token_budget.")
     # --- run ------------------------------------------------------------------------
     all_steps: int = knob(1000, "Training steps = optimizer updates (the LR schedule, versions, staleness, "
                                 "publishes, metrics rows and checkpoints count them).")

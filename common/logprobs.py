@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from common.final_logits import LogitFn, final_logit_fn
-from common.packing import check_packed_attention, pack_rows
+from common.packing import Packed, check_packed_attention, pack_plan, pack_rows
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -85,6 +85,18 @@ def head_calls(completion_lens: torch.Tensor, chunk_tokens: int, padding_free: b
     return chunk_count(int(completion_lens.numel()), int(completion_lens.max()), chunk_tokens)
 
 
+def forward_calls(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, chunk_tokens: int,
+                  padding_free: bool = False, pack_tokens: int | None = None) -> tuple[int, int]:
+    """(body forwards, LM-head calls per forward) sequence_logprobs makes for these rows: padded, one forward;
+    padding-free, one per pack of at most pack_tokens tokens (common/packing.py pack_plan), each calling the head
+    for its own completion positions (the most of any pack: what min_chunks must cover)."""
+    if not padding_free:
+        return 1, head_calls(completion_lens, chunk_tokens)
+    packs = pack_plan(prompt_lens, completion_lens, pack_tokens)
+    return len(packs), max(head_calls(completion_lens[g.to(completion_lens.device)], chunk_tokens, True)
+                           for g in packs)
+
+
 def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
                          chunk_tokens: int = 256, with_entropy: bool = False, min_chunks: int = 0,
                          logit_fn: LogitFn | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,14 +150,16 @@ def logit_fn_for(model: torch.nn.Module, temperature: float = 1.0) -> LogitFn | 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
                       completion_lens: torch.Tensor, chunk_tokens: int = 256, with_entropy: bool = False,
-                      min_chunks: int = 0, temperature: float = 1.0,
-                      padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      min_chunks: int = 0, temperature: float = 1.0, padding_free: bool = False,
+                      pack_tokens: int | None = None, min_packs: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each row's completion tokens under `model` (a HF *ForCausalLM) at `temperature`.
 
     input_ids (B, L) right-padded prompt+completion rows (see common/wire/protocol.py).
     Returns (B, T) float32 with T = max(completion_lens), zeros past each row's length.
-    padding_free: the rows go through the model as one packed sequence (common/packing.py), the LM head sees only
-    the completion positions; the same numbers within float32 rounding, no padded token computed.
+    padding_free: the rows go through the model as packed sequences (common/packing.py) of at most pack_tokens
+    tokens each (None: one), the LM head sees only the completion positions; the same numbers within float32
+    rounding, no padded token computed. min_packs: forward at least this many packs (ZeRO-3 ranks pass the count
+    they agreed on, see forward_calls); min_chunks then counts head calls per pack.
     """
     if hasattr(model, "get_base_model"):  # a peft (LoRA) model: its adapters live inside the base model's layers
         model = model.get_base_model()
@@ -156,8 +170,8 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
     body = getattr(model, model.base_model_prefix)  # decoder without the LM head
     head = model.get_output_embeddings()
     if padding_free:
-        return _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, chunk_tokens,
-                                with_entropy, min_chunks, logit_fn)
+        return _packs_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, chunk_tokens,
+                               with_entropy, min_chunks, logit_fn, pack_tokens, min_packs)
     B, L = input_ids.shape
     mask = attention_mask_from_lengths(prompt_lens + completion_lens, L)
     hidden = body(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
@@ -171,15 +185,44 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
     return logps, ent
 
 
-def _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, chunk_tokens, with_entropy,
-                     min_chunks, logit_fn) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """sequence_logprobs over one packed sequence: attention_mask None, so transformers confines attention to
-    each row from the restarting position_ids (common/packing.py); outputs scattered back to (B, T)."""
+def _packs_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, chunk_tokens, with_entropy,
+                    min_chunks, logit_fn, pack_tokens, min_packs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sequence_logprobs padding-free: one packed forward per pack of pack_plan, then dummy ones up to min_packs."""
     check_packed_attention(model)
-    p = pack_rows(input_ids, prompt_lens, completion_lens)
+    groups: list = pack_plan(prompt_lens, completion_lens, pack_tokens)
+    groups += [None] * (min_packs - len(groups))  # dummy packs: the same module calls as the other ranks
+    B, T = input_ids.shape[0], int(completion_lens.max())
+    logps = ent = None
+    for g in groups:
+        lp, en = _packed_logprobs(body, head, input_ids, prompt_lens, completion_lens, g, (B, T), chunk_tokens,
+                                  with_entropy, min_chunks if g is not None else max(min_chunks, 1), logit_fn)
+        # each pack fills only its own rows (zeros elsewhere): the sum is exact, and keeps every pack (a dummy
+        # one too) in the autograd graph, so ZeRO-3's backward gathers for it on every rank alike
+        logps = lp if logps is None else logps + lp
+        ent = en if ent is None else ent + en  # None throughout without with_entropy
+    return logps, ent
+
+
+def _dummy_pack(input_ids: torch.Tensor) -> Packed:
+    """A 1-token pack that predicts nothing: a rank's forward past its own packs (min_packs)."""
+    none = torch.zeros(0, dtype=torch.long, device=input_ids.device)
+    return Packed(input_ids=input_ids[:1, :1], position_ids=torch.zeros_like(input_ids[:1, :1]), pred=none,
+                  targets=none, rows=none, cols=none)
+
+
+def _packed_logprobs(body, head, input_ids, prompt_lens, completion_lens, rows, shape, chunk_tokens, with_entropy,
+                     min_chunks, logit_fn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One packed forward over `rows` (None: a dummy pack): attention_mask None, so transformers confines
+    attention to each row from the restarting position_ids (common/packing.py); outputs scattered into zeros of
+    the (B, T) `shape` at those rows."""
+    if rows is None:
+        p, at_rows = _dummy_pack(input_ids), torch.zeros(0, dtype=torch.long, device=input_ids.device)
+    else:
+        rows = rows.to(input_ids.device)
+        p = pack_rows(input_ids[rows], prompt_lens[rows], completion_lens[rows])
+        at_rows = rows[p.rows]  # the pack's row -> the micro-batch's row
     hidden = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False).last_hidden_state
     h = hidden[:, p.pred]  # (1, K, H): the state before each completion token, no padded position
     logps, ent = logprobs_from_hidden(h, head, p.targets[None], chunk_tokens, with_entropy, min_chunks, logit_fn)
-    B, T = input_ids.shape[0], int(completion_lens.max())
-    scatter = lambda x: x.new_zeros(B, T).index_put((p.rows, p.cols), x[0])  # noqa: E731  (differentiable)
+    scatter = lambda x: x.new_zeros(shape).index_put((at_rows, p.cols), x[0])  # noqa: E731  (differentiable)
     return scatter(logps), (scatter(ent) if ent is not None else None)

@@ -15,6 +15,12 @@ take the restarting positions, so every row sees exactly the positions it has wh
 
 Only the LM head positions that predict a completion token are gathered from the packed hidden states, so the
 head (the largest matmul of a small model: vocabulary x hidden per position) skips the padding too.
+
+A packed forward is bounded (`pack_plan`): the sdpa/eager mask above is dense N x N, so one pack of a whole
+micro-batch costs quadratically in its TOTAL length (32 rows of ~640 tokens: 87 s a step on CPU). Rows go into
+packs of at most `pack_tokens` tokens (row_groups, the helper the ref server bounds its forwards with too), one
+forward each, their outputs added into one (B, T) result: the same numbers as one pack, attention never crosses
+a row anyway.
 """
 from __future__ import annotations
 
@@ -91,6 +97,16 @@ def resolve_padding_free(setting: str | bool, model: torch.nn.Module) -> bool:
         return True
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return impl in ("flash_attention_2", "flash_attention_3")
+
+
+def pack_plan(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, pack_tokens: int | None
+              ) -> list[torch.Tensor]:
+    """Row indices of each packed forward over these rows: consecutive rows of at most `pack_tokens` real tokens
+    per pack (one row at least, so a longer row is a pack of its own); None or 0: all rows in one pack."""
+    lens = (prompt_lens + completion_lens).cpu()
+    if not pack_tokens:
+        return [torch.arange(lens.numel())]
+    return row_groups(lens, pack_tokens, packed=True)
 
 
 def row_groups(lens: torch.Tensor, budget: int, packed: bool) -> list[torch.Tensor]:

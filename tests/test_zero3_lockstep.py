@@ -31,7 +31,9 @@ def test_ranks_with_different_completion_lengths_train_in_micro_batches(tiny_mod
 def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp_path):
     """ref server + `deepspeed --num_gpus 2` at stage 3: ranks generate their own rollouts (64 new tokens,
     lengths differ between ranks), logprobs in 8-position chunks, micro-batches of 2, eval of an odd number
-    of examples at step 2 one prompt per generate call (shards of 2 and 1: rank 1 makes a dummy call).
+    of examples at step 2 one prompt per generate call (shards of 2 and 1: rank 1 makes a dummy call), packed
+    forwards of at most 110 tokens (generation-time logprobs and training; without the ranks agreeing on the pack
+    count this run hung, seed 1).
     Before the fix the run hung in that eval (rank 0 alone, rank 1 in the barrier) until dist_timeout."""
     with start_ref_server(tiny_model_dir) as srv:
         cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
@@ -41,7 +43,8 @@ def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp
                "--max_new_tokens", "64", "--logp_chunk_tokens", "8", "--micro_batch_size", "2",
                "--Q_batch_size", "1", "--num_gen_workers", "0", "--all_steps", "2", "--save_steps", "1000",
                "--eval_steps", "2", "--eval_limit", "3", "--eval_max_new_tokens", "16", "--gen_batch_size", "1",
-               "--dist_timeout", "120", "--lr", "1e-3"]
+               "--dist_timeout", "120", "--lr", "1e-3",
+               "--pack_tokens", "110"]  # 78-token rows (64 new) alone, shorter ones paired: pack counts differ
         proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=500)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -49,3 +52,21 @@ def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp
     assert rows[1]["eval_n"] == 3  # both ranks' shards counted
     # padding_free auto (CPU): the ranks' forwards packed, no padded token computed; said per step (issue 33)
     assert all(r["padding_free"] == 1.0 and r["padding_share"] == 0.0 for r in rows)
+
+
+def test_ranks_needing_different_pack_counts_stay_in_lockstep(tiny_model_dir):
+    """padding_free (auto: on CPU) with packs of at most 64 tokens (common/packing.py pack_plan): rank 0's first
+    micro-batch (rows of 70, 67, 64 tokens) is 3 packs, rank 1's (30, 27, 24) 2, with other head-call counts per
+    pack; rank 1 makes a dummy pack's forward (and its backward) so both ranks make the same module calls."""
+    from zero3_probe import batch_for
+
+    from common.packing import pack_plan
+    firsts = [batch_for(rank, 4, 100) for rank in (0, 1)]
+    assert [len(pack_plan(b.prompt_lens[:3], b.completion_lens[:3], 64)) for b in firsts] == [3, 2]
+    cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
+           str(REPO / "tests" / "zero3_probe.py"), str(tiny_model_dir), "2", "micro_batch_size", "3",
+           "pack_tokens", "64"]  # padding_free auto: packed on CPU
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "rank0 PROBE DONE" in out and "rank1 PROBE DONE" in out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from common.logprobs import head_calls, sequence_logprobs
+from common.logprobs import forward_calls, sequence_logprobs
 from common.packing import resolve_padding_free
 from common.prompts import SYSTEM_PROMPT
 from common.wire.protocol import RolloutBatch
@@ -90,21 +90,25 @@ def engine_logps(samples: list[Sample]) -> torch.Tensor:
 
 @torch.no_grad()
 def policy_logps(batches: list[RolloutBatch], engine: GenEngine, cfg, synced: bool) -> None:
-    """gen_logps of an engine that returns none (HF): one forward of its model per group, the same computation
-    the trainer does. Synced (ZeRO-3): every module call gathers weights from all ranks, so each rank makes as
-    many forwards, each with as many LM-head chunks, as the rank with the most (a 1-token dummy row past ours)."""
+    """gen_logps of an engine that returns none (HF): forwards of its model per group (padding_free: one per
+    pack of at most pack_tokens tokens), the same computation the trainer does. Synced (ZeRO-3): every module
+    call gathers weights from all ranks, so each rank makes as many forwards, each with as many LM-head chunks,
+    as the rank with the most (a 1-token dummy row past ours, dummy packs past our packs)."""
     n = all_reduce_int(len(batches), "max") if synced else len(batches)
     if n == 0:  # every batch has the engine's own logprobs (vLLM): no forward, and no HF model to ask
         return
-    packed = resolve_padding_free(cfg.padding_free, engine.model)  # one packed sequence per group (common/packing.py)
+    packed = resolve_padding_free(cfg.padding_free, engine.model)  # packed sequences per group (common/packing.py)
     for i in range(n):
         b = batches[i] if i < len(batches) else None
         ids, plens, clens = (b.input_ids, b.prompt_lens, b.completion_lens) if b is not None else \
             (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
-        chunks = head_calls(clens, cfg.logp_chunk_tokens, packed)
+        packs, chunks = forward_calls(plens, clens, cfg.logp_chunk_tokens, packed, cfg.pack_tokens)
+        if synced:  # as many packed forwards (pack_tokens each), and head calls in each, as the rank with the most
+            packs, chunks = all_reduce_int(packs, "max"), all_reduce_int(chunks, "max")
         logps, _ = sequence_logprobs(engine.model, ids, plens, clens, chunk_tokens=cfg.logp_chunk_tokens,
-                                     min_chunks=all_reduce_int(chunks, "max") if synced else 0,
-                                     temperature=cfg.logprob_temperature(), padding_free=packed)
+                                     min_chunks=chunks if synced else 0, temperature=cfg.logprob_temperature(),
+                                     padding_free=packed, pack_tokens=cfg.pack_tokens,
+                                     min_packs=packs if synced else 0)
         if b is not None:
             b.gen_logps = logps.float().cpu()
 

@@ -108,6 +108,8 @@ class ConfigChecks:
             (self.wait_for_ranks_timeout > 0, "wait_for_ranks_timeout must be > 0 seconds"),
             (str(self.padding_free).lower() in ("auto", "true", "false"),
              f"padding_free must be auto, true or false, got {self.padding_free!r}"),
+            (isinstance(self.pack_tokens, int) and not isinstance(self.pack_tokens, bool) and self.pack_tokens >= 1,
+             f"pack_tokens must be an integer >= 1 (tokens of one packed forward), got {self.pack_tokens!r}"),
         ]
         extra = sorted(set(self.load_options()) - {"trust_remote_code", "revision", "attn_implementation"})
         checks += self.loading_checks() + [  # --- issue 31: how every process loads the model ---

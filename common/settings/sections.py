@@ -29,7 +29,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("optimisation", "Optimizer, schedule, batch shape per update, memory and precision.", [
         "lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_accum", "train_batch_groups",
         "micro_batch_size", "zero_stage", "bf16", "gradient_checkpointing", "ds_config", "logp_chunk_tokens",
-        "padding_free"]),
+        "padding_free", "pack_tokens"]),
     ("LoRA", "Adapters instead of full fine-tuning.", [
         "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"]),
     ("run, checkpoints, eval and logs", "How long, where things go, when to evaluate and log.", [

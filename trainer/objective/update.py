@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import GRPOConfig
-from common.logprobs import head_calls, sequence_logprobs
+from common.logprobs import forward_calls, sequence_logprobs
 from common.packing import forward_tokens, padding_share, resolve_padding_free
 from common.wire.protocol import ProtocolError, ScoredBatch
 from trainer.dist import comm
@@ -137,12 +137,14 @@ def train_step(engine, b: ScoredBatch, cfg: GRPOConfig) -> dict:
     return train_update(engine, new_round([b], cfg, next(engine.module.parameters()).device), cfg)
 
 
-def agreed_chunks(model, mb: microbatch.Micro, cfg: GRPOConfig, packed: bool = False) -> int:
-    """Under ZeRO-3 each LM-head call gathers the head from every rank: all ranks make as many calls as the
-    rank with the most completion positions (common/logprobs.py pads with empty chunks). 0 otherwise."""
+def agreed_calls(model, mb: microbatch.Micro, cfg: GRPOConfig, packed: bool = False) -> tuple[int, int]:
+    """(packs, head calls per pack) every rank makes under ZeRO-3, where each module call gathers its weights
+    from every rank: as many packed forwards (padding_free, at most pack_tokens tokens each) and LM-head calls
+    as the rank with the most (common/logprobs.py adds dummy packs and empty chunks). (0, 0) otherwise."""
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
-        return 0
-    return comm.all_reduce_int(head_calls(mb.completion_lens, cfg.logp_chunk_tokens, packed), "max")
+        return 0, 0
+    packs, chunks = forward_calls(mb.prompt_lens, mb.completion_lens, cfg.logp_chunk_tokens, packed, cfg.pack_tokens)
+    return comm.all_reduce_int(packs, "max"), comm.all_reduce_int(chunks, "max")
 
 
 def _eps(cfg: GRPOConfig) -> dict:
@@ -170,11 +172,12 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
         rnd.weights.append([None] * len(micros))
     seen, kept = [], []
     for j, mb in enumerate(micros):
-        chunks = agreed_chunks(engine.module, mb, cfg, packed)
+        packs, chunks = agreed_calls(engine.module, mb, cfg, packed)
         # through engine(): DeepSpeed's per-micro-batch bookkeeping (ZeRO-3 accumulates only then), see engine_call
-        logps, ent = engine_forward(engine, lambda mb=mb, chunks=chunks: sequence_logprobs(
+        logps, ent = engine_forward(engine, lambda mb=mb, packs=packs, chunks=chunks: sequence_logprobs(
             engine.module, mb.input_ids, mb.prompt_lens, mb.completion_lens, chunk_tokens=cfg.logp_chunk_tokens,
-            with_entropy=True, min_chunks=chunks, temperature=cfg.logprob_temperature(), padding_free=packed))
+            with_entropy=True, min_chunks=chunks, temperature=cfg.logprob_temperature(), padding_free=packed,
+            pack_tokens=cfg.pack_tokens, min_packs=packs))
         logps = logps.float()
         if first:  # π_old and the IS weights, fixed for all mu passes (row-local: exact per micro-batch)
             rnd.old[i][j], rnd.weights[i][j], _ = first_pass(logps, mb.gen, mb.mask, cfg, b.batch_id)
