@@ -58,7 +58,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-VERSION = "v3"  # bump when the recipe changes, so caches rebuild
+VERSION = "v4"  # bump when the recipe changes, so caches rebuild
 
 _NAMES = ["Natalia", "Weng", "Betty", "James", "Julie", "Mark", "Tina", "Albert", "Ken", "Alexis", "Sam", "Lee"]
 _THINGS = ["apples", "clips", "books", "dollars", "pages", "cookies", "marbles", "pencils", "eggs", "tickets"]
@@ -80,6 +80,57 @@ def _corpus(n: int, seed: int) -> list[str]:
         lines.append(f"<think> {b} * {c} = {b * c}, then {a} + {b * c} = {a + b * c}. "
                      f"The answer is {a + b * c}. </think> <answer> {a + b * c} </answer>")
         lines.append(f"#### {a - b} ${a}.{b:02d} {a},{b:03d} {a}/{c} -{b} 3/4 50% \\boxed{{{c}}}")
+    return lines + _tool_corpus(n // 10, seed)
+
+
+# Tools the tokenizer should know the text of: the built-in tools' signatures and docstrings (mirrored from
+# trainer/tools/calculator.py and python_tool.py, which common/ does not import) and a user-style one. Without
+# them the tools section of a prompt splits almost into characters (the calculator's schema: 310 tokens).
+def _calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return its value.
+
+    Args:
+        expression: The arithmetic expression to evaluate, using numbers, + - * / // % ** and parentheses,
+            for example "123 * 456 + 7".
+    """
+
+
+def _python(code: str) -> str:
+    """Run a Python snippet and return what it printed to stdout and stderr.
+
+    Args:
+        code: The Python source to run; use print() to show results.
+    """
+
+
+def _add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+
+
+def _tool_corpus(n: int, seed: int) -> list[str]:
+    """Rendered tools sections, tool calls and tool responses, as the chat template writes them."""
+    from transformers.utils.chat_template_utils import get_json_schema, render_jinja_template
+
+    tools = [get_json_schema(f) for f in (_calculator, _python, _add)]
+    for t in tools:
+        t["function"]["name"] = t["function"]["name"].lstrip("_")
+    rng = random.Random(seed + 1)
+    lines = []
+    for i in range(n):
+        a, b, c = rng.randint(10, 999), rng.randint(10, 99), rng.randint(0, 9)
+        expr = f"{a}*{b}+{c}"
+        chat = [{"role": "user", "content": expr},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                    "name": "calculator", "arguments": {"expression": expr}}}]},
+                {"role": "tool", "name": "calculator", "content": str(a * b + c)},
+                {"role": "assistant", "content": f"<answer>{a * b + c}</answer>"}]
+        (text,), _ = render_jinja_template([chat], tools=tools[:1 + i % 3], chat_template=CHAT_TEMPLATE)
+        lines += text.splitlines()
     return lines
 
 

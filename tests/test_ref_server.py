@@ -21,7 +21,7 @@ from ref_server.config import ServerConfig, check_bind, load_server_config
 
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-VOCAB, MAX_SEQ = 552, 2048  # the tiny model's (asserted against /health below)
+VOCAB, MAX_SEQ = 774, 2048  # the tiny model's (asserted against /health below)
 
 
 def make_batch(prompt_lens: list[int], completion_lens: list[int], L: int | None = None, seed: int = 0,

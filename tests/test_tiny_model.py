@@ -161,3 +161,27 @@ def test_tool_tokens_and_template_keep_the_single_turn_tokenisation():
     assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
                          '"2*3"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n6\n</tool_response>'
                          '<|im_end|>\n<|im_start|>assistant\n')
+
+
+def test_the_tokenizer_knows_tool_text():
+    """Model v4: the tokenizer is trained on rendered tools sections and calls, so the tool demo's prompt (the
+    built-in calculator listed) and its calls cost words, not characters (v3: 547 and 59 tokens). The tiny model
+    mirrors the built-in tools' docstrings in its corpus (common/ does not import trainer/): if one changes, this
+    says so."""
+    from common.tiny_model import build_tokenizer
+    from trainer.tools.schemas import load_tools
+
+    tok = build_tokenizer()
+    schemas = [t.schema for t in load_tools(["calculator"], None)]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "37*48+5"}], tools=schemas, tokenize=True,
+                                     add_generation_prompt=True, return_dict=False)
+    assert len(prompt) <= 220, len(prompt)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48+5"}}\n</tool_call>'
+    assert len(tok.encode(call)) <= 26
+    assert tok.tokenize("37*48+5") == ["3", "7", "*", "4", "8", "+", "5"]  # digits stay one token each
+    from transformers.utils import get_json_schema
+
+    from common.tiny_model import _calculator, _python
+    for mirror, builtin in zip((_calculator, _python), load_tools(["calculator", "python"], None)):
+        assert get_json_schema(mirror)["function"]["description"] == builtin.schema["function"]["description"]
+        assert get_json_schema(mirror)["function"]["parameters"] == builtin.schema["function"]["parameters"]

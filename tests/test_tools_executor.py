@@ -202,3 +202,25 @@ def test_an_unclosed_executor_is_cleaned_up_when_dropped():
 def test_an_episode_never_started_is_the_callers_error(box):
     with pytest.raises(KeyError, match="was not started"):
         box.run([(10 ** 6, [ToolCall("multiply", {"a": 1, "b": 1})])])
+
+
+def test_an_executor_that_dies_at_start_says_so_not_that_it_timed_out(tmp_path, monkeypatch):
+    """A tool module that takes the executor process down while it is imported there (not here, in the parent):
+    the error names the exit, at once, instead of waiting out the start-up timeout."""
+    (tmp_path / "dies_in_child.py").write_text(
+        "import os, sys\n"
+        "if sys.argv[0].endswith('executor_worker.py'):\n"
+        "    os._exit(3)\n"
+        "def f(x: int) -> int:\n"
+        "    \"\"\"Echo.\n\n    Args:\n        x: a number.\n    \"\"\"\n"
+        "    return x\n")
+    monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
+    tb = ToolBox(load_tools(["dies_in_child.py:f"], None), timeout=5.0, output_chars=100)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"failed to start: it exited \(code 3"):
+            [ep] = tb.start_episodes(1)
+            tb.run([(ep, [ToolCall("f", {"x": 1})])])
+    finally:
+        tb.close()
+    assert time.monotonic() - t0 < 60

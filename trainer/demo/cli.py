@@ -46,8 +46,9 @@ TOOLS_CONFIG = REPO / "configs" / "demo_tools.json"
 DEFAULTS = dict(sft_steps=400, sft_batch_size=64, sft_lr=1e-3, sft_target=0.40, sft_check_from=160, sft_check_every=20,
                 sft_dev=200, eval_limit=1000, eval_batch_size=250)
 QUICK = dict(sft_steps=30, eval_limit=100, grpo_steps=6, grpo_eval_steps=3, grpo_eval_limit=50)
-# --tools: sized from measurements on 2 shared CPU cores (docs/benchmarks.md#the-tool-demo)
-TOOLS = dict(sft_steps=250, sft_batch_size=32, sft_lr=3e-3, sft_tool_share=0.35, eval_limit=200, eval_batch_size=100)
+# --tools: sized from SFT probes and full runs on 2 CPU cores (docs/benchmarks.md#the-tool-demo): fewer or larger
+# steps (250 x 32 at lr 3e-3) left the calls' expressions or the copied results wrong
+TOOLS = dict(sft_steps=500, sft_batch_size=64, sft_lr=1e-3, sft_tool_share=0.35, eval_limit=200, eval_batch_size=100)
 TOOLS_QUICK = dict(sft_steps=10, eval_limit=20, grpo_steps=3, grpo_eval_steps=3, grpo_eval_limit=10)
 
 

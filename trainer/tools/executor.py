@@ -75,7 +75,9 @@ class ToolExecutor:
         self._reader = JsonLineReader(self.proc.stdout)
         msg = self._read(STARTUP_TIMEOUT)
         if not isinstance(msg, dict) or "ready" not in msg:
-            err = msg.get("error") if isinstance(msg, dict) else f"no answer within {STARTUP_TIMEOUT:.0f} s"
+            err = (msg.get("error") if isinstance(msg, dict) else
+                   f"it exited (code {self.proc.wait()}; its stderr is above)" if msg == "died" else
+                   f"no answer within {STARTUP_TIMEOUT:.0f} s")
             self._kill()
             raise RuntimeError(f"the tool executor failed to start: {err}")
 
