@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import start_ref_server
-from test_ref_server import make_batch
+from test_ref_server import VOCAB, make_batch
 
 from common.config import GRPOConfig
 from common.settings.knobs import load_config
@@ -57,7 +57,7 @@ def test_uploads_taken_by_another_rank_cost_no_wait(tiny_model_dir, own_uploads)
                                    "--temperature", "1.0"])  # make_batch sends no logp_temperature: T 1
     with start_ref_server(tiny_model_dir) as srv:
         client = RecordingClient(srv.url)
-        src = BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
+        src = BatchSource(cfg, client, None, None, Sampler(), [], [], VOCAB, producer_id="trainer-rank0")
         # step 1: nothing on the server, so generate and upload 2; wait for one while the server holds them
         batch, _ = src.next(policy_version=0)
         assert batch.batch_id == own_uploads[0].batch_id and src.in_flight == 1
@@ -101,7 +101,7 @@ def test_uploads_lost_with_the_server_are_counted_and_made_anew(own_uploads):
             return {"queues": {"input": 0, "output": 0, "scoring": False}}
 
     client = FlakyClient()
-    src = BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
+    src = BatchSource(cfg, client, None, None, Sampler(), [], [], VOCAB, producer_id="trainer-rank0")
     batch, info = src.next(policy_version=0)
     assert info["lost_batches"] == 2 and len(client.uploaded) == 4 and batch.batch_id == own_uploads[2].batch_id
     assert src.in_flight == 1
@@ -118,7 +118,7 @@ def test_batches_it_can_never_use_end_the_rank_with_the_reason(tiny_model_dir):
                                    "--max_rejected_batches", "3"])
     with start_ref_server(tiny_model_dir) as srv:
         client = RefClient(srv.url)
-        src = BatchSource(cfg, client, None, None, Sampler(), [], [], 548, producer_id="trainer-rank0")
+        src = BatchSource(cfg, client, None, None, Sampler(), [], [], VOCAB, producer_id="trainer-rank0")
         client.upload(make_batch([3], [3], seed=1, producer_id="byo"))  # T 1: refused
         client.upload(make_batch([3], [3], seed=2, producer_id="byo", extra={"logp_temperature": 0.9}))
         batch, info = src.next(policy_version=0)

@@ -182,7 +182,7 @@ def test_stale_batches_are_dropped_and_counted(server, tiny_model_dir):
     cfg = GRPOConfig(num_gen_workers=1, get_wait=0.0, max_staleness=2, train_batch_groups=2, max_new_tokens=16,
                      temperature=1.0)  # the batches carry no logp_temperature: T = 1
     tok = load_tokenizer(str(tiny_model_dir))
-    src = BatchSource(cfg, client, None, tok, None, [], [], 548, producer_id="rank0")
+    src = BatchSource(cfg, client, None, tok, None, [], [], len(tok), producer_id="rank0")
     got, info = src.next(policy_version=10)
     assert isinstance(got, ScoredBatch)
     assert info["dropped_stale"] == 1
