@@ -201,6 +201,22 @@ def trained(run_dir: Path) -> list[list[int]]:
     return [sorted(i for per_rank in r["example_indices"] for i in per_rank) for r in read_rows(run_dir)]
 
 
+def assert_same_examples(got: list[list[int]], expected: list[list[int]]) -> None:
+    """The same examples in the same order, up to the one race left at lr 0: a rank that finished its step
+    generates its next batch while the other rank still waits, and the waiting rank may take that batch first
+    (measured once under a loaded machine: step 2 trained [2129, 4638] for [832, 4638], and 832 came a step
+    later). So a batch may move by one step, and the last step may hold one other batch that was still queued
+    (in that run 1498 for 4336). A sampler restarted on resume trains examples twice; a lost position or RNG
+    stream trains other examples: either breaks these bounds."""
+    assert len(got) == len(expected)
+    flat = [i for step in got for i in step]
+    assert len(flat) == len(set(flat)), got  # none twice
+    for k, step in enumerate(got):  # each within its step of the uninterrupted run, or the step before or after
+        near = {i for s in expected[max(0, k - 1):k + 2] for i in s}
+        assert set(step) <= near or k == len(got) - 1, (k, got, expected)
+    assert len(set(flat) ^ {i for s in expected for i in s}) <= 2, (got, expected)
+
+
 def test_sigkill_and_resume_trains_the_same_examples(tmp_path):
     # lr 0: which rank takes which batch from the server's queue races, so with a real lr the two runs' weights
     # differ in the last bits after the resumed step; a sampled token that flips then changes which groups have
@@ -228,7 +244,8 @@ def test_sigkill_and_resume_trains_the_same_examples(tmp_path):
     assert rc == 0, err[-3000:]
     log = (run_dir / "trainer.log").read_text()
     assert "data order resumed" in log
-    print(f"\nkilled after step {killed_at}; per-step example indices: {trained(run_dir)}")
-    assert trained(run_dir) == expected
+    got = trained(run_dir)
+    print(f"\nkilled after step {killed_at}; per-step example indices: {got} (uninterrupted: {expected})")
+    assert_same_examples(got, expected)
     flat = [i for step in expected for i in step]
     assert len(flat) == len(set(flat))  # none twice
