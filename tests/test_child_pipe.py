@@ -98,3 +98,21 @@ def test_reward_caller_maps_a_dead_worker_to_an_error() -> None:
             caller._read(30.0)
     finally:
         caller.close()
+
+
+def test_a_reward_worker_that_dies_at_start_is_reaped_and_says_so(tmp_path, monkeypatch) -> None:
+    """A reward module that takes the worker down while the worker imports it (not here, in the parent)."""
+    (tmp_path / "dies_in_reward_worker.py").write_text(
+        "import os, sys\n"
+        "if sys.argv[0].endswith('timeout.py'):\n"
+        "    os._exit(3)\n"
+        "def r(completion, ground_truth):\n"
+        "    return 1.0\n")
+    monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
+    caller = ProcessCaller(["dies_in_reward_worker.py:r"], timeout=5.0)
+    try:
+        with pytest.raises(RuntimeError, match="reward worker failed to start: reward worker exited unexpectedly"):
+            caller._start()
+        assert caller.proc is None  # reaped: nothing left to write to
+    finally:
+        caller.close()

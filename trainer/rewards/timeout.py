@@ -100,7 +100,11 @@ class ProcessCaller:
         self.proc = subprocess.Popen([sys.executable, "-m", "trainer.rewards.timeout", json.dumps(self.specs)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         self._reader = JsonLineReader(self.proc.stdout)
-        msg = self._read(STARTUP_TIMEOUT)
+        try:
+            msg = self._read(STARTUP_TIMEOUT)
+        except RuntimeError as e:  # it died while importing the rewards: reap it, so no later send hits a dead pipe
+            self._kill()
+            raise RuntimeError(f"reward worker failed to start: {e}") from None
         if msg is None or "ready" not in msg:
             err = (msg or {}).get("error", f"no answer within {STARTUP_TIMEOUT:.0f} s")
             self._kill()
