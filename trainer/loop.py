@@ -159,6 +159,11 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     setup_logging(f"rank{rank}")
     torch.manual_seed(cfg.seed + rank)
     out = Path(cfg.output_dir)
+    examples = run_data.train_examples(cfg)
+    cfg.resolve_epochs(len(examples), world)  # num_train_epochs -> all_steps (and warmup_ratio), before it is used
+    if cfg.num_train_epochs is not None and rank == 0:
+        log.info("num_train_epochs %s over %d prompts: all_steps %d", cfg.num_train_epochs, len(examples),
+                 cfg.all_steps)
     if nodes.is_node_leader():  # every host keeps its own run directory (no shared filesystem assumed)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -176,7 +181,6 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     torch.distributed.all_gather_object(peers, (nodes.host_label(), os.getpid()))
     client = make_client(cfg, f"{RANK_PRODUCER}{rank}", "rank", host=peers[rank][0])
     client.wait_ready(timeout=300)
-    examples = run_data.train_examples(cfg)
     eval_examples = run_data.eval_examples(cfg)  # held-out rows only: never the training rows
     scorer = RewardScorer.from_config(cfg)
     sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)

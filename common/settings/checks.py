@@ -32,7 +32,8 @@ class ConfigChecks:
         return {str(n).strip().lower() for n in names if str(n).strip()}
 
     def validate(self: C) -> C:
-        checks = [
+        self.resolve_warmup()  # against the final all_steps (every source merged); num_train_epochs: at train time
+        checks = self.trl_checks() + [
             (self.num_pre_Q >= 2, "num_pre_Q must be >= 2 (a group needs a spread)"),
             (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
             (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"),
