@@ -90,7 +90,7 @@ def check_data(c: Checker) -> str:
     if c.tokenizer is None:
         return read + " (prompts not rendered: no tokenizer)"
     kept, skipped = encode_prompts(c.tokenizer, c.examples, cfg.system_prompt, cfg.max_prompt_length,
-                                   cfg.prompt_format)
+                                   cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs)
     if not kept:
         raise ValueError(f"none of the first {len(c.examples)} prompts fits max_prompt_length {cfg.max_prompt_length}")
     ex, ids = kept[0]

@@ -98,7 +98,8 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scor
     res = evaluate(model, tok, examples[rank::world], system_prompt=cfg.system_prompt,
                    prompt_format=cfg.prompt_format, max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False,
-                   scorer=scorer, toolbox=toolbox, max_tool_calling_iterations=cfg.max_tool_calling_iterations)
+                   scorer=scorer, toolbox=toolbox, max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                   chat_template_kwargs=cfg.chat_template_kwargs)
     parts: list = [None] * world  # an object collective: NCCL and gloo alike, no tensor device to pick
     torch.distributed.all_gather_object(parts, (res["correct"], res["formatted"], res["n"], res["rewards"],
                                                 res["reward_total"], res["reward_errors"], res.get("tool_calls")))
