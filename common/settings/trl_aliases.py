@@ -68,6 +68,7 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
                                     "gradient_accumulation_steps) completions per round; here a round is num_pre_Q "
                                     "x Q_batch_size and each batch train_batch_groups groups, whatever grad_accum"),
     "model_revision": ("revision", None, "TRL ModelConfig's name of the hub revision"),
+    "model_name_or_path": ("model", None, "TRL ModelConfig's name of the policy model"),
 }
 
 # TRL GRPOConfig / TrainingArguments names we cannot honour, with the reason given to the user.
@@ -120,6 +121,8 @@ REFUSED: dict[str, str] = {
     "save_strategy": "checkpoints are saved every save_steps steps and at the end",
     "logging_dir": "logs go to output_dir (metrics.jsonl, TensorBoard)",
     "gradient_checkpointing_kwargs": "gradient checkpointing takes no options here",
+    "use_liger_kernel": "Liger kernels are not applied (the model's own modules run)",
+    "torch_empty_cache_steps": "the CUDA cache is not emptied on a schedule",
 }
 # Values of refused names that are what we do anyway: accepted (nothing to set), so TRL recipe files run.
 MATCHING: dict[str, tuple] = {
@@ -136,6 +139,7 @@ MATCHING: dict[str, tuple] = {
     "resume_from_checkpoint": (None,), "min_p": (None, 0, 0.0), "repetition_penalty": (1, 1.0),
     "generation_kwargs": (None,), "num_generations_eval": (None,),
     "multi_objective_aggregation": ("sum_then_normalize",),
+    "use_liger_kernel": (False,), "torch_empty_cache_steps": (None,), "gradient_checkpointing_kwargs": (None,),
     "optim": ("adamw_torch", "adamw_torch_fused"), "adam_beta1": (0.9,), "adam_epsilon": (1e-8,),
 }
 
