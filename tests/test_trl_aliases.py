@@ -146,7 +146,8 @@ def test_vllm_tensor_parallel_size_is_ours_too(tmp_path):
         load_config(GRPOConfig, ["--vllm_tensor_parallel_size", "0"])
 
 
-@pytest.mark.parametrize("name, value", [("push_to_hub", True), ("min_p", 0.1), ("remove_unused_columns", True),
+@pytest.mark.parametrize("name, value", [("push_to_hub", True), ("cache_implementation", "static"),
+                                         ("remove_unused_columns", True),
                                          ("generation_batch_size", 16), ("sync_ref_model", True),
                                          ("vllm_mode", "colocate"), ("resume_from_checkpoint", "x")])
 def test_unsupported_trl_names_are_refused_by_name(name, value):

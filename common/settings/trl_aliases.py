@@ -75,10 +75,9 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
 _VLLM = "vLLM is configured with gen_backend (TRL's use_vllm) and our vllm_* fields, not this TRL option"
 _REF = "the reference model is frozen on the ref server"
 _BATCH = "batch shape is num_pre_Q x Q_batch_size x train_batch_groups here"
-_GEN = "generation settings beyond temperature/top_p/top_k are not implemented"
+_GEN = "the HF engine runs transformers' generate with its default cache (vLLM workers: gen_backend vllm)"
 REFUSED: dict[str, str] = {
-    **{n: _GEN for n in ("min_p", "repetition_penalty", "generation_kwargs", "cache_implementation",
-                         "use_transformers_paged", "use_transformers_continuous_batching",
+    **{n: _GEN for n in ("cache_implementation", "use_transformers_paged", "use_transformers_continuous_batching",
                          "transformers_continuous_batching_config")},
     **{n: _VLLM for n in (
         "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_group_port",
@@ -136,8 +135,7 @@ MATCHING: dict[str, tuple] = {
     "lr_scheduler_kwargs": (None,), "log_completions_hub_repo": (None,), "log_multimodal": (False,),
     "log_unique_prompts": (False,), "wandb_log_unique_prompts": (False,), "entropy_coef": (0, 0.0),
     "use_adaptive_entropy": (False,), "router_aux_loss_coef": (0, 0.0), "pad_to_multiple_of": (None,),
-    "resume_from_checkpoint": (None,), "min_p": (None, 0, 0.0), "repetition_penalty": (1, 1.0),
-    "generation_kwargs": (None,), "num_generations_eval": (None,),
+    "resume_from_checkpoint": (None,), "num_generations_eval": (None,),
     "multi_objective_aggregation": ("sum_then_normalize",),
     "use_liger_kernel": (False,), "torch_empty_cache_steps": (None,), "gradient_checkpointing_kwargs": (None,),
     "optim": ("adamw_torch", "adamw_torch_fused"), "adam_beta1": (0.9,), "adam_epsilon": (1e-8,),

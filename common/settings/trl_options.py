@@ -4,6 +4,7 @@
     warmup_ratio             warmup_steps = ceil(ratio x the final step count), resolved once that count is known
     num_train_epochs         all_steps from the training set's size (trainer/loop.py, resolve_epochs)
     chat_template_kwargs     extra arguments of the chat template (Qwen3's enable_thinking)
+    min_p, repetition_penalty, generation_kwargs   more sampling settings of rollouts, HF and vLLM engines alike
 
 No torch here: config classes import this for --help and validation.
 """
@@ -13,6 +14,12 @@ import math
 from dataclasses import dataclass
 
 from common.settings.knobs import knob
+
+# Sampling settings the engines set themselves (from their own fields, or to keep samples and logprobs exact).
+OWNED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "max_tokens", "max_length", "n",
+                  "num_return_sequences", "do_sample", "logprobs", "stop_token_ids", "eos_token_id", "pad_token_id",
+                  "bos_token_id", "detokenize", "seed", "output_scores", "return_dict_in_generate", "num_beams",
+                  "use_cache", "logprobs_mode"}
 
 
 @dataclass
@@ -35,8 +42,32 @@ class TRLOptions:
                                           "is templated (rollouts, eval, check), e.g. {\"enable_thinking\": false} "
                                           "for Qwen3.")
 
+    min_p: float | None = knob(None, "TRL name: min-p sampling in rollouts (tokens below min_p x the top token's "
+                                     "probability are dropped), HF and vLLM engines alike. null/0 = off. The trainer's "
+                                     "logprobs stay those of the temperature-scaled distribution (as TRL's).")
+    repetition_penalty: float = knob(1.0, "TRL name: repetition penalty in rollouts (> 1 discourages tokens already "
+                                          "in the prompt or completion), HF and vLLM engines alike. 1 = off.")
+    generation_kwargs: dict = knob({}, "TRL name: more sampling settings of rollouts, passed as they are to "
+                                       "transformers' GenerationConfig (HF engines) or vLLM's SamplingParams (vLLM "
+                                       "workers), as TRL does; the keys we set ourselves (temperature, top_p, top_k, "
+                                       "lengths, n, stop tokens, logprobs) are refused.")
+
+    def sampling_extras(self) -> dict:
+        """What rollouts sample with beyond temperature/top_p/top_k (given to both engines' sampling settings)."""
+        out = {"repetition_penalty": float(self.repetition_penalty)}
+        if self.min_p:
+            out["min_p"] = float(self.min_p)
+        return {**out, **(self.generation_kwargs or {})}
+
     def trl_checks(self) -> list[tuple[bool, str]]:
+        owned = sorted(set(self.generation_kwargs or {}) & OWNED_SAMPLING) \
+            if isinstance(self.generation_kwargs, dict) else []
         return [
+            (self.min_p is None or 0 <= self.min_p <= 1, f"min_p must be in [0, 1] (or null), got {self.min_p!r}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (isinstance(self.generation_kwargs, dict), "generation_kwargs must be a JSON object"),
+            (not owned, f"generation_kwargs may not set {owned}: they have fields of their own (temperature, top_p, "
+                        f"top_k, max_completion_length, num_generations) or are the engine's to set"),
             (self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1,
              f"warmup_ratio must be in [0, 1] (or null), got {self.warmup_ratio!r}"),
             (self.num_train_epochs is None or self.num_train_epochs > 0,
