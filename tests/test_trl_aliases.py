@@ -42,6 +42,9 @@ CASES = [
     ("model_revision", "v1.0", "revision", "v1.0"),                      # TRL ModelConfig's name
     ("trust_remote_code", True, "trust_remote_code", True),               # TRL GRPOConfig's name, ours too
     ("attn_implementation", "eager", "attn_implementation", "eager"),
+    ("vllm_max_model_length", 2048, "vllm_max_model_len", 2048),         # issue 40: unknown before
+    ("resume_from_checkpoint", True, "resume", True),
+    ("model_name_or_path", "some/model", "model", "some/model"),
 ]
 
 
@@ -149,7 +152,7 @@ def test_vllm_tensor_parallel_size_is_ours_too(tmp_path):
 @pytest.mark.parametrize("name, value", [("push_to_hub", True), ("cache_implementation", "static"),
                                          ("remove_unused_columns", True),
                                          ("generation_batch_size", 16), ("sync_ref_model", True),
-                                         ("vllm_mode", "colocate"), ("resume_from_checkpoint", "x")])
+                                         ("vllm_mode", "colocate"), ("log_unique_prompts", True)])
 def test_unsupported_trl_names_are_refused_by_name(name, value):
     with pytest.raises(ValueError, match=f"cannot honour.*'{name}'={value!r} \\("):
         from_dict(GRPOConfig, {name: value})
@@ -178,6 +181,11 @@ def test_refused_name_with_the_value_we_do_anyway_is_accepted(tmp_path, name, va
     path.write_text(json.dumps({name: value}))
     assert load_config(GRPOConfig, ["--config", str(path)]) == GRPOConfig().validate()
     assert load_config(GRPOConfig, [f"--{name}", json.dumps(value)]) == GRPOConfig().validate()
+
+
+def test_resume_from_checkpoint_path_is_refused_with_the_way():
+    with pytest.raises(ValueError, match="resume_from_checkpoint='runs/x/step_5'.*output_dir"):
+        from_dict(GRPOConfig, {"resume_from_checkpoint": "runs/x/step_5"})
 
 
 def test_use_vllm_maps_to_gen_backend(tmp_path):

@@ -27,6 +27,13 @@ def _bool(v: Any, name: str) -> bool:
     return key == "true"
 
 
+def _resume(v: Any) -> bool:
+    if isinstance(v, bool) or str(v).strip().lower() in ("true", "false"):
+        return _bool(v, "resume_from_checkpoint")
+    raise ValueError(f"TRL resume_from_checkpoint={v!r}: a checkpoint path is not supported; set output_dir to the "
+                     f"run's folder and resume_from_checkpoint (or resume) true: it continues from its newest")
+
+
 def _pick(table: dict, trl_name: str):
     def conv(v: Any) -> str:
         key = str(v).strip().lower()
@@ -69,6 +76,9 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
                                     "x Q_batch_size and each batch train_batch_groups groups, whatever grad_accum"),
     "model_revision": ("revision", None, "TRL ModelConfig's name of the hub revision"),
     "model_name_or_path": ("model", None, "TRL ModelConfig's name of the policy model"),
+    "vllm_max_model_length": ("vllm_max_model_len", None, "vLLM's context (prompt + completion)"),
+    "resume_from_checkpoint": ("resume", lambda v: _resume(v), "true: continue from the last DeepSpeed checkpoint "
+                               "in output_dir (a checkpoint path is refused: resume takes output_dir's newest)"),
 }
 
 # TRL GRPOConfig / TrainingArguments names we cannot honour, with the reason given to the user.
@@ -83,7 +93,6 @@ REFUSED: dict[str, str] = {
         "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_group_port",
         "vllm_server_timeout", "vllm_model_impl", "vllm_structured_outputs_regex", "vllm_guided_decoding_regex",
         "vllm_enable_sleep_mode")},
-    "vllm_max_model_length": "vLLM's context is vllm_max_model_len (default max_prompt_length + max_new_tokens)",
     "generation_batch_size": _BATCH, "steps_per_generation": _BATCH,
     "num_generations_eval": "evaluation is greedy, one completion per prompt (eval_limit prompts)",
     "per_device_eval_batch_size": "evaluation batches are gen_batch_size sequences",
@@ -115,7 +124,6 @@ REFUSED: dict[str, str] = {
     "hub_model_id": "pushing to the Hugging Face Hub is not supported",
     "cast_lm_head_to_fp32": "precision comes from bf16 / ds_config",
     "remove_unused_columns": "every dataset column always reaches TRL-style rewards (as TRL's False)",
-    "resume_from_checkpoint": "use resume true: the last DeepSpeed checkpoint in output_dir",
     "eval_strategy": "evaluation runs every eval_steps steps (and eval_before)",
     "save_strategy": "checkpoints are saved every save_steps steps and at the end",
     "logging_dir": "logs go to output_dir (metrics.jsonl, TensorBoard)",
@@ -135,7 +143,7 @@ MATCHING: dict[str, tuple] = {
     "lr_scheduler_kwargs": (None,), "log_completions_hub_repo": (None,), "log_multimodal": (False,),
     "log_unique_prompts": (False,), "wandb_log_unique_prompts": (False,), "entropy_coef": (0, 0.0),
     "use_adaptive_entropy": (False,), "router_aux_loss_coef": (0, 0.0), "pad_to_multiple_of": (None,),
-    "resume_from_checkpoint": (None,), "num_generations_eval": (None,),
+    "num_generations_eval": (None,),
     "multi_objective_aggregation": ("sum_then_normalize",),
     "use_liger_kernel": (False,), "torch_empty_cache_steps": (None,), "gradient_checkpointing_kwargs": (None,),
     "optim": ("adamw_torch", "adamw_torch_fused"), "adam_beta1": (0.9,), "adam_epsilon": (1e-8,),
