@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--system-prompt", default="default", help="'default' (R1-style), '' (none) or a text.")
     p.add_argument("--prompt-format", default="auto",
-                   help="auto, chat, messages, raw or r1zero (trainer/prompt_formats.py).")
+                   help="auto, chat, messages, raw, r1zero or trl (trainer/prompt_formats.py).")
+    p.add_argument("--chat-template-kwargs", type=parse_dict, default=None, help="More chat template arguments (a "
+                                                                                 "JSON object, e.g. Qwen3's "
+                                                                                 "'{\"enable_thinking\": false}').")
     p.add_argument("--dataset-config", default=None, help="Configuration (subset) of a hub dataset or dataset folder.")
     p.add_argument("--prompt-column", default=None, help="Dataset column of the prompt (default: detected).")
     p.add_argument("--answer-column", default=None, help="Dataset column(s) of the answer (default: detected).")
@@ -167,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
                        batch_size=a.batch_size, prompt_format=a.prompt_format, toolbox=toolbox,
-                       max_tool_calling_iterations=a.max_tool_calling_iterations)
+                       max_tool_calling_iterations=a.max_tool_calling_iterations,
+                       chat_template_kwargs=a.chat_template_kwargs)
     finally:
         if toolbox is not None:
             toolbox.close()
