@@ -37,14 +37,14 @@ def chat_turn_end_id(tokenizer) -> int | None:
     return None
 
 
-def render_without_system(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_without_system(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
     """The template's output for `messages` (no system message among them) with no system turn at all,
     also where the template would insert a default one. The system turn is found by rendering a
     sentinel system message and cutting from the turn opener before it to the next turn's opener."""
     if any(m.get("role") == "system" for m in messages):
         raise ValueError("render_without_system: messages already hold a system message")
     text = tokenizer.apply_chat_template([{"role": "system", "content": _SENTINEL}, *messages], tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **kw)
     where = text.find(_SENTINEL)
     role = text.rfind("system", 0, where)
     opener, at = None, -1

@@ -37,7 +37,7 @@ def ref_term(objective, lp, old_lp, a, eps_low, eps_high, tau):
 
 
 def ref_loss(logps, old, ref, adv, mask, *, objective, aggregation, level, beta, eps_low, eps_high,
-             tau=(1.0, 1.05), weights=None):
+             tau=(1.0, 1.05), weights=None, bias_kl=False):
     B, T = logps.shape
     rows = []
     for i in range(B):
@@ -52,7 +52,8 @@ def ref_loss(logps, old, ref, adv, mask, *, objective, aggregation, level, beta,
                 term = -min(math.exp(s), eps_high) * adv[i] * logps[i, t]
             term *= 1.0 if weights is None else weights[i, t]
             d = ref[i, t] - logps[i, t]
-            terms.append(term + beta * (math.exp(d) - d - 1))
+            r = math.exp(logps[i, t] - old[i, t]) if level == "token" else math.exp(s)  # TRL's coef_1
+            terms.append(term + beta * (math.exp(d) - d - 1) * (r if bias_kl else 1.0))
         rows.append(terms)
     if aggregation == "seq_mean":
         return float(np.mean([sum(r) / len(r) for r in rows]))
@@ -117,6 +118,50 @@ def test_loss_and_gradient_match_float64(objective, aggregation, level, eps_low,
         fd = (ref_loss(up, old, ref, adv, mask, **kw) - ref_loss(dn, old, ref, adv, mask, **kw)) / (2 * h)
         assert abs(float(x.grad[i, j]) - fd) < 1e-7, (i, j, float(x.grad[i, j]), fd)
     assert float(x.grad[3, 4]) == 0.0  # padding
+
+
+@pytest.mark.parametrize("objective, aggregation, level, eps_low, eps_high",
+                         [c for c in CASES if c[0] != "cispo"] + [("clip", "seq_mean", "token", 0.2, 0.2)])
+def test_bias_corrected_kl_matches_float64(objective, aggregation, level, eps_low, eps_high):
+    """Issue 40: TRL's use_bias_correction_kl: per_token_kl * coef_1 (the token or sequence ratio, not detached),
+    the IS-style weights on the policy term only. Loss and gradient against the float64 loops."""
+    logps, old, ref, adv, mask = data(3)
+    t = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
+    w = np.random.default_rng(6).uniform(0.5, 1.5, logps.shape)
+    kw = dict(objective=objective, aggregation=aggregation, level=level, beta=0.3, eps_low=eps_low,
+              eps_high=eps_high, weights=w, bias_kl=True)
+    x = t(logps).requires_grad_(True)
+    got = grpo_loss(x, t(ref), t(old), t(adv), torch.tensor(mask), beta=0.3, eps_low=eps_low, eps_high=eps_high,
+                    aggregation=aggregation, max_new_tokens=6, importance_sampling_level=level, is_weights=t(w),
+                    objective=objective, bias_correction_kl=True)
+    want = ref_loss(logps, old, ref, adv, mask, **kw)
+    assert abs(got.item() - want) < 1e-10, (got.item(), want)
+    assert abs(want - ref_loss(logps, old, ref, adv, mask, **{**kw, "bias_kl": False})) > 1e-5  # it changes the loss
+    got.backward()
+    h = 1e-6
+    for (i, j) in [(0, 0), (0, 5), (1, 2), (2, 3), (3, 1)]:
+        up, dn = logps.copy(), logps.copy()
+        up[i, j] += h
+        dn[i, j] -= h
+        fd = (ref_loss(up, old, ref, adv, mask, **kw) - ref_loss(dn, old, ref, adv, mask, **kw)) / (2 * h)
+        assert abs(float(x.grad[i, j]) - fd) < 1e-7, (i, j, float(x.grad[i, j]), fd)
+
+
+def test_bias_corrected_kl_on_policy_changes_the_gradient_not_the_value():
+    """At ratio 1 (π_old = this pass's logps) the value is the plain KL's, the gradient gains k3 * grad(logp)."""
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    out = {}
+    for on in (False, True):
+        lp.grad = None
+        loss = grpo_loss(lp, ref, lp.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 2, dtype=bool),
+                         beta=1.0, eps_low=0.2, eps_high=0.2, aggregation="token_mean", max_new_tokens=2,
+                         bias_correction_kl=on)
+        loss.backward()
+        out[on] = (loss.item(), lp.grad.clone())
+    assert out[True][0] == pytest.approx(out[False][0])
+    d = (ref - lp.detach())
+    assert torch.allclose(out[True][1] - out[False][1], (torch.exp(d) - d - 1) / 2)
 
 
 def test_sapo_gate_is_the_policy_gradient_at_ratio_one():

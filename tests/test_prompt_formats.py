@@ -83,7 +83,7 @@ def test_messages_format(tmp_path, tok):
     conv = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
             {"role": "user", "content": "2+2"}]
     f = write_jsonl(tmp_path / "m.jsonl", [{"prompt": conv, "ground_truth": "4"}])
-    with pytest.raises(ValueError, match="'auto' or 'messages'"):
+    with pytest.raises(ValueError, match="'auto', 'messages' or 'trl'"):
         load_examples(f, columns=ColumnSpec(prompt_format="chat"))  # a list prompt in a chat run: told what fits
     ex = load_examples(f, columns=ColumnSpec(prompt_format="messages"))
     assert load_examples(f) == ex  # the default (auto) finds the conversation itself

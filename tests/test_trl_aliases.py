@@ -42,6 +42,9 @@ CASES = [
     ("model_revision", "v1.0", "revision", "v1.0"),                      # TRL ModelConfig's name
     ("trust_remote_code", True, "trust_remote_code", True),               # TRL GRPOConfig's name, ours too
     ("attn_implementation", "eager", "attn_implementation", "eager"),
+    ("vllm_max_model_length", 2048, "vllm_max_model_len", 2048),         # issue 40: unknown before
+    ("resume_from_checkpoint", True, "resume", True),
+    ("model_name_or_path", "some/model", "model", "some/model"),
 ]
 
 
@@ -71,6 +74,55 @@ def test_warmup_ratio_uses_the_run_length(tmp_path):
     assert load_config(GRPOConfig, ["--config", str(path), "--warmup_ratio", "0.05"]).warmup_steps == 10
 
 
+def test_warmup_ratio_uses_the_final_step_count_whichever_source_gave_which(tmp_path):
+    """Issue 40: warmup_ratio in the file with --max_steps on the command line was converted against the default
+    1000 steps (a 50-step run got warmup_steps 100)."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"warmup_ratio": 0.1}))
+    assert load_config(GRPOConfig, ["--config", str(path), "--max_steps", "50"]).warmup_steps == 5
+    assert load_config(GRPOConfig, ["--config", str(path), "--all_steps", "30"]).warmup_steps == 3
+    assert load_config(GRPOConfig, ["--config", str(path), "--warmup_steps", "7"]).warmup_steps == 7  # CLI wins
+    path.write_text(json.dumps({"warmup_steps": 0, "max_steps": 40}))  # trl_defaults.json carries warmup_steps 0
+    assert load_config(GRPOConfig, ["--config", str(path), "--warmup_ratio", "0.25"]).warmup_steps == 10
+    with pytest.raises(ValueError, match="both warmup_ratio and warmup_steps"):
+        load_config(GRPOConfig, ["--warmup_ratio", "0.1", "--warmup_steps", "3"])
+    with pytest.raises(ValueError, match="warmup_ratio must be in"):
+        load_config(GRPOConfig, ["--warmup_ratio", "1.5"])
+
+
+def test_num_train_epochs_sets_all_steps_from_the_dataset_size(tmp_path):
+    c = load_config(GRPOConfig, ["--num_train_epochs", "2", "--warmup_ratio", "0.1", "--grad_accum", "2"])
+    c.resolve_epochs(prompts=100, world=2)  # a step takes 2 ranks x 2 batches x 1 group
+    assert (c.all_steps, c.warmup_steps) == (50, 5)
+    c = load_config(GRPOConfig, ["--num_train_epochs", "1", "--num_iterations", "2"])
+    c.resolve_epochs(prompts=7, world=2)
+    assert c.all_steps == 8  # ceil(7 / 2) rounds, 2 updates each
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"num_train_epochs": 3, "max_steps": 20}))  # as TRL: max_steps wins
+    c = load_config(GRPOConfig, ["--config", str(path)])
+    assert c.num_train_epochs is None and c.all_steps == 20
+    c.resolve_epochs(prompts=1000, world=1)
+    assert c.all_steps == 20
+    path.write_text(json.dumps({"num_train_epochs": 3, "max_steps": -1}))  # TRL's -1: the epochs decide
+    assert load_config(GRPOConfig, ["--config", str(path)]).num_train_epochs == 3
+
+
+def test_epsilon_applies_at_the_sequence_level_like_trl():
+    """Issue 40: TRL clips GSPO's sequence ratio with epsilon/epsilon_high; ours ignored them there."""
+    c = load_config(GRPOConfig, ["--importance_sampling_level", "sequence", "--epsilon", "3e-4",
+                                 "--epsilon_high", "4e-4"])
+    assert (c.gspo_eps_low, c.gspo_eps_high) == (3e-4, 4e-4)
+    c = load_config(GRPOConfig, ["--importance_sampling_level", "sequence", "--epsilon", "0.01"])
+    assert (c.gspo_eps_low, c.gspo_eps_high) == (0.01, 0.01)
+    c = load_config(GRPOConfig, ["--importance_sampling_level", "sequence"])  # neither given: GSPO's defaults
+    assert (c.gspo_eps_low, c.gspo_eps_high) == (3e-4, 4e-4)
+    with pytest.raises(ValueError, match="'epsilon'.*'gspo_eps_low'"):
+        load_config(GRPOConfig, ["--epsilon", "0.1", "--gspo_eps_low", "0.2"])
+    from trainer.objective.update import _eps
+    assert _eps(load_config(GRPOConfig, ["--importance_sampling_level", "sequence", "--epsilon", "0.01"])) == \
+        {"eps_low": 0.01, "eps_high": 0.01}
+
+
 def test_trl_importance_sampling_names():
     c = load_config(GRPOConfig, ["--vllm_importance_sampling_mode", "token_mask",
                                  "--vllm_importance_sampling_cap", "2.5"])  # TRL's deprecated name of clip_max
@@ -97,11 +149,55 @@ def test_vllm_tensor_parallel_size_is_ours_too(tmp_path):
         load_config(GRPOConfig, ["--vllm_tensor_parallel_size", "0"])
 
 
-@pytest.mark.parametrize("name, value", [("use_vllm", True), ("min_p", 0.1), ("num_train_epochs", 1),
-                                         ("generation_batch_size", 16), ("sync_ref_model", True)])
+@pytest.mark.parametrize("name, value", [("push_to_hub", True), ("cache_implementation", "static"),
+                                         ("remove_unused_columns", True),
+                                         ("generation_batch_size", 16), ("sync_ref_model", True),
+                                         ("vllm_mode", "colocate"), ("log_unique_prompts", True)])
 def test_unsupported_trl_names_are_refused_by_name(name, value):
-    with pytest.raises(ValueError, match=f"cannot honour.*'{name}'"):
+    with pytest.raises(ValueError, match=f"cannot honour.*'{name}'={value!r} \\("):
         from_dict(GRPOConfig, {name: value})
+
+
+@pytest.mark.parametrize("name", ["push_to_hub", "vllm_mode", "sync_ref_model"])
+def test_command_line_gives_the_files_reason(tmp_path, name):
+    """Issue 40: `--push_to_hub true` was a bare 'unknown option'; now the same reason as in the JSON file."""
+    value = {"push_to_hub": True, "vllm_mode": "colocate", "sync_ref_model": True}[name]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({name: value}))
+    with pytest.raises(ValueError) as in_file:
+        load_config(GRPOConfig, ["--config", str(path)])
+    with pytest.raises(ValueError) as on_cli:
+        load_config(GRPOConfig, [f"--{name}", json.dumps(value).strip('"')])
+    reason = trl_aliases.REFUSED[name]
+    assert reason in str(in_file.value) and reason in str(on_cli.value)
+    assert str(in_file.value).split(": ", 1)[1] == str(on_cli.value).split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("name, value", [("remove_unused_columns", False), ("shuffle_dataset", True),
+                                         ("push_to_hub", False), ("ds3_gather_for_generation", True),
+                                         ("sync_ref_model", False), ("fp16", False), ("delta", None)])
+def test_refused_name_with_the_value_we_do_anyway_is_accepted(tmp_path, name, value):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({name: value}))
+    assert load_config(GRPOConfig, ["--config", str(path)]) == GRPOConfig().validate()
+    assert load_config(GRPOConfig, [f"--{name}", json.dumps(value)]) == GRPOConfig().validate()
+
+
+def test_resume_from_checkpoint_path_is_refused_with_the_way():
+    with pytest.raises(ValueError, match="resume_from_checkpoint='runs/x/step_5'.*output_dir"):
+        from_dict(GRPOConfig, {"resume_from_checkpoint": "runs/x/step_5"})
+
+
+def test_use_vllm_maps_to_gen_backend(tmp_path):
+    assert load_config(GRPOConfig, ["--use_vllm", "true"]).gen_backend == "vllm"
+    assert load_config(GRPOConfig, ["--use_vllm", "false"]).gen_backend == "hf"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"use_vllm": True}))
+    assert load_config(GRPOConfig, ["--config", str(path)]).gen_backend == "vllm"
+    with pytest.raises(ValueError, match="'use_vllm'.*'gen_backend'"):
+        load_config(GRPOConfig, ["--use_vllm", "true", "--gen_backend", "vllm"])
+    with pytest.raises(ValueError, match="use_vllm='maybe'"):
+        load_config(GRPOConfig, ["--use_vllm", "maybe"])
 
 
 @pytest.mark.parametrize("alias, value", [("scale_rewards", "sometimes"),

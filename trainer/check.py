@@ -60,7 +60,12 @@ class Checker:
 
 def check_config(c: Checker, argv: list[str]) -> str:
     c.cfg = load_config(GRPOConfig, argv, prog="launch.sh check --")
-    return f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, _specs(c.cfg)))}"
+    if c.cfg.gen_backend == "vllm":  # TRL's use_vllm maps here: the workers would fail to start without it
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("gen_backend vllm (TRL: use_vllm true) but vLLM is not installed in this environment")
+    return (f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, _specs(c.cfg)))}, workers "
+            f"generate with {c.cfg.gen_backend}")
 
 
 def _specs(cfg: GRPOConfig) -> list[str]:
@@ -90,7 +95,7 @@ def check_data(c: Checker) -> str:
     if c.tokenizer is None:
         return read + " (prompts not rendered: no tokenizer)"
     kept, skipped = encode_prompts(c.tokenizer, c.examples, cfg.system_prompt, cfg.max_prompt_length,
-                                   cfg.prompt_format)
+                                   cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs)
     if not kept:
         raise ValueError(f"none of the first {len(c.examples)} prompts fits max_prompt_length {cfg.max_prompt_length}")
     ex, ids = kept[0]

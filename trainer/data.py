@@ -113,10 +113,10 @@ def _prompt(row: dict, pcol: str | None, spec: ColumnSpec, where: str):
         raise ValueError(f"{where}: no prompt column {pcol!r} (keys: {sorted(row)[:10]}); set prompt_column, "
                          f"or prompt_template to build the prompt from other columns")
     prompt = row[pcol]
-    if spec.prompt_format == "messages" or (spec.prompt_format == "auto" and isinstance(prompt, list)):
+    if spec.prompt_format == "messages" or (spec.prompt_format in ("auto", "trl") and isinstance(prompt, list)):
         check_messages(prompt, where)
     elif not isinstance(prompt, str) or not prompt.strip():
-        hint = f" (a message list: use prompt_format 'auto' or 'messages', not {spec.prompt_format!r})" \
+        hint = f" (a message list: use prompt_format 'auto', 'messages' or 'trl', not {spec.prompt_format!r})" \
             if isinstance(prompt, list) else ""
         raise ValueError(f"{where}: the prompt ({pcol!r}) must be a non-empty string{hint}")
     return prompt

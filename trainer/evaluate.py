@@ -41,7 +41,8 @@ def _one_line(e: Exception) -> str:
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
              num_samples: int = 20, progress: bool = True, prompt_format: str = "auto", scorer=None,
-             toolbox=None, max_tool_calling_iterations: int | None = None) -> dict:
+             toolbox=None, max_tool_calling_iterations: int | None = None,
+             chat_template_kwargs: dict | None = None) -> dict:
     """Greedy decode every example; accuracy = share with reward_correct > 0, format = reward_format > 0.
     With `scorer` (the run's RewardScorer: in-training eval) the completions are scored with the run's reward
     functions instead: "rewards" {name: [sum, completions it applied to, completions it scored > 0]} and
@@ -55,7 +56,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     tools."""
     t0 = time.time()
     kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format,
-                                   toolbox.schemas if toolbox is not None else None)
+                                   toolbox.schemas if toolbox is not None else None, chat_template_kwargs)
     engine = model if isinstance(model, GenEngine) else \
         HFEngine(model, tokenizer, eos_ids(tokenizer, model, chat=prompt_format != "r1zero"), temperature=1.0,
                  top_p=1.0, top_k=0, gen_batch_size=batch_size)
@@ -122,7 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--system-prompt", default="default", help="'default' (R1-style), '' (none) or a text.")
     p.add_argument("--prompt-format", default="auto",
-                   help="auto, chat, messages, raw or r1zero (trainer/prompt_formats.py).")
+                   help="auto, chat, messages, raw, r1zero or trl (trainer/prompt_formats.py).")
+    p.add_argument("--chat-template-kwargs", type=parse_dict, default=None, help="More chat template arguments (a "
+                                                                                 "JSON object, e.g. Qwen3's "
+                                                                                 "'{\"enable_thinking\": false}').")
     p.add_argument("--dataset-config", default=None, help="Configuration (subset) of a hub dataset or dataset folder.")
     p.add_argument("--prompt-column", default=None, help="Dataset column of the prompt (default: detected).")
     p.add_argument("--answer-column", default=None, help="Dataset column(s) of the answer (default: detected).")
@@ -166,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
                        batch_size=a.batch_size, prompt_format=a.prompt_format, toolbox=toolbox,
-                       max_tool_calling_iterations=a.max_tool_calling_iterations)
+                       max_tool_calling_iterations=a.max_tool_calling_iterations,
+                       chat_template_kwargs=a.chat_template_kwargs)
     finally:
         if toolbox is not None:
             toolbox.close()

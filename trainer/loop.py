@@ -98,7 +98,8 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scor
     res = evaluate(model, tok, examples[rank::world], system_prompt=cfg.system_prompt,
                    prompt_format=cfg.prompt_format, max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                    max_prompt_length=cfg.max_prompt_length, batch_size=cfg.gen_batch_size, progress=False,
-                   scorer=scorer, toolbox=toolbox, max_tool_calling_iterations=cfg.max_tool_calling_iterations)
+                   scorer=scorer, toolbox=toolbox, max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                   chat_template_kwargs=cfg.chat_template_kwargs)
     parts: list = [None] * world  # an object collective: NCCL and gloo alike, no tensor device to pick
     torch.distributed.all_gather_object(parts, (res["correct"], res["formatted"], res["n"], res["rewards"],
                                                 res["reward_total"], res["reward_errors"], res.get("tool_calls")))
@@ -159,6 +160,11 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     setup_logging(f"rank{rank}")
     torch.manual_seed(cfg.seed + rank)
     out = Path(cfg.output_dir)
+    examples = run_data.train_examples(cfg)
+    cfg.resolve_epochs(len(examples), world)  # num_train_epochs -> all_steps (and warmup_ratio), before it is used
+    if cfg.num_train_epochs is not None and rank == 0:
+        log.info("num_train_epochs %s over %d prompts: all_steps %d", cfg.num_train_epochs, len(examples),
+                 cfg.all_steps)
     if nodes.is_node_leader():  # every host keeps its own run directory (no shared filesystem assumed)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -176,7 +182,6 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     torch.distributed.all_gather_object(peers, (nodes.host_label(), os.getpid()))
     client = make_client(cfg, f"{RANK_PRODUCER}{rank}", "rank", host=peers[rank][0])
     client.wait_ready(timeout=300)
-    examples = run_data.train_examples(cfg)
     eval_examples = run_data.eval_examples(cfg)  # held-out rows only: never the training rows
     scorer = RewardScorer.from_config(cfg)
     sampler = resume.rank_sampler(examples, cfg.seed, out / "ds", start_step, rank, world)

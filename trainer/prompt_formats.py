@@ -12,6 +12,11 @@
               {"prompt": "<|im_start|>user\\n2+3?<|im_end|>\\n<|im_start|>assistant\\n", "ground_truth": "5"}
     r1zero    the plain-text DeepSeek-R1-Zero template for base models (no chat template needed)
               "A conversation between User and Assistant. ... User: {prompt}. Assistant:"
+    trl       as TRL 1.16's GRPOTrainer: a text prompt as it is, tokenized with the tokenizer's special tokens
+              (a BOS for Llama: trainer/rollout.py encode_prompts); a conversation through the chat template,
+              with no system prompt added (configs/trl_defaults.json sets it)
+
+Every templated prompt gets the config's chat_template_kwargs (TRL's name; Qwen3's {"enable_thinking": false}).
 
 A `chat` run over prompts that already carry the template's markers stops with an error naming `raw`:
 templating twice trains on a prompt the model never sees at inference.
@@ -21,7 +26,7 @@ from __future__ import annotations
 from common.chat import render_without_system
 from common.prompts import SYSTEM_PROMPT
 
-PROMPT_FORMATS = ("auto", "chat", "messages", "raw", "r1zero")
+PROMPT_FORMATS = ("auto", "chat", "messages", "raw", "r1zero", "trl")
 
 # The R1-Zero template as in DeepSeek-R1 (Table 1) and Dr. GRPO's understand-r1-zero.
 R1ZERO_TEMPLATE = (
@@ -81,12 +86,20 @@ def resolve_format(prompt_format: str, prompt) -> str:
 
 
 def build_prompt(tokenizer, prompt, system_prompt: str | None = SYSTEM_PROMPT, prompt_format: str = "chat",
-                 tools: list[dict] | None = None) -> str:
+                 tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
     """The text the policy continues. `system_prompt` is used by chat (and messages, when given; callers
     pass None there for the config's 'default'); raw and r1zero ignore it (config.validate refuses one).
     `tools`: JSON schemas the chat template renders into the prompt (`apply_chat_template(tools=...)`, as TRL
-    does); with tools, system_prompt 'none' keeps the template's system turn, where it lists them."""
+    does); with tools, system_prompt 'none' keeps the template's system turn, where it lists them.
+    template_kwargs: more arguments of the chat template (TRL's chat_template_kwargs)."""
     prompt_format = resolve_format(prompt_format, prompt)
+    kw = dict(template_kwargs or {})
+    if prompt_format == "trl":  # TRL 1.16 _tokenize_prompts: text as it is, messages templated, nothing added
+        if not isinstance(prompt, list):
+            return prompt
+        check_messages(prompt, "prompt")
+        _need_template(tokenizer)
+        return _render(tokenizer, list(prompt), tools, kw)
     if prompt_format == "raw":
         return prompt
     if prompt_format == "r1zero":
@@ -96,24 +109,25 @@ def build_prompt(tokenizer, prompt, system_prompt: str | None = SYSTEM_PROMPT, p
         _need_template(tokenizer)
         messages = list(prompt)
         if system_prompt == "none" and not tools:
-            return render_without_system(tokenizer, messages)
+            return render_without_system(tokenizer, messages, **kw)
         if system_prompt and system_prompt != "none":
             if messages[0]["role"] == "system":
                 raise ValueError("system_prompt is set but the conversation already has a system message; "
                                  "set system_prompt to '' to keep the dataset's own")
             messages.insert(0, {"role": "system", "content": system_prompt})
-        return _render(tokenizer, messages, tools)
+        return _render(tokenizer, messages, tools, kw)
     if prompt_format != "chat":
         raise ValueError(f"unknown prompt_format {prompt_format!r}; use one of {PROMPT_FORMATS}")
     _need_template(tokenizer)
     check_not_templated(tokenizer, prompt)
     if system_prompt == "none" and not tools:  # no system turn, even where the template inserts one (Qwen2.5)
-        return render_without_system(tokenizer, [{"role": "user", "content": prompt}])
+        return render_without_system(tokenizer, [{"role": "user", "content": prompt}], **kw)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt != "none" else []
     messages.append({"role": "user", "content": prompt})
-    return _render(tokenizer, messages, tools)
+    return _render(tokenizer, messages, tools, kw)
 
 
-def _render(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, kw: dict) -> str:
     # tools=None, never []: some templates (Llama) render their tool boilerplate for an empty list (TRL's note)
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                         **kw)

@@ -41,17 +41,20 @@ class RolloutStats:
 
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
-                   prompt_format: str = "auto", tools: list[dict] | None = None
+                   prompt_format: str = "auto", tools: list[dict] | None = None, template_kwargs: dict | None = None
                    ) -> tuple[list[tuple[Example, list[int]]], int]:
     """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
     dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages. `tools`: the
-    ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does)."""
+    ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does).
+    prompt_format trl: no system prompt; a text prompt gets the tokenizer's special tokens (TRL's
+    processing_class(text=prompts): a BOS for Llama); templated text never does (the template has its own)."""
     kept, skipped = [], 0
     for ex in examples:
         fmt = resolve_format(prompt_format, ex.prompt)  # auto: messages for a message list, else chat
         system = (SYSTEM_PROMPT if fmt == "chat" else None) if system_prompt == "default" else system_prompt
-        text = build_prompt(tokenizer, ex.prompt, system, fmt, tools)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = build_prompt(tokenizer, ex.prompt, system, fmt, tools, template_kwargs)
+        plain = fmt == "trl" and not isinstance(ex.prompt, list)
+        ids = tokenizer(text, add_special_tokens=plain)["input_ids"]
         if len(ids) > max_prompt_length:
             skipped += 1
             continue
@@ -135,7 +138,7 @@ def with_observation(ex: Example, observation: str) -> Example:
 
 def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[int]]], n: int, max_new_tokens: int, *,
                   toolbox=None, max_iterations: int | None = None, greedy: bool = False,
-                  system_prompt: str | None = None, prompt_format: str = "auto"
+                  system_prompt: str | None = None, prompt_format: str = "auto", template_kwargs: dict | None = None
                   ) -> tuple[list[Sample], list | None, list | None]:
     """n completions per prompt (prompt-major): one engine call, or with a ToolBox the multi-turn tool loop
     (trainer/tools/loop.py); then also each completion's messages and tool statistics (else None, None).
@@ -147,7 +150,7 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
     def render(i: int, observation: str) -> list[int]:
         (_, ids), = encode_prompts(tokenizer, [with_observation(kept[i][0], str(observation))], system_prompt,
-                                   sys.maxsize, prompt_format, toolbox.schemas)[0]
+                                   sys.maxsize, prompt_format, toolbox.schemas, template_kwargs)[0]
         return ids
 
     return tool_rollouts(engine, tokenizer, toolbox, prompts, n, max_new_tokens=max_new_tokens,
@@ -171,14 +174,15 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     t0 = time.time()
     stats = RolloutStats()
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
-                                                     cfg.prompt_format, toolbox.schemas if toolbox else None)
+                                                     cfg.prompt_format, toolbox.schemas if toolbox else None,
+                                                     cfg.chat_template_kwargs)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats
     samples, messages, tool_stats = sample_groups(
         engine, tokenizer, kept, cfg.num_pre_Q, cfg.max_new_tokens, toolbox=toolbox,
         max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
-        prompt_format=cfg.prompt_format)
+        prompt_format=cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs)
     q = cfg.num_pre_Q
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],

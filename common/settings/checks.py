@@ -32,7 +32,8 @@ class ConfigChecks:
         return {str(n).strip().lower() for n in names if str(n).strip()}
 
     def validate(self: C) -> C:
-        checks = [
+        self.resolve_warmup()  # against the final all_steps (every source merged); num_train_epochs: at train time
+        checks = self.trl_checks() + [
             (self.num_pre_Q >= 2, "num_pre_Q must be >= 2 (a group needs a spread)"),
             (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
             (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"),
@@ -156,15 +157,15 @@ class ConfigChecks:
     def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
         n_fns = len(self.reward_fns) if isinstance(self.reward_fns, list) else len(str(self.reward_fns).split(","))
         return [
-            (self.prompt_format in ("auto", "chat", "messages", "raw", "r1zero"),
-             f"unknown prompt_format {self.prompt_format!r}; use auto, chat, messages, raw or r1zero"),
+            (self.prompt_format in ("auto", "chat", "messages", "raw", "r1zero", "trl"),
+             f"unknown prompt_format {self.prompt_format!r}; use auto, chat, messages, raw, r1zero or trl"),
             (self.dataset_config is None or (isinstance(self.dataset_config, str) and self.dataset_config.strip()),
              "dataset_config must be a configuration name (or null)"),
             (not (self.eval_steps or self.eval_before) or self.eval_data
              or not str(self.data).lower().endswith(DATA_FILE_SUFFIXES),
              f"eval_steps/eval_before evaluate on held-out rows, but data {self.data!r} is one file with no eval "
              f"split: give eval_data (a file, folder or hub id), or set eval_steps 0 and eval_before false"),
-            (self.prompt_format not in ("raw", "r1zero") or self.system_prompt in ("default", "", None),
+            (self.prompt_format not in ("raw", "r1zero", "trl") or self.system_prompt in ("default", "", None),
              f"prompt_format {self.prompt_format!r} takes the prompt as it is: a system_prompt cannot be added "
              f"(set system_prompt to '')"),
             (not self.reward_weights or len(self.reward_weights) == n_fns,

@@ -122,10 +122,12 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
         g = p.add_argument_group("TRL GRPOConfig aliases", textwrap.fill(text, 100))  # (a raw-text formatter)
         for alias, (target, conv, hint) in trl_aliases.ALIASES.items():
             tp = hints[target]
-            typ = str if conv is not None else float if alias == "warmup_ratio" else \
-                _converter(tp, type(None) in typing.get_args(tp))
+            typ = str if conv is not None else _converter(tp, type(None) in typing.get_args(tp))
             g.add_argument(f"--{alias}", dest=alias, type=typ, default=argparse.SUPPRESS, metavar="VALUE",
                            help=f"-> {target}: {hint}".replace("%", "%%"))
+        for name in sorted(set(trl_aliases.REFUSED) - set(fields)):  # refused with the file's reason, not "unknown"
+            p.add_argument(f"--{name}", dest=name, type=trl_aliases.cli_value, default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
     return p
 
 
@@ -191,7 +193,10 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
             raise ValueError(f"config file {path} must hold a JSON object")
         # Aliases are resolved per source: both names in one place is an error; the CLI overrides the file.
         values.update(trl_aliases.resolve_for(cls, file_values, str(path)) if _has_aliases(cls) else file_values)
-    values.update(trl_aliases.resolve_for(cls, ns, "command line", values) if _has_aliases(cls) else ns)
+    if _has_aliases(cls):  # the CLI's warmup_steps overrides the file's warmup_ratio, and so on
+        values = trl_aliases.merge(values, trl_aliases.resolve_for(cls, ns, "command line"))
+    else:
+        values.update(ns)
     cfg = from_dict(cls, values, source=str(cfg_file or "command line"))
     validate = getattr(cfg, "validate", None)
     return validate() if validate else cfg

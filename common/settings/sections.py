@@ -10,11 +10,12 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "model", "ref_model", "trust_remote_code", "attn_implementation", "revision", "model_init_kwargs",
         "data", "dataset_config", "data_split", "eval_data", "eval_split", "data_limit", "prompt_format",
         "prompt_column", "answer_column",
-        "prompt_template", "system_prompt"]),
+        "prompt_template", "system_prompt", "chat_template_kwargs"]),
     ("rewards", "Reward functions and their shaping.", [
         "reward_fns", "reward_weights", "reward_timeout", "overlong_buffer", "overlong_penalty"]),
     ("generation", "Rollouts: group size, lengths, sampling and the engine of the genonly workers.", [
         "num_pre_Q", "Q_batch_size", "max_prompt_length", "max_new_tokens", "temperature", "top_p", "top_k",
+        "min_p", "repetition_penalty", "generation_kwargs",
         "gen_backend", "gen_batch_size", "compute_gen_logps", "worker_dtype", "vllm_dtype", "vllm_eager",
         "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_cpu_threads_bind",
         "vllm_tensor_parallel_size"]),
@@ -24,17 +25,18 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "beta", "loss_type", "eps_low", "eps_high", "advantage_mode", "aggregation", "mu", "mask_truncated",
         "train_zero_spread", "logp_temperature", "old_logps", "vllm_importance_sampling_correction",
         "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
-        "tis_cap", "importance_sampling_level", "gspo_eps_low", "gspo_eps_high", "sapo_temperature_pos",
-        "sapo_temperature_neg", "top_entropy_quantile", "off_policy_mask_threshold"]),
+        "tis_cap", "use_bias_correction_kl", "importance_sampling_level", "gspo_eps_low", "gspo_eps_high",
+        "sapo_temperature_pos", "sapo_temperature_neg", "top_entropy_quantile", "off_policy_mask_threshold"]),
     ("optimisation", "Optimizer, schedule, batch shape per update, memory and precision.", [
-        "lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_accum", "train_batch_groups",
-        "micro_batch_size", "zero_stage", "bf16", "gradient_checkpointing", "ds_config", "logp_chunk_tokens",
-        "padding_free", "pack_tokens"]),
+        "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "weight_decay", "grad_clip", "grad_accum",
+        "train_batch_groups", "micro_batch_size", "zero_stage", "bf16", "gradient_checkpointing", "ds_config",
+        "logp_chunk_tokens", "padding_free", "pack_tokens"]),
     ("LoRA", "Adapters instead of full fine-tuning.", [
         "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"]),
     ("run, checkpoints, eval and logs", "How long, where things go, when to evaluate and log.", [
-        "all_steps", "seed", "output_dir", "save_steps", "save_total_limit", "resume", "eval_steps", "eval_before",
-        "eval_limit", "eval_max_new_tokens", "log_every", "wandb", "report_to", "wandb_project", "run_name",
+        "all_steps", "num_train_epochs", "seed", "output_dir", "save_steps", "save_total_limit", "resume",
+        "eval_steps", "eval_before", "eval_limit", "eval_max_new_tokens", "log_every", "wandb", "report_to",
+        "wandb_project", "run_name",
         "log_completions", "log_completions_steps", "num_completions_to_print", "log_stall_every"]),
     ("workers and sync", "The ref server, genonly workers and the policy weights they get.", [
         "ref_server", "ref_token", "ref_timeout", "num_gen_workers", "get_wait", "max_staleness", "sync_steps",

@@ -5,7 +5,8 @@
     engine.load_weights(named_tensors)               # HF parameter names, full tensors, any subset
                                                      # (tied lm_head.weight: optional, filled from the embedding)
 
-Both sample exactly the configured distribution (temperature, top_p, top_k and nothing else): the
+Both sample exactly the configured distribution (temperature, top_p, top_k, and TRL's min_p,
+repetition_penalty and generation_kwargs where the config sets them: cfg.sampling_extras(), rollouts only): the
 checkpoint's generation_config (repetition_penalty, its own top_k/top_p/temperature, ...) is ignored,
 and what was ignored is logged once. The loss assumes rollouts come from the policy it differentiates.
 """

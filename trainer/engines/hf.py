@@ -25,12 +25,13 @@ log = logging.getLogger(__name__)
 
 class HFEngine(GenEngine):
     def __init__(self, model, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
-                 gen_batch_size: int, synced_gpus: bool = False):
+                 gen_batch_size: int, synced_gpus: bool = False, extra: dict | None = None):
         self.model, self.tok, self.eos_ids = model, tokenizer, list(eos_ids)
         # ZeRO-3 ranks generating together: every rank keeps calling forward until all are done
         # (each forward gathers the partitioned weights from every rank), as transformers' synced_gpus does.
         self.synced_gpus = synced_gpus
         self.temperature, self.top_p, self.top_k, self.gen_batch_size = temperature, top_p, top_k, gen_batch_size
+        self.extra = dict(extra or {})  # min_p, repetition_penalty, generation_kwargs (TRL's), rollouts only
         ignored = ignored_generation_settings(getattr(model, "generation_config", None))
         if ignored:
             log.info("HF engine ignores the checkpoint's generation_config %s: sampling is exactly temperature=%s "
@@ -43,7 +44,7 @@ class HFEngine(GenEngine):
                                                            options=cfg.load_options())
         chat = cfg.prompt_format != "r1zero"  # templated prompts also stop at the template's turn end
         return cls(model, tok, model_eos_ids(tok, model, chat=chat), temperature=cfg.temperature, top_p=cfg.top_p,
-                   top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size)
+                   top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size, extra=cfg.sampling_extras())
 
     def _clean_config(self, greedy: bool, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -52,9 +53,10 @@ class HFEngine(GenEngine):
         # fields from the model's config, and the model's config is swapped out anyway.
         kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=self.temperature,
                                                        top_p=self.top_p, top_k=self.top_k)
+        neutral = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)
         return GenerationConfig(**kw, eos_token_id=self.eos_ids, pad_token_id=self.tok.pad_token_id,
                                 bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
-                                repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, num_beams=1,
+                                **{**neutral, **({} if greedy else self.extra)}, num_beams=1,
                                 use_cache=True, max_new_tokens=max_new_tokens)
 
     @torch.no_grad()

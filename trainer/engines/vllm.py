@@ -117,8 +117,9 @@ def logprobs_mode(cfg) -> str:
 
 class VLLMEngine(GenEngine):
     def __init__(self, llm, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
-                 tied: bool = False):
+                 tied: bool = False, extra: dict | None = None):
         self.llm, self.tok, self.eos_ids = llm, tokenizer, list(eos_ids)
+        self.extra = dict(extra or {})  # min_p, repetition_penalty, generation_kwargs (TRL's), rollouts only
         self.tied = tied
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         _, self._SamplingParams, self._TokensPrompt = import_vllm()
@@ -162,7 +163,7 @@ class VLLMEngine(GenEngine):
         eos = sorted(set(model_eos_ids(tok, chat=cfg.prompt_format != "r1zero")) | set(gen_eos))
         tied = bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         return cls(llm, tok, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   tied=tied)
+                   tied=tied, extra=cfg.sampling_extras())
 
     def _params(self, n: int, max_new_tokens: int, greedy: bool):
         # No per-request seed: vLLM's sampler draws a seeded request's noise in a Python loop, one request
@@ -174,7 +175,7 @@ class VLLMEngine(GenEngine):
         if greedy:
             return self._SamplingParams(temperature=0.0, **common)
         return self._SamplingParams(temperature=self.temperature, top_p=self.top_p,
-                                    top_k=self.top_k if self.top_k > 0 else -1, **common)
+                                    top_k=self.top_k if self.top_k > 0 else -1, **{**common, **self.extra})
 
     def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int,
                  greedy: bool = False) -> list[Sample]:

@@ -22,6 +22,7 @@ Variants (each a config value):
   averaged over completions (TRL: (per_token_loss * len).mean() with a sequence-level ratio).
 - overlong shaping: DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), a linear reward
   penalty for completions that enter the last `overlong_buffer` tokens before max_new_tokens.
+- bias_correction_kl (TRL's use_bias_correction_kl): beta * r * KL_k3 instead of beta * KL_k3.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, old_logps: to
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, eps_low: float, eps_high: float,
               aggregation: str, max_new_tokens: int, importance_sampling_level: str = "token",
               is_weights: torch.Tensor | None = None, objective: str = "clip",
-              sapo_tau: tuple[float, float] = (1.0, 1.05), loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+              sapo_tau: tuple[float, float] = (1.0, 1.05), loss_mask: torch.Tensor | None = None,
+              bias_correction_kl: bool = False) -> torch.Tensor:
     """Scalar GRPO loss. logps/ref_logps/old_logps (B, T) over completion tokens, advantages (B,), mask (B, T) bool.
 
     importance_sampling_level="sequence" (GSPO): pass the sequence epsilons as eps_low/eps_high.
@@ -97,7 +99,10 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, old_logps: to
     sapo_tau: (positive-advantage, negative-advantage) temperatures of objective sapo.
     loss_mask (B, T) bool, optional: the tokens the policy sampled (False = a tool turn's token). ANDed into mask,
     so a masked token is in no term and no normaliser: policy term, KL, GSPO's sequence ratio, every aggregation.
-    is_weights are taken as given (trainer/objective/update.py computes them over the same ANDed mask)."""
+    is_weights are taken as given (trainer/objective/update.py computes them over the same ANDed mask).
+    bias_correction_kl (TRL's use_bias_correction_kl): the KL term times the ratio r (token, or GSPO's sequence
+    ratio), gradient included: r * k3, whose gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2); the
+    is_weights stay on the policy term only, as TRL's."""
     if loss_mask is not None:
         mask = mask.bool() & loss_mask.bool()
     if aggregation not in AGGREGATIONS:
@@ -123,7 +128,8 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, old_logps: to
     if beta != 0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps")
-        per_token = per_token + beta * k3_kl(ref_logps, logps)
+        kl = k3_kl(ref_logps, logps)
+        per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
     m = mask.to(per_token.dtype)
     if aggregation == "seq_mean":  # simple_GRPO: mean over each completion's tokens, then over completions
         return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()

@@ -148,6 +148,7 @@ def agreed_calls(model, mb: microbatch.Micro, cfg: GRPOConfig, packed: bool = Fa
 
 
 def _eps(cfg: GRPOConfig) -> dict:
+    """The clip of this level: gspo_eps_* at sequence level (TRL's epsilon/epsilon_high set them too: aliases)."""
     if cfg.importance_sampling_level == "sequence":
         return dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high)
     return dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
@@ -212,7 +213,7 @@ def _micro_loss(logps, ent, mb: microbatch.Micro, old, w, cfg: GRPOConfig):
     loss = grpo_loss(logps, mb.ref, old, mb.adv, mb.mask, beta=cfg.beta,
                      aggregation="token_mean" if cfg.aggregation == "dapo" else cfg.aggregation,
                      max_new_tokens=cfg.max_new_tokens, importance_sampling_level=cfg.importance_sampling_level,
-                     is_weights=w, **_eps(cfg), **objective)
+                     is_weights=w, bias_correction_kl=cfg.use_bias_correction_kl, **_eps(cfg), **objective)
     return loss, em
 
 

@@ -93,7 +93,7 @@ class RewardScorer:
 
     @classmethod
     def from_config(cls, cfg) -> RewardScorer:
-        conversational = {"messages": True, "auto": None}.get(cfg.prompt_format, False)
+        conversational = {"messages": True, "auto": None, "trl": None}.get(cfg.prompt_format, False)
         return cls(cfg.reward_fns, cfg.reward_weights, cfg.reward_timeout, conversational)
 
     def close(self) -> None:

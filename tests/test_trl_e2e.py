@@ -1,0 +1,79 @@
+"""Issue 40's done-when, run as a user runs it: launch.sh from a folder outside the checkout, no PYTHONPATH.
+
+- `--config configs/trl_defaults.json`: a text prompt reaches the model as TRL 1.16 sends it: `launch.sh check`
+  prints it as is (no chat template, no system prompt) and completions.jsonl's `prompt` is the user's text, for
+  the batches a genonly worker produced (the ranks never generate: get_wait is long).
+- `launch.sh check -- --use_vllm true` with a worker passes (a vLLM worker in the plan); `--push_to_hub true` is
+  refused on the command line with the reason the JSON file gives.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import REPO, find_free_port, subprocess_env
+
+TRL_DEFAULTS = str(REPO / "configs" / "trl_defaults.json")
+PROMPTS = [f"Write the number {n} in digits." for n in range(12)]
+
+
+def user_env() -> dict:
+    env = subprocess_env()
+    for k in ("PYTHONPATH", "GRPO_USER_DIR"):
+        env.pop(k, None)
+    return env
+
+
+def launch(folder, mode: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch.sh"), mode, *args], cwd=folder, env=user_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    (tmp_path / "my_rewards.py").write_text("def digits(completion, ground_truth):\n"
+                                            "    chars = [c for c in completion if not c.isspace()]\n"
+                                            "    return sum(c.isdigit() for c in chars) / max(1, len(chars))\n")
+    (tmp_path / "train.json").write_text(json.dumps([{"prompt": p} for p in PROMPTS]))
+    return tmp_path
+
+
+ARGS = ["--model", "tiny", "--data", "train.json", "--reward_fns", "my_rewards:digits", "--max_completion_length", "8",
+        "--bf16", "false", "--logging_steps", "1", "--reward_timeout", "5"]
+
+
+def test_check_prints_the_trl_prompt_and_refuses_push_to_hub_with_the_reason(folder):
+    ok = launch(folder, "check", "--config", TRL_DEFAULTS, "--port", str(find_free_port()), "--", *ARGS)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    shown = [line for line in ok.stdout.splitlines() if line.startswith("     | ")]
+    assert shown == ["     | " + PROMPTS[0]], ok.stdout  # as the model sees it: the text, nothing around it
+    vllm = launch(folder, "check", "--workers", "1", "--port", str(find_free_port()), "--", *ARGS, "--use_vllm",
+                  "true")
+    assert vllm.returncode == 0 and "check: all passed" in vllm.stdout, vllm.stdout + vllm.stderr
+    assert "workers generate with vllm" in vllm.stdout, vllm.stdout  # TRL's use_vllm: gen_backend vllm
+    hub = launch(folder, "check", "--port", str(find_free_port()), "--", *ARGS, "--push_to_hub", "true")
+    out = hub.stdout + hub.stderr
+    assert hub.returncode != 0 and "'push_to_hub'=True (pushing to the Hugging Face Hub is not supported" in out, out
+    assert "unknown option" not in out
+    (folder / "hub.json").write_text(json.dumps({"push_to_hub": True}))
+    in_file = launch(folder, "check", "--config", "hub.json", "--port", str(find_free_port()), "--", *ARGS)
+    assert in_file.returncode != 0 and "'push_to_hub'=True (pushing" in in_file.stdout + in_file.stderr
+    fine = launch(folder, "check", "--port", str(find_free_port()), "--", *ARGS, "--push_to_hub", "false",
+                  "--remove_unused_columns", "false", "--shuffle_dataset", "true")
+    assert fine.returncode == 0, fine.stdout + fine.stderr  # what we do anyway: accepted
+
+
+@pytest.mark.slow
+def test_trl_defaults_send_the_text_prompt_as_trl_does(folder):
+    proc = launch(folder, "train", "--config", TRL_DEFAULTS, "--run-dir", "run", "--workers", "1", "--gpus", "2",
+                  "--port", str(find_free_port()), "--", *ARGS, "--max_steps", "1", "--log_completions", "true",
+                  "--get_wait", "240", "--save_steps", "100", timeout=600)
+    run = folder / "run"
+    logs = {n: (run / n).read_text() for n in ("trainer.log", "worker0.log") if (run / n).is_file()}
+    assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["prompt_format"] == "trl" and cfg["use_bias_correction_kl"] is True, cfg
+    done = [json.loads(x) for x in (run / "completions.jsonl").read_text().splitlines()]
+    assert done and all(r["producer"].startswith("worker") for r in done), done[0]
+    assert all(r["prompt"] in PROMPTS for r in done), done[0]["prompt"]  # the user's text, exactly
