@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,29 +53,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    """A real ref server process; it only relays weights, so it loads the tiny model as its reference."""
+def start_server(model: torch.nn.Module) -> tuple[subprocess.Popen, str]:
+    """A real ref server process; it only relays weights, so it loads the tiny model as its reference. Its
+    --max_weights_mb fits `model` published in float32 (the widest dtype a publish uses) plus 64 MiB for the
+    header: the default, derived from the tiny model (~70 MiB, ref_server/weights_limit.py), would refuse the
+    published weights with 413. (ref_server.weights_limit cannot be imported here: bench/ref_server.py shadows
+    the package for a script run from bench/.)"""
     from common.tiny_model import ensure_tiny_model
+    limit_mb = math.ceil(sum(p.numel() for p in model.parameters()) * 4 / (1 << 20)) + 64
     port = free_port()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    log = tempfile.TemporaryFile()  # its output, shown if it does not start
     srv = subprocess.Popen([sys.executable, "-m", "ref_server", "--model", str(ensure_tiny_model()), "--port",
-                            str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            str(port), "--max_weights_mb", str(limit_mb)],
+                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
             if requests.get(url + "/health", timeout=1).ok:
                 return srv, url
         except requests.RequestException:
+            if srv.poll() is not None:
+                break
             time.sleep(0.2)
     srv.terminate()
-    raise SystemExit("ref server did not start")
+    srv.wait(30)
+    log.seek(0)
+    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+    raise SystemExit("ref server did not start: " + " | ".join(tail))
 
 
-def qwen05b(dtype: torch.dtype):
+QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+# --smoke: the real vocabulary on a narrow 2-layer body, ~80 MB bf16: still over the default limit the relay
+# server would derive from its own (tiny) model, so the smoke run checks that the bench sets one that fits
+SMOKE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+
+
+def qwen05b(dtype: torch.dtype, shape: dict = QWEN05B):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=512)
+    cfg = Qwen2Config(vocab_size=151936, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, **shape)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).to(dtype)
 
@@ -132,13 +151,14 @@ def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: 
 
 def delta_study(a) -> None:
     lrs = [float(x) for x in a.lrs.split(",")]
-    model = qwen05b(torch.bfloat16)
+    shape = SMOKE if a.smoke else QWEN05B
+    model = qwen05b(torch.bfloat16, shape)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}  # the bf16 "checkpoint"
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {full_bytes / 1e6:.0f} MB bf16",
           flush=True)
-    worker = qwen05b(torch.bfloat16)
-    srv, url = start_server()
+    worker = qwen05b(torch.bfloat16, shape)
+    srv, url = start_server(model)
     shares: dict[float, list[float]] = {}
     seconds: dict[float, list[tuple[float, float]]] = {}
     version = 0
@@ -179,7 +199,7 @@ def delta_study(a) -> None:
     print(json.dumps(out))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3, help="AdamW steps (and delta syncs) per learning rate")
@@ -190,7 +210,14 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=5, help="--relay_vs_file: best-of-N for both sides")
-    a = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds-long run (the test suite's): 1 step per lr on a 2-layer, hidden-256 body with the "
+                        "real vocabulary; with --relay_vs_file: hidden 128, 2 layers, vocab 32000, 2 repeats")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.steps = 1
+        if a.relay_vs_file:
+            a.hidden, a.layers, a.vocab, a.repeats = 128, 2, 32000, 2
     if a.relay_vs_file:
         from weight_sync_file import relay_vs_file  # next to this script
         relay_vs_file(a, start_server)
