@@ -151,7 +151,7 @@ def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: 
 
 def delta_study(a) -> None:
     lrs = [float(x) for x in a.lrs.split(",")]
-    shape = SMOKE if a.smoke else QWEN05B
+    shape = SMOKE if a.smoke else {**QWEN05B, "num_hidden_layers": a.qwen_layers}
     model = qwen05b(torch.bfloat16, shape)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}  # the bf16 "checkpoint"
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -190,7 +190,9 @@ def delta_study(a) -> None:
         srv.wait(30)
     speed = {lr: sum(f for _, f in s) / sum(d for d, _ in s) for lr, s in seconds.items()}
     print("sync speedup per lr: " + ", ".join(f"{lr:g}: {v:.2f}x" for lr, v in speed.items()))
-    out = {f"delta_share_lr{lr:.0e}".replace("e-0", "e-"): round(max(shares[lr]), 5) for lr in lrs}
+    out = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"],
+           "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
+    out |= {f"delta_share_lr{lr:.0e}".replace("e-0", "e-"): round(max(shares[lr]), 5) for lr in lrs}
     out["sync_speedup"] = round(speed[lrs[0]], 3)
     later = seconds[lrs[0]][1:]  # the first step's full sync also pays for fresh buffers on every side
     if later:
@@ -205,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3, help="AdamW steps (and delta syncs) per learning rate")
     p.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="learning rates, comma-separated (speedup: the first)")
     p.add_argument("--tokens", type=int, default=64, help="tokens in the synthetic loss's sequence")
+    p.add_argument("--qwen_layers", type=int, default=24,
+                   help="decoder layers of the Qwen2.5-0.5B-shaped model (24, its own; fewer: less memory, the same "
+                        "width and vocabulary)")
     p.add_argument("--relay_vs_file", action="store_true", help="the older benchmark: relay vs a local file")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
