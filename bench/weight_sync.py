@@ -1,6 +1,6 @@
 """Benchmark: delta weight sync vs full copies at Qwen2.5-0.5B's shape, trained by real AdamW steps.
 
-    python bench/weight_sync.py [--steps 3] [--lrs 1e-6,1e-5,1e-4] [--tokens 64]
+    python bench/weight_sync.py [--steps 3] [--lrs 1e-6,1e-5,1e-4] [--tokens 64] [--qwen_layers 24] [--smoke]
     python bench/weight_sync.py --relay_vs_file [--hidden 1024 --layers 8 --vocab 32000] [--repeats 5]
 
 Default: a random-weight model of the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 kv heads,
@@ -18,7 +18,8 @@ publish+follow).
 Last line JSON: delta_share_lr1e-6 / -5 / -4 (the largest share over the steps at that lr) and
 sync_speedup (full seconds / delta seconds, summed over the steps at lr 1e-6; the other lrs' as
 sync_speedup_lr1e-5 / -4; sync_speedup_after_first: lr 1e-6 without its first step, whose full sync also
-pays for fresh buffers). Memory: ~11 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy).
+pays for fresh buffers). Memory: ~12 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy);
+--qwen_layers 8: ~6 GB. The relay server gets --max_weights_mb for the model it relays.
 
 --relay_vs_file: the older comparison (bench/weight_sync_file.py): full sync through the relay vs
 writing and reading the same bytes through a local file.
