@@ -110,7 +110,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both engines)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per engine and length (median reported)")
+    p.add_argument("--smoke", action="store_true", help="the test suite's short run: --models tiny --new-tokens 8 "
+                                                        "--prompts 2 --repeats 1")
     args = p.parse_args()
+    if args.smoke:
+        args.models, args.new_tokens, args.prompts, args.repeats = "tiny", "8", 2, 1
     args.new_tokens = [int(x) for x in args.new_tokens.split(",")]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 500, (24,), generator=g).tolist() for _ in range(args.prompts)]

@@ -32,6 +32,8 @@ from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+# read by tests/test_bench_smoke.py (ast) and printed by --help
+SMOKE_EXEMPT = "no --smoke run in the test suite: `gather` needs the package registry (network)"
 REPO = Path(__file__).resolve().parent.parent
 WHEEL_DIR = ".whl"  # ignored by git; carried to the GPU machine with the checkout
 TARGET = ".whl/site"  # where the one command installs them there
@@ -153,7 +155,8 @@ def fits_target(wheel_file: str, py: str = PYTHON) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=SMOKE_EXEMPT)
     ap.add_argument("what", choices=["gather", "list", "command"])
     ap.add_argument("--dest", default=str(REPO / WHEEL_DIR))
     ap.add_argument("--python-version", default=PYTHON, help="the GPU machine's Python (default %(default)s)")

@@ -39,7 +39,10 @@ def measure(r: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="8,16,64")
+    ap.add_argument("--smoke", action="store_true", help="the test suite's seconds-long run: --ranks 8")
     args = ap.parse_args()
+    if args.smoke:
+        args.ranks = "8"
     rows = [measure(int(r)) for r in args.ranks.split(",")]
     for row in rows:
         print(f"r={row['lora_r']}: trainable {row['trainable_params']:,} ({100 * row['trainable_fraction']:.2f} %), "

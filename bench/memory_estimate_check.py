@@ -53,7 +53,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--cache", default=str(REPO / ".cache"))
+    ap.add_argument("--smoke", action="store_true", help="the test suite's seconds-long run: --model tiny --rows 2 "
+                                                         "--prompt 16 --completion 16")
     a, flags = ap.parse_known_args()
+    if a.smoke:
+        a.model, a.rows, a.prompt, a.completion = "tiny", 2, 16, 16
     os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1")
     with socket.socket() as s:

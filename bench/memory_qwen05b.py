@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -78,8 +79,14 @@ def main() -> None:
     ap.add_argument("--cache", default=str(REPO / ".cache" / "qwen_vocab"), help="where the model is built")
     ap.add_argument("--run-dir", default=None, help="default: a temporary directory")
     ap.add_argument("--every", type=float, default=0.5, help="RSS sampling period (s)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the test suite's short run: a 2-layer, hidden-128 body (real vocabulary), 1 step of 2 "
+                         "prompts x 8 new tokens on the demo's arith data; its temporary run directory is removed")
     ap.add_argument("trainer_args", nargs="*", help="extra trainer flags after --")
     a = ap.parse_args()
+    if a.smoke:
+        a.layers, a.hidden, a.intermediate, a.heads, a.kv_heads = 2, 128, 256, 4, 2
+        a.steps, a.max_new_tokens, a.num_pre_q, a.data = 1, 8, 2, "arith"
 
     from qwen_vocab import cached_checkpoint
 
@@ -87,7 +94,8 @@ def main() -> None:
     model = cached_checkpoint(a.cache, "instruct", layers=a.layers, hidden=a.hidden, intermediate=a.intermediate,
                               heads=a.heads, kv_heads=a.kv_heads, dtype=a.dtype)
     build_s = time.time() - t0
-    run = Path(a.run_dir or tempfile.mkdtemp(prefix="mem05b-")) / "run"
+    scratch = None if a.run_dir else tempfile.mkdtemp(prefix="mem05b-")
+    run = Path(a.run_dir or scratch) / "run"
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run), "--workers", "1", "--gpus", "2",
            "--port", str(free_port()), "--ref-dtype", a.ref_dtype, "--worker-dtype", a.worker_dtype, "--",
            "--model", str(model), "--data", a.data, "--reward_fns", "toy_rewards:digit_fraction",
@@ -144,7 +152,11 @@ def main() -> None:
     }
     if proc.returncode != 0:
         print(err[-3000:], file=sys.stderr)
+    if a.smoke and scratch:
+        shutil.rmtree(scratch, ignore_errors=True)  # checkpoints of a run nobody reads
     print(json.dumps(out))
+    if proc.returncode != 0:
+        sys.exit(f"the run failed (launch.sh exit {proc.returncode}); its stderr is above")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3, help="Header-only PUT /weights requests.")
     p.add_argument("--gib", type=float, default=3.0, help="Content-Length each declares, in GiB.")
     p.add_argument("--settle", type=float, default=2.0, help="Seconds to wait before reading memory.")
+    p.add_argument("--smoke", action="store_true", help="The test suite's seconds-long run: 1 request of 1 GiB, "
+                                                        "0.5 s settle.")
     a = p.parse_args()
+    if a.smoke:
+        a.requests, a.gib, a.settle = 1, 1.0, 0.5
     port, tmp = free_port(), tempfile.mkdtemp(prefix="preauth.")
     token_file = Path(tmp) / "token"
     token_file.write_text("bench-token-123456")

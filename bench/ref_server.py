@@ -73,7 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-memory", action="store_true", help="Run only the throughput part.")
     p.add_argument("--mem-worker", choices=["ours", "naive"], help=argparse.SUPPRESS)  # internal: one measurement
     p.add_argument("--mem-out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="The test suite's seconds-long run: both parts on toy sizes "
+                                                        "(hidden 64, 1 layer, vocab 1000, 4 batches of 2 rows, 1 "
+                                                        "repeat; memory B=2 L=64 H=64 V=4096).")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.batches, a.rows, a.prompt_len, a.completion_len, a.repeats = 4, 2, 8, 16, 1
+        a.hidden, a.layers, a.vocab = 64, 1, 1000
+        a.mem_batch, a.mem_len, a.mem_hidden, a.mem_vocab, a.chunk_tokens = 2, 64, 64, 4096, 32
+    return a
 
 
 # --------------------------------------------------------------------------- throughput

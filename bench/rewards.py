@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="the test suite's seconds-long run: 20 groups, 1 repeat")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.groups, a.repeats = 20, 1
     groups = make_groups(a.groups, a.group_size, a.seed)
     plain = RewardScorer(a.rewards, timeout=0)
     guarded = RewardScorer(a.rewards, timeout=a.timeout)

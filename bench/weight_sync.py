@@ -1,6 +1,6 @@
 """Benchmark: delta weight sync vs full copies at Qwen2.5-0.5B's shape, trained by real AdamW steps.
 
-    python bench/weight_sync.py [--steps 3] [--lrs 1e-6,1e-5,1e-4] [--tokens 64]
+    python bench/weight_sync.py [--steps 3] [--lrs 1e-6,1e-5,1e-4] [--tokens 64] [--qwen_layers 24] [--smoke]
     python bench/weight_sync.py --relay_vs_file [--hidden 1024 --layers 8 --vocab 32000] [--repeats 5]
 
 Default: a random-weight model of the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 kv heads,
@@ -18,7 +18,8 @@ publish+follow).
 Last line JSON: delta_share_lr1e-6 / -5 / -4 (the largest share over the steps at that lr) and
 sync_speedup (full seconds / delta seconds, summed over the steps at lr 1e-6; the other lrs' as
 sync_speedup_lr1e-5 / -4; sync_speedup_after_first: lr 1e-6 without its first step, whose full sync also
-pays for fresh buffers). Memory: ~11 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy).
+pays for fresh buffers). Memory: ~12 GB (bf16 model and grads, fp32 master, AdamW state, worker, publisher copy);
+--qwen_layers 8: ~6 GB. The relay server gets --max_weights_mb for the model it relays.
 
 --relay_vs_file: the older comparison (bench/weight_sync_file.py): full sync through the relay vs
 writing and reading the same bytes through a local file.
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,29 +54,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    """A real ref server process; it only relays weights, so it loads the tiny model as its reference."""
+def start_server(model: torch.nn.Module) -> tuple[subprocess.Popen, str]:
+    """A real ref server process; it only relays weights, so it loads the tiny model as its reference. Its
+    --max_weights_mb fits `model` published in float32 (the widest dtype a publish uses) plus 64 MiB for the
+    header: the default, derived from the tiny model (~70 MiB, ref_server/weights_limit.py), would refuse the
+    published weights with 413. (ref_server.weights_limit cannot be imported here: bench/ref_server.py shadows
+    the package for a script run from bench/.)"""
     from common.tiny_model import ensure_tiny_model
+    limit_mb = math.ceil(sum(p.numel() for p in model.parameters()) * 4 / (1 << 20)) + 64
     port = free_port()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    log = tempfile.TemporaryFile()  # its output, shown if it does not start
     srv = subprocess.Popen([sys.executable, "-m", "ref_server", "--model", str(ensure_tiny_model()), "--port",
-                            str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            str(port), "--max_weights_mb", str(limit_mb)],
+                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
             if requests.get(url + "/health", timeout=1).ok:
                 return srv, url
         except requests.RequestException:
+            if srv.poll() is not None:
+                break
             time.sleep(0.2)
     srv.terminate()
-    raise SystemExit("ref server did not start")
+    srv.wait(30)
+    log.seek(0)
+    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+    raise SystemExit("ref server did not start: " + " | ".join(tail))
 
 
-def qwen05b(dtype: torch.dtype):
+QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+# --smoke: the real vocabulary on a narrow 2-layer body, ~80 MB bf16: still over the default limit the relay
+# server would derive from its own (tiny) model, so the smoke run checks that the bench sets one that fits
+SMOKE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+
+
+def qwen05b(dtype: torch.dtype, shape: dict = QWEN05B):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=512)
+    cfg = Qwen2Config(vocab_size=151936, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, **shape)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).to(dtype)
 
@@ -132,13 +152,14 @@ def timed(pub: WeightSync, sub: WeightSync, model, worker, version: int, delta: 
 
 def delta_study(a) -> None:
     lrs = [float(x) for x in a.lrs.split(",")]
-    model = qwen05b(torch.bfloat16)
+    shape = SMOKE if a.smoke else {**QWEN05B, "num_hidden_layers": a.qwen_layers}
+    model = qwen05b(torch.bfloat16, shape)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}  # the bf16 "checkpoint"
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {full_bytes / 1e6:.0f} MB bf16",
           flush=True)
-    worker = qwen05b(torch.bfloat16)
-    srv, url = start_server()
+    worker = qwen05b(torch.bfloat16, shape)
+    srv, url = start_server(model)
     shares: dict[float, list[float]] = {}
     seconds: dict[float, list[tuple[float, float]]] = {}
     version = 0
@@ -170,7 +191,9 @@ def delta_study(a) -> None:
         srv.wait(30)
     speed = {lr: sum(f for _, f in s) / sum(d for d, _ in s) for lr, s in seconds.items()}
     print("sync speedup per lr: " + ", ".join(f"{lr:g}: {v:.2f}x" for lr, v in speed.items()))
-    out = {f"delta_share_lr{lr:.0e}".replace("e-0", "e-"): round(max(shares[lr]), 5) for lr in lrs}
+    out = {"layers": shape["num_hidden_layers"], "hidden": shape["hidden_size"],
+           "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
+    out |= {f"delta_share_lr{lr:.0e}".replace("e-0", "e-"): round(max(shares[lr]), 5) for lr in lrs}
     out["sync_speedup"] = round(speed[lrs[0]], 3)
     later = seconds[lrs[0]][1:]  # the first step's full sync also pays for fresh buffers on every side
     if later:
@@ -179,18 +202,28 @@ def delta_study(a) -> None:
     print(json.dumps(out))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3, help="AdamW steps (and delta syncs) per learning rate")
     p.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="learning rates, comma-separated (speedup: the first)")
     p.add_argument("--tokens", type=int, default=64, help="tokens in the synthetic loss's sequence")
+    p.add_argument("--qwen_layers", type=int, default=24,
+                   help="decoder layers of the Qwen2.5-0.5B-shaped model (24, its own; fewer: less memory, the same "
+                        "width and vocabulary)")
     p.add_argument("--relay_vs_file", action="store_true", help="the older benchmark: relay vs a local file")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=5, help="--relay_vs_file: best-of-N for both sides")
-    a = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds-long run (the test suite's): 1 step per lr on a 2-layer, hidden-256 body with the "
+                        "real vocabulary; with --relay_vs_file: hidden 128, 2 layers, vocab 32000, 2 repeats")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.steps = 1
+        if a.relay_vs_file:
+            a.hidden, a.layers, a.vocab, a.repeats = 128, 2, 32000, 2
     if a.relay_vs_file:
         from weight_sync_file import relay_vs_file  # next to this script
         relay_vs_file(a, start_server)

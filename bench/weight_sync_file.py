@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ def relay_vs_file(a, start_server) -> None:
     with torch.no_grad():
         for q in worker.parameters():
             q.zero_()
-    srv, url = start_server()
+    srv, url = start_server(model)  # its max_weights_mb fits this model
     try:
         pub, sub = WeightSync(client=RefClient(url, timeout=600)), WeightSync(client=RefClient(url, timeout=600))
         sync_times = []
@@ -83,3 +84,8 @@ def relay_vs_file(a, start_server) -> None:
     sync_s, copy_s = min(sync_times), min(copy_times)
     print(json.dumps({"sync_seconds": round(sync_s, 3), "file_copy_seconds": round(copy_s, 3),
                       "ratio": round(copy_s / sync_s, 3), "bytes": len(blob), "repeats": a.repeats}))
+
+
+if __name__ == "__main__":  # the same as bench/weight_sync.py --relay_vs_file [--smoke ...]
+    from weight_sync import main  # next to this script
+    main(["--relay_vs_file", *sys.argv[1:]])

@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=300, help="timed round trips per side (median is reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 = like a busy server process)")
+    p.add_argument("--smoke", action="store_true", help="the test suite's seconds-long run: 10 round trips per side")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.repeats = 10
     if a.rows < 1 or a.tokens < 2 or a.repeats < 1:
         p.error("need --rows >= 1, --tokens >= 2 (a prompt and a completion token) and --repeats >= 1")
     torch.set_num_threads(a.threads)

@@ -14,18 +14,20 @@ from common.settings.checks import LOSS_TYPES, ConfigChecks
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
 from common.settings.sections import SECTIONS
+from common.settings.tool_options import ToolOptions
 from common.settings.trl_options import TRLOptions
 
 
 @dataclass
-class GRPOConfig(ModelLoading, TRLOptions, ConfigChecks):
+class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
     validate() and the rules it checks: common/settings/checks.py."""
 
     ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/settings/trl_aliases.py)
     HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
-    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/settings/model_options.py)
+    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/settings/model_options.py;
+    # tools, environment_factory, max_tool_calling_iterations, tool_timeout, tool_output_chars: tool_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "
@@ -173,21 +175,6 @@ class GRPOConfig(ModelLoading, TRLOptions, ConfigChecks):
                                      "(queued + scored): rollouts stay fresh instead of piling up stale.")
     worker_id: int = knob(0, "genonly: this worker's index (seeds and prompt shard; launch.sh sets it).")
     device: str = knob("auto", "genonly/eval device: auto, cpu or cuda:N (trainer ranks use their local GPU).")
-    # --- tools in rollouts (issue 32; trainer/tools/, docs/tools.md) ----------------------
-    tools: list = knob([], "Tools the model may call while it generates (TRL's tools): built-in calculator "
-                           "(bounded arithmetic, in-process) and python (runs a snippet), or your typed functions "
-                           "with Google-style docstrings as 'module:function' or 'path/to/file.py:function'. Their "
-                           "JSON schemas (transformers' get_json_schema) reach the chat template.")
-    environment_factory: str | None = knob(None, "TRL's environment_factory: a class ('module:Class' or "
-                                                 "'path/to/file.py:Class') whose public methods besides reset are "
-                                                 "tools; one instance per rollout, reset() starts its episode.")
-    max_tool_calling_iterations: int | None = knob(None, "TRL's name: tool rounds per completion at most (null = "
-                                                         "no limit: a turn without a call, or max_new_tokens, ends "
-                                                         "it; 0 = tools are shown but never run).")
-    tool_timeout: float = knob(10.0, "Seconds one tool call may take; past it the tool process is killed (and "
-                                     "restarted) and the model reads that the call timed out. Also the call's "
-                                     "CPU-time limit (RLIMIT_CPU).")
-    tool_output_chars: int = knob(1000, "A tool's result is cut to this many characters before the model reads it.")
     # --- real checkpoints, real runs (issue 11) ---------------------------------------------
     train_zero_spread: bool = knob(False, "Also train on groups whose rewards are all equal (their advantages are "
                                           "0, so their loss is the KL term alone). Default: skip them (counted and "
