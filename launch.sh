@@ -137,6 +137,9 @@ for i in "${!EXTRA[@]}"; do  # path-valued trainer flags (either spelling, or --
       else j=$((i + 1)); [ $j -lt ${#EXTRA[@]} ] && EXTRA[$j]=$(maybe_path "${EXTRA[$j]}"); fi ;;
   esac
 done
+for arg in "${EXTRA[@]}"; do  # the trainer's own grouped --help (every GRPOConfig knob), not a run
+  case "$arg" in -h|--help) exec "$PY" -m trainer.main --help ;; esac
+done
 [ -n "$WORKER_DTYPE" ] && EXTRA+=(--worker_dtype "$WORKER_DTYPE")  # workers load in it, rank 0 publishes in it
 CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 # The trainer's model (from --config or --model in EXTRA) also serves as reference unless told otherwise.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -149,13 +148,13 @@ def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
     return f"{len(names)} tools, all shown by the chat template"
 
 
-def check_port(port: int) -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError as e:
-            raise OSError(f"port {port} is taken ({e.strerror}): pick another with --port") from None
-    return f"{port} is free"
+def check_port(host: str, port: int) -> str:
+    from common.listen import listen_socket
+    try:  # as the ref server binds it (common/listen.py): its host, SO_REUSEADDR (TIME-WAIT is free)
+        listen_socket(host, port).close()
+    except OSError as e:
+        raise OSError(f"port {port} is taken on {host} ({e.strerror}): pick another with --port") from None
+    return f"{port} on {host} is free"
 
 
 def model_bytes(model_path: str, options: dict | None = None) -> int:
@@ -192,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Check a run's config, model, data, rewards, port and disk without "
                                              "loading weights (what ./launch.sh check runs).")
     ap.add_argument("--port", type=int, default=59875, help="the ref server's port (default 59875)")
+    ap.add_argument("--host", default="127.0.0.1", help="the address the ref server binds (default 127.0.0.1, its own)")
     ap.add_argument("--ref-url", "--ref_url", default="", help="a running ref server: no port to check")
     ap.add_argument("--run-dir", "--run_dir", default="runs", help="where checkpoints would go")
     args = ap.parse_args(own)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if c.cfg.tools or c.cfg.environment_factory:
             check_tools(c)
     if not args.ref_url:
-        c.run("port", lambda: check_port(args.port))
+        c.run("port", lambda: check_port(args.host, args.port))
     if c.model_path is not None:
         c.run("disk", lambda: check_disk(c, Path(args.run_dir).resolve()))
     if c.failed:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import sys
 
-# `deepspeed trainer/main.py` puts trainer/ first on sys.path, where our module names
-# (data, evaluate, metrics...) would shadow same-named libraries. Packages come from `pip install -e .`.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+# `deepspeed trainer/main.py` (or `python trainer/main.py`) puts trainer/ first on sys.path, where our module names
+# (data, evaluate, metrics...) would shadow same-named libraries: the checkout's root takes its place, so `common`
+# and `trainer` import from it in any interpreter that has the dependencies (GRPO_PYTHON), installed or not.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
 
 from common.config import GRPOConfig  # noqa: E402
 from common.settings.knobs import load_config_or_exit  # noqa: E402

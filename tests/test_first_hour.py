@@ -1,0 +1,72 @@
+"""The first hour of a new user (issue 41), run as they run it: launch.sh from a folder outside the checkout, no
+PYTHONPATH. --help through launch.sh, the docs' python commands, a port in TIME-WAIT, a reward that raises, a prompt
+the tools push past max_prompt_length.
+
+Before: `launch.sh train -- --help` exited 127 (the help was taken for the model name and eval'ed); `check` bound
+0.0.0.0 without SO_REUSEADDR and called a port in TIME-WAIT taken."""
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import time
+
+from conftest import REPO, find_free_port, subprocess_env
+
+BASE = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--max_new_tokens", "8", "--num_pre_Q", "4",
+        "--temperature", "1.0", "--save_steps", "100"]
+
+
+def user_env() -> dict:
+    env = subprocess_env()
+    for k in ("PYTHONPATH", "GRPO_USER_DIR"):
+        env.pop(k, None)
+    return env
+
+
+def launch(folder, mode: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch.sh"), mode, *args], cwd=folder, env=user_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_through_launch_sh_and_the_docs_python_commands(tmp_path):
+    for mode in ("train", "check"):
+        proc = launch(tmp_path, mode, "--", "--help", timeout=120)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "--num_generations" in proc.stdout and "usage:" in proc.stdout, proc.stdout[-2000:]
+    # the entry point finds the project from any folder (trainer/ on sys.path is replaced by the checkout)
+    main = subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "trainer" / "main.py"), "--help"],
+                          cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=120)
+    assert main.returncode == 0 and "--num_generations" in main.stdout, main.stderr[-2000:]
+    # every `python ...` command the docs write goes through the project's venv (bare `python` has no torch)
+    bare = []
+    for page in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for m in re.finditer(r"(?<![\w/.-])python3? (-m \S+|\S+\.py)", page.read_text()):
+            bare.append(f"{page.name}: {m.group(0)}")
+    allowed = ("benchmarks.md",)  # the bench rows: bench/*.py put the checkout on sys.path themselves
+    assert [b for b in bare if not b.startswith(allowed)] == []
+
+
+def _time_wait_port() -> int:
+    """A port whose server just closed a connection first: its side is left in TIME-WAIT for a minute."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the ref server binds
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    cli = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.close()  # the server closes first: TIME-WAIT on its side (127.0.0.1:port)
+    time.sleep(0.2)
+    cli.close()
+    srv.close()
+    ss = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True, text=True).stdout
+    assert "TIME-WAIT" in ss, ss
+    return port
+
+
+def test_check_passes_on_a_port_in_time_wait(tmp_path):
+    port = _time_wait_port()
+    proc = launch(tmp_path, "check", "--port", str(port), "--", *BASE, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert f"ok   port     {port} on 127.0.0.1 is free" in proc.stdout, proc.stdout
