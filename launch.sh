@@ -176,8 +176,11 @@ CHECK_ARGS=(--run-dir "$RUN_DIR" --port "$PORT"); [ -n "$REF_URL" ] && CHECK_ARG
 if [ "$MODE" = check ]; then
   exec "$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}"
 fi
-"$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}" | sed 's/^/[check] /' >&2 || {
-  echo "[launch] a check failed (above): nothing was started" >&2; exit 2; }
+CHECK_LOG=$(mktemp)
+"$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}" | tee "$CHECK_LOG" | sed 's/^/[check] /' >&2 || {
+  fails=$(sed -n 's/^FAIL *//p' "$CHECK_LOG" | paste -sd ';' | cut -c1-400); rm -f "$CHECK_LOG"  # named on the last line
+  echo "[launch] a check failed ($fails): nothing was started" >&2; exit 2; }
+rm -f "$CHECK_LOG"
 mkdir -p "$RUN_DIR"
 rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
@@ -302,7 +305,10 @@ while kill -0 "$TRAINER" 2>/dev/null; do
       "$PY" -m trainer.dist.exits "$REF_URL" "$name" "$code" || true
       continue
     fi
-    echo "$name exited with code $code: $(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300) (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
+    # the process's own one-line diagnosis (trainer/main.py: its name, the exception, the cause), else its last line
+    why=$(head -n 1 "$RUN_DIR/diagnosis.txt" 2>/dev/null || true); why=${why#"$name: "}
+    [ -n "$why" ] || why=$(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300)
+    echo "$name exited with code $code: $why (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
     exit 3
   done
   sleep 1

@@ -70,3 +70,39 @@ def test_check_passes_on_a_port_in_time_wait(tmp_path):
     proc = launch(tmp_path, "check", "--port", str(port), "--", *BASE, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert f"ok   port     {port} on 127.0.0.1 is free" in proc.stdout, proc.stdout
+
+
+PICKY = '''def picky(completion, ground_truth):
+    if ground_truth == "8":
+        raise ValueError("cannot score the answer 8")
+    chars = [c for c in completion if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+'''
+
+
+def _rows(*answers: int) -> str:
+    return "".join(f'{{"prompt": "{a // 2} + {a - a // 2} = ?", "ground_truth": "{a}"}}\n' for a in answers)
+
+
+def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path):
+    """check scores whole groups of the first rows: it names the function, the row and ValueError. Past the rows
+    check reads, training meets it: the run ends within 120 s, its last line naming the function and ValueError
+    (before: `worker0 exited with code 1: <the completion's text>`)."""
+    (tmp_path / "my_rewards.py").write_text(PICKY)
+    (tmp_path / "early.jsonl").write_text(_rows(2, 8, 4, 6))
+    (tmp_path / "late.jsonl").write_text(_rows(2, 4, 6, 8))
+    args = [*BASE, "--reward_fns", "my_rewards:picky", "--get_wait", "2"]
+    check = launch(tmp_path, "check", "--port", str(find_free_port()), "--", *args, "--data", "early.jsonl",
+                   timeout=300)
+    fail = next(x for x in check.stdout.splitlines() if x.startswith("FAIL"))
+    assert check.returncode != 0 and fail.startswith("FAIL rewards"), check.stdout
+    assert "'picky' failed on row 1 (columns: prompt, ground_truth): ValueError: cannot score" in fail, fail
+    t0 = time.time()
+    proc = launch(tmp_path, "train", "--run-dir", "run", "--port", str(find_free_port()), "--", *args,
+                  "--data", "late.jsonl", "--all_steps", "50", timeout=400)
+    seconds = time.time() - t0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and seconds < 120, (seconds, proc.stderr[-3000:])
+    assert "run failed" in last and "'picky' failed on row 3" in last and "ValueError" in last, last
+    assert "columns: prompt, ground_truth" in last and "8 = ?" not in last, last  # the row's text is not the cause
+    print(f"reward error ended the run in {seconds:.0f} s: {last}")

@@ -6,7 +6,8 @@ One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
     model    config.json and the tokenizer load from the path, hub id or local cache
     data     the first rows go through the column mapping and the prompt format (the first prompt is printed as the
              model will see it, template and all)
-    rewards  every reward function imports as the workers import it (common/user_code.py) and scores one completion
+    rewards  every reward function imports as the workers import it (common/user_code.py) and scores a whole group
+             (num_generations completions) of each of the first rows, as training does
     tools    with tools/environment_factory: each tool imports and has a JSON schema (one line per tool), and the
              chat template shows them to the model
     port     the ref server's port is free (when launch.sh starts the server)
@@ -39,18 +40,21 @@ class Checker:
         self.examples: list = []
 
     def run(self, name: str, fn: Callable[[], str]) -> None:
-        t0 = time.time()
+        t0, more = time.time(), []
         try:
             detail = fn()
         except SystemExit as e:  # argparse / load_config say what is wrong themselves, then exit
             detail, ok = f"invalid arguments (exit {e.code})", False
         except Exception as e:  # every check reports its own failure in one line, and the others still run
-            detail, ok = " ".join(f"{type(e).__name__}: {e}".split()), False
+            first, *more = str(e).strip().splitlines() or [""]  # details (a reward's row, completion) below it
+            detail, ok = " ".join(f"{type(e).__name__}: {first}".split()), False
         else:
             ok = True
         if not ok:
             self.failed.append(name)
         print(f"{'ok  ' if ok else 'FAIL'} {name:<8} {detail} ({time.time() - t0:.1f} s)", flush=True)
+        for line in more:
+            print(f"     | {line}", flush=True)
 
     def skip(self, name: str, why: str) -> None:
         self.failed.append(name)
@@ -99,16 +103,44 @@ def check_data(c: Checker) -> str:
 
 
 def check_rewards(c: Checker) -> str:
+    """A whole group (num_generations completions: right, wrong and malformed answers) for each of the first rows,
+    scored as training scores them (RewardScorer.score_group, completion ids included): a reward that raises on
+    one row, or returns the wrong count only for a full group, fails here rather than minutes into the run."""
+    from dataclasses import replace
+
     from trainer.rewards.scoring import RewardScorer
     scorer = RewardScorer.from_config(c.cfg)  # as the workers build it
+    values: dict[str, list] = {n: [] for n in scorer.names}
     try:
         if not c.examples:
-            return f"{', '.join(scorer.names)} imported (no data row to score one completion)"
-        ex = c.examples[0]
-        score = scorer.score_group(ex, [ANSWER.format(ex.ground_truth)])
+            return f"{', '.join(scorer.names)} imported (no data row to score a group)"
+        for row, ex in enumerate(c.examples):
+            ex = replace(ex, index=row) if ex.index is None else ex
+            completions = _group(ex, c.cfg.num_pre_Q)
+            ids = ([c.tokenizer(x, add_special_tokens=False)["input_ids"] for x in completions]
+                   if c.tokenizer is not None else None)
+            for name, vals in scorer.score_group(ex, completions, ids).components.items():
+                values[name].extend(vals)
     finally:
         scorer.close()
-    return ", ".join(f"{n}={v[0]}" for n, v in score.components.items()) + " on a well-formed answer"
+    return f"{len(c.examples)} groups of {c.cfg.num_pre_Q} scored: " + ", ".join(
+        f"{n}={_summary(v)}" for n, v in values.items())
+
+
+def _group(ex, n: int) -> list[str]:
+    """n completions for one row: the well-formed right answer first, then wrong and malformed ones."""
+    gt = "" if ex.ground_truth is None else str(ex.ground_truth)
+    kinds = [ANSWER.format(gt), ANSWER.format(gt + "1"), gt, "I do not know.", "", f"<answer>{gt}</answer>"]
+    return [kinds[k % len(kinds)] for k in range(n)]
+
+
+def _summary(vals: list) -> str:
+    got = [v for v in vals if v is not None]
+    nones = len(vals) - len(got)
+    if not got:
+        return f"None on all {len(vals)} (not applicable: this reward alone gives no signal)"
+    return (f"{min(got):g}..{max(got):g}" if min(got) != max(got) else f"{got[0]:g}") + (
+        f" ({nones} None)" if nones else "")
 
 
 def check_tools(c: Checker) -> None:

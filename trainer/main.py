@@ -43,12 +43,33 @@ def main(argv: list[str] | None = None) -> None:
     # the deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway
     cfg = load_config_or_exit(GRPOConfig, argv, prog="trainer/main.py", ignore_unknown=("local_rank",),
                               description=DESCRIPTION, epilog=EPILOG)
-    if mode == "genonly":
-        from trainer.worker import genonly
-        genonly(cfg)
-    else:
-        from trainer.loop import train
-        train(cfg)
+    try:
+        if mode == "genonly":
+            from trainer.worker import genonly
+            genonly(cfg)
+        else:
+            from trainer.loop import train
+            train(cfg)
+    except Exception as e:  # noqa: BLE001 - the traceback is logged; the last line names the process and the cause
+        sys.exit(die(cfg, mode, e))
+
+
+def die(cfg: GRPOConfig, mode: str, e: Exception) -> int:
+    """Log the traceback, then ONE last line: this process, the exception's type and the first line of its message
+    (a reward's names the function, the row and its columns: trainer/rewards/scoring.py); also the run's
+    diagnosis.txt (first writer wins), which launch.sh repeats as its last line. Exit code 1."""
+    import logging
+    import traceback
+
+    from trainer.health import write_diagnosis
+    who = f"worker{cfg.worker_id}" if mode == "genonly" else f"rank {os.environ.get('RANK', '0')}"
+    first = (str(e).strip().splitlines() or [""])[0]
+    line = f"{who}: {type(e).__name__}: {first}"
+    logging.getLogger("trainer").error("%s", "".join(traceback.format_exception(e)).rstrip())
+    if os.path.isdir(cfg.output_dir):  # launch.sh made the run directory
+        write_diagnosis(cfg.output_dir, line)
+    print(line, file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":
