@@ -14,10 +14,11 @@ from common.settings.checks import LOSS_TYPES, ConfigChecks
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
 from common.settings.sections import SECTIONS
+from common.settings.spin import SpinLimits
 
 
 @dataclass
-class GRPOConfig(ModelLoading, ConfigChecks):
+class GRPOConfig(ModelLoading, SpinLimits, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
     validate() and the rules it checks: common/settings/checks.py."""

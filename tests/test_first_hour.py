@@ -106,3 +106,53 @@ def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path):
     assert "run failed" in last and "'picky' failed on row 3" in last and "ValueError" in last, last
     assert "columns: prompt, ground_truth" in last and "8 = ?" not in last, last  # the row's text is not the cause
     print(f"reward error ended the run in {seconds:.0f} s: {last}")
+
+
+def test_check_counts_the_tools_section_against_max_prompt_length(tmp_path):
+    """The arith prompt alone fits 100 tokens; with the calculator's schema rendered by the chat template it does
+    not (before: check passed, and every prompt was skipped until stall_timeout)."""
+    proc = launch(tmp_path, "check", "--port", str(find_free_port()), "--", *BASE, "--tools", "calculator",
+                  "--max_prompt_length", "100", timeout=300)
+    fail = next(x for x in proc.stdout.splitlines() if x.startswith("FAIL"))
+    assert proc.returncode != 0 and fail.startswith("FAIL data") and "max_prompt_length 100" in fail, proc.stdout
+    assert "tools section" in fail and "nothing was started" not in proc.stderr
+
+
+def _stats(groups: int, components: dict, skipped_long: int = 0):
+    from trainer.rollout import RolloutStats
+    n = len(next(iter(components.values()))) if components else 0
+    total = [sum(v[k] or 0.0 for v in components.values()) for k in range(n)]
+    return RolloutStats(groups=groups, skipped_no_spread=groups, skipped_long_prompt=skipped_long, rewards=total,
+                        components=components)
+
+
+def test_nothing_spins_and_none_is_shown_as_none(caplog):
+    import pytest
+
+    from trainer.stall import NothingToTrain, StallReporter
+    now = [0.0]
+    # None (no reward applied) is None in the stall line, not 0 (before: `rewards seen {0: 84}`)
+    rep = StallReporter("worker0", every=30.0, clock=lambda: now[0])
+    rep.add(_stats(2, {"exact": [None] * 8}), produced=0)
+    rep.add(_stats(1, {"exact": [0.0] * 4}), produced=0)
+    now[0] += 31.0
+    msg = rep.maybe_log()
+    assert "rewards seen {None: 8, 0: 4}" in msg, msg
+    # the first groups: a reward None everywhere beside one that applies is a warning, the run goes on
+    rep = StallReporter("worker0", none_reward_groups=4)
+    with caplog.at_level("WARNING", logger="trainer"):
+        for _ in range(2):
+            rep.add(_stats(2, {"exact": [None] * 8, "format": [1.0, 0.0] * 4}), produced=2)
+    assert "reward 'exact' returned None" in caplog.text
+    # ... and alone, it ends the run naming it, once the first none_reward_groups groups are in
+    rep = StallReporter("worker0", none_reward_groups=4)
+    rep.add(_stats(3, {"exact": [None] * 12}), produced=0)
+    with pytest.raises(NothingToTrain, match=r"worker0: every reward returned None .* first 4 groups: exact"):
+        rep.add(_stats(1, {"exact": [None] * 4}), produced=0)
+    # prompts skipped for length: max_skipped_prompts in a row end it naming max_prompt_length; a group between resets
+    rep = StallReporter("rank 1", max_skipped_prompts=3, max_prompt_length=100)
+    rep.add(_stats(0, {}, skipped_long=2), produced=0)
+    rep.add(_stats(1, {"exact": [1.0, 0.0]}), produced=1)
+    rep.add(_stats(0, {}, skipped_long=2), produced=0)
+    with pytest.raises(NothingToTrain, match=r"rank 1: the last 3 prompts .* max_prompt_length 100"):
+        rep.add(_stats(0, {}, skipped_long=1), produced=0)

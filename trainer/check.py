@@ -92,14 +92,42 @@ def check_data(c: Checker) -> str:
         f"; eval rows from {cfg.eval_data or cfg.data} ({cfg.eval_split})" if held_out else "")
     if c.tokenizer is None:
         return read + " (prompts not rendered: no tokenizer)"
-    kept, skipped = encode_prompts(c.tokenizer, c.examples, cfg.system_prompt, cfg.max_prompt_length,
-                                   cfg.prompt_format)
-    if not kept:
-        raise ValueError(f"none of the first {len(c.examples)} prompts fits max_prompt_length {cfg.max_prompt_length}")
+    # counted as the model sees them: chat template, the tools section, what an environment's reset() adds
+    examples, schemas = _as_generated(c)
+    kept, _ = encode_prompts(c.tokenizer, examples, cfg.system_prompt, sys.maxsize, cfg.prompt_format, schemas)
+    over = [(row, len(ids)) for row, (_, ids) in enumerate(kept) if len(ids) > cfg.max_prompt_length]
+    if over:
+        rows = ", ".join(f"row {row}: {n} tokens" for row, n in over)
+        raise ValueError(f"{len(over)} of the first {len(kept)} prompts do not fit max_prompt_length "
+                         f"{cfg.max_prompt_length} as the model sees them ({rows}; chat template"
+                         f"{', tools section' if schemas else ''} included): raise max_prompt_length or shorten "
+                         f"them (training would skip them)")
     ex, ids = kept[0]
     print(f"     first prompt as the model sees it ({len(ids)} tokens; ground truth {ex.ground_truth!r}):")
     print("\n".join("     | " + line for line in c.tokenizer.decode(ids).splitlines()))
-    return read + (f", {skipped} over max_prompt_length" if skipped else "")
+    return read + f", longest prompt {max(len(i) for _, i in kept)} of max_prompt_length {cfg.max_prompt_length} tokens"
+
+
+def _as_generated(c: Checker) -> tuple[list, list[dict] | None]:
+    """The first rows as rollouts start from them, and the tools' schemas: with environment_factory, each row's
+    reset() text appended (trainer/rollout.py with_observation), as TRL does."""
+    from trainer.rollout import with_observation
+    from trainer.tools import ToolBox
+    try:
+        box = ToolBox.from_config(c.cfg, c.tokenizer)
+    except (ValueError, ImportError):  # a tool that does not load: its own `tools` line says why, once
+        return c.examples, None
+    if box is None:
+        return c.examples, None
+    try:
+        if not box.has_env:
+            return c.examples, box.schemas
+        ids = box.start_episodes(len(c.examples), [{"prompt": ex.prompt, **ex.columns} for ex in c.examples])
+        obs = [box.observations.get(i) for i in ids]
+        box.end_episodes(ids)
+        return [ex if o is None else with_observation(ex, str(o)) for ex, o in zip(c.examples, obs)], box.schemas
+    finally:
+        box.close()
 
 
 def check_rewards(c: Checker) -> str:

@@ -57,19 +57,24 @@ def main(argv: list[str] | None = None) -> None:
 def die(cfg: GRPOConfig, mode: str, e: Exception) -> int:
     """Log the traceback, then ONE last line: this process, the exception's type and the first line of its message
     (a reward's names the function, the row and its columns: trainer/rewards/scoring.py); also the run's
-    diagnosis.txt (first writer wins), which launch.sh repeats as its last line. Exit code 1."""
+    diagnosis.txt (first writer wins), which launch.sh repeats as its last line. Exit code 1, or 7 for a producer
+    that can never make a batch (trainer/stall.py NothingToTrain)."""
     import logging
     import traceback
 
     from trainer.health import write_diagnosis
+    from trainer.stall import EXIT_NOTHING_TO_TRAIN, NothingToTrain
     who = f"worker{cfg.worker_id}" if mode == "genonly" else f"rank {os.environ.get('RANK', '0')}"
     first = (str(e).strip().splitlines() or [""])[0]
-    line = f"{who}: {type(e).__name__}: {first}"
-    logging.getLogger("trainer").error("%s", "".join(traceback.format_exception(e)).rstrip())
+    if isinstance(e, NothingToTrain):  # its line names the process, the knob or the rewards: no traceback
+        line, code = first, EXIT_NOTHING_TO_TRAIN
+    else:
+        line, code = f"{who}: {type(e).__name__}: {first}", 1
+        logging.getLogger("trainer").error("%s", "".join(traceback.format_exception(e)).rstrip())
     if os.path.isdir(cfg.output_dir):  # launch.sh made the run directory
         write_diagnosis(cfg.output_dir, line)
     print(line, file=sys.stderr, flush=True)
-    return 1
+    return code
 
 
 if __name__ == "__main__":
