@@ -81,7 +81,8 @@ def render() -> str:
     lines += ["", "Refused by name, with the reason:", "", "| TRL name | why |", "| --- | --- |"]
     lines += [f"| `{name}` | {_cell(why)} |" for name, why in sorted(trl_aliases.REFUSED.items())]
     lines += ["", "## Ref server (`ServerConfig`)", "",
-              "`.venv/bin/python -m ref_server --help` (`ref_server/config.py`); `launch.sh` starts it with the run's values. "
+              "`.venv/bin/python -m ref_server --help` (`ref_server/config.py`); `launch.sh` starts it with the run's "
+              "values. "
               "The bearer token comes from `--token_file` or `GRPO_REF_TOKEN`, never from a flag.", ""]
     lines += _table(ServerConfig, [f.name for f in dataclasses.fields(ServerConfig)]) + [""]
     return "\n".join(lines)
