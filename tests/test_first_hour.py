@@ -156,3 +156,48 @@ def test_nothing_spins_and_none_is_shown_as_none(caplog):
     rep.add(_stats(0, {}, skipped_long=2), produced=0)
     with pytest.raises(NothingToTrain, match=r"rank 1: the last 3 prompts .* max_prompt_length 100"):
         rep.add(_stats(0, {}, skipped_long=1), produced=0)
+
+
+def test_output_dir_status_after_the_run_and_incomplete_checkpoints(tmp_path):
+    """output_dir after -- (no --run-dir) is honoured, relative to the caller's folder, not the checkout; checkpoints
+    an interrupted save left (a DeepSpeed tag newer than `latest`, an HF `.partial`) are removed; once the run is
+    over, `launch.sh status` says how it ended from the run directory, rc 0 (before: a ConnectionError, rc 1)."""
+    out = tmp_path / "myout"
+    (out / "ds" / "step99").mkdir(parents=True)  # what an earlier attempt's cut save leaves
+    (out / "step_7.partial").mkdir()
+    port = find_free_port()
+    proc = launch(tmp_path, "train", "--port", str(port), "--", *BASE, "--output_dir", "myout", "--all_steps", "1",
+                  "--get_wait", "2", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "final" / "config.json").is_file() and (out / "trainer.log").is_file(), sorted(out.iterdir())
+    assert not (out / "ds" / "step99").exists() and not (out / "step_7.partial").exists()
+    assert not list(out.glob("*.partial")), sorted(out.iterdir())
+    status = launch(tmp_path, "status", timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    line = status.stdout.strip().splitlines()[-1]
+    assert "exit 0 (done)" in line and "last step 1" in line and str(out / "final") in line, line
+    assert "Traceback" not in status.stderr and "ConnectionError" not in status.stdout + status.stderr
+
+
+def test_ctrl_c_prints_the_exact_resume_command(tmp_path):
+    import signal
+    args = [*BASE, "--all_steps", "50", "--save_steps", "1", "--get_wait", "2"]
+    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), "train", "--run-dir", "r", "--port",
+                             str(find_free_port()), "--", *args], cwd=tmp_path, env=user_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
+        time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    line = next(x for x in err.splitlines() if "to continue this run" in x)
+    cmd = line.split("from its last checkpoint: ", 1)[1]
+    assert cmd.startswith(f"cd {tmp_path} && {REPO / 'launch.sh'} train --port ") and "--run-dir " in cmd, cmd
+    assert f"--run-dir {tmp_path / 'r'} -- " in cmd and cmd.endswith("--get_wait 2 --resume true"), cmd
+    latest = (tmp_path / "r" / "ds" / "latest").read_text().strip() if (tmp_path / "r" / "ds" / "latest").is_file() \
+        else "step0"
+    tags = [int(p.name[4:]) for p in (tmp_path / "r" / "ds").glob("step*")] if (tmp_path / "r" / "ds").is_dir() else []
+    assert all(t <= int(latest[4:]) for t in tags), (latest, tags)  # nothing newer than `latest` left
+    assert not list((tmp_path / "r").glob("*.partial"))

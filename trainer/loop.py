@@ -19,6 +19,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
+from common.run_record import drop_incomplete
 from common.settings.knobs import to_dict
 from trainer import resume, run_data
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
@@ -161,6 +162,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     out = Path(cfg.output_dir)
     if nodes.is_node_leader():  # every host keeps its own run directory (no shared filesystem assumed)
         out.mkdir(parents=True, exist_ok=True)
+        for p in drop_incomplete(out):  # an earlier attempt's save cut short: never resumed from, never loaded
+            log.info("removed %s: a checkpoint an interrupted save left incomplete", p)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         resolve_model_path(cfg.model)
     torch.distributed.barrier()  # each host's leader builds the tiny model once; its other ranks find it cached
