@@ -201,3 +201,28 @@ def test_ctrl_c_prints_the_exact_resume_command(tmp_path):
     tags = [int(p.name[4:]) for p in (tmp_path / "r" / "ds").glob("step*")] if (tmp_path / "r" / "ds").is_dir() else []
     assert all(t <= int(latest[4:]) for t in tags), (latest, tags)  # nothing newer than `latest` left
     assert not list((tmp_path / "r").glob("*.partial"))
+
+
+def test_evaluate_split_and_the_configured_rewards(tmp_path):
+    """--split defaults to none: on a single file it is an error naming eval_data (before: every row, the training
+    rows too, reported as `split: test`); a dataset with splits needs one; the run's config's rewards score the
+    completions (before: the built-in correct/format, whatever the run used)."""
+    (tmp_path / "my_rewards.py").write_text("def short(completion, ground_truth):\n"
+                                            "    return 1.0 / (1 + len(completion))\n")
+    (tmp_path / "held_out.jsonl").write_text(_rows(2, 4))
+    (tmp_path / "cfg.json").write_text('{"reward_fns": ["my_rewards:short"]}')
+    py = [str(REPO / ".venv" / "bin" / "python"), "-m", "trainer.evaluate", "--model", "tiny"]
+    run = lambda *a: subprocess.run([*py, *a], cwd=tmp_path, env=user_env(), capture_output=True, text=True,
+                                    timeout=300)
+    bad = run("--data", "held_out.jsonl", "--split", "test")
+    assert bad.returncode == 2 and "single file" in bad.stderr and "eval_data" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    need = run("--data", "arith")
+    assert need.returncode == 2 and "--split" in need.stderr, need.stderr
+    ok = run("--data", "held_out.jsonl", "--config", "cfg.json", "--max-new-tokens", "4", "--system-prompt", "",
+             "--out", "e.json")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    res = __import__("json").loads((tmp_path / "e.json").read_text())
+    assert res["split"] is None and res["n"] == 2 and res["reward_fns"] == ["short"], res
+    assert res["rewards"]["short"][1] == 2 and "reward/short" in res and res["accuracy"] is None, res
+    assert "accuracy n/a" in ok.stdout and "reward/short" in ok.stdout, ok.stdout

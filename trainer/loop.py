@@ -27,6 +27,7 @@ from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.completions import CompletionLog, completion_rows, gather_rows
 from trainer.dist import comm, nodes
 from trainer.engine import build_engine, init_deepspeed
+from trainer.evaluate import CORRECTNESS_REWARDS
 from trainer.health import (
     EXIT_PEER_GONE,
     EXIT_UNUSABLE_BATCHES,
@@ -75,9 +76,6 @@ def round_metrics(batches: list) -> dict:
     rows = [batch_metrics(b) for b in batches]
     keys = set().union(*rows)
     return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
-
-
-CORRECTNESS_REWARDS = ("correct", "math_verify", "countdown")  # built-ins whose > 0 means "solved"
 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scorer=None, toolbox=None) -> dict:
