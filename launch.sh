@@ -348,10 +348,10 @@ while kill -0 "$TRAINER" 2>/dev/null; do
       continue
     fi
     # the process's own one-line diagnosis (trainer/main.py: its name, the exception, the cause), else its last line
-    why=$(head -n 1 "$RUN_DIR/diagnosis.txt" 2>/dev/null || true); why=${why#"$name: "}
+    own=$(head -n 1 "$RUN_DIR/diagnosis.txt" 2>/dev/null || true); why=${own#"$name: "}
     [ -n "$why" ] || why=$(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300)
     echo "$name exited with code $code: $why (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
-    [ "$code" = 7 ] && exit 7  # nothing to train on (trainer/stall.py): its own code, docs/hangs.md
+    [ "$code" = 7 ] && [ -n "$own" ] && exit 7  # it said "nothing to train on" (trainer/stall.py): docs/hangs.md
     exit 3
   done
   sleep 1
