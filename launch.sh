@@ -237,12 +237,12 @@ cleanup() {
   echo "[launch] stopped everything; logs in $RUN_DIR" >&2
   # how it ended, for `launch.sh status` once the server is gone; a checkpoint the stop left half-written goes
   "$PY" -m common.run_record end "$RUN_DIR" "$code" || true
-  if [ "$code" = 130 ] || [ "$code" = 143 ]; then
-    echo "[launch] interrupted; to continue this run from its last checkpoint: $(resume_command)" >&2
-  fi
   # a rank that stopped on purpose (stall, dead peer) left one line saying why: it is our last line
   if [ "$code" != 0 ] && [ -s "$RUN_DIR/diagnosis.txt" ]; then
     echo "[launch] run failed (exit $code): $(head -n 1 "$RUN_DIR/diagnosis.txt")" >&2
+  fi
+  if [ "$code" = 130 ] || [ "$code" = 143 ]; then  # the last line: how to go on
+    echo "[launch] interrupted; to continue this run from its last checkpoint: $(resume_command)" >&2
   fi
   exit $code
 }

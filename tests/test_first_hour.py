@@ -192,7 +192,8 @@ def test_ctrl_c_prints_the_exact_resume_command(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
-    line = next(x for x in err.splitlines() if "to continue this run" in x)
+    line = err.strip().splitlines()[-1]  # the last line says how to go on
+    assert "to continue this run" in line, err[-3000:]
     cmd = line.split("from its last checkpoint: ", 1)[1]
     assert cmd.startswith(f"cd {tmp_path} && {REPO / 'launch.sh'} train --port ") and "--run-dir " in cmd, cmd
     assert f"--run-dir {tmp_path / 'r'} -- " in cmd and cmd.endswith("--get_wait 2 --resume true"), cmd
