@@ -40,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = client.status(stall_warn=args.stall_warn)
     except RefServerError as e:
-        ended = describe(run) if run is not None else None
+        ended = describe(run) if run is not None and not e.status else None  # (a server that answers: its word)
         if ended is not None:  # the run is over: how it ended, from its directory
             print(ended)
             return 0
-        where = f"run {run} has not ended" if run is not None else f"no run found under {here.resolve()}"
-        print(f"cannot read the status: the ref server {url} does not answer ({type(e).__name__}), and {where} "
-              f"(--run-dir DIR names a run, --ref-url URL a server)", file=sys.stderr)
+        where = "" if e.status else "; " + (f"run {run} has not ended" if run is not None else
+                                            f"no run found under {here.resolve()}") + \
+            " (--run-dir DIR names a run, --ref-url URL a server)"
+        print(f"cannot read the status: {e}{where}", file=sys.stderr)
         return 1
     finally:
         client.close()
