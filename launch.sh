@@ -5,7 +5,8 @@
 #   ./launch.sh train [options] [-- trainer args...]                        a training run
 #   ./launch.sh check [options] [-- trainer args...]                        check config, model, data, rewards,
 #                                                    placement, port and disk in seconds (no weights loaded)
-#   ./launch.sh status [--ref-url URL] [--token-file F] [--json]             the run's status table (GET /status)
+#   ./launch.sh status [--run-dir D] [--ref-url URL] [--json]                the run's status table (GET /status), or
+#                                                    how it ended (exit code, last step, final model)
 #
 # Several hosts (one command per host; each keeps its own --run-dir, no shared filesystem; docs/nodes.md):
 #   ./launch.sh ref-server --host ADDR --ref-model M [--port P] [--token-file F]     the reference model server
@@ -18,7 +19,8 @@
 #   ./launch.sh ROLE --help                        that role's options
 #
 # train options:
-#   --run-dir DIR      where logs, metrics and checkpoints go (default runs/<timestamp>)
+#   --run-dir DIR      where logs, metrics and checkpoints go (default: the output_dir given in the config or
+#                      after --, else runs/<timestamp>; relative to where you run this, never the checkout)
 #   --config FILE      trainer config JSON (passed to trainer/main.py and the workers)
 #   --workers N        genonly workers to start on this machine (default 1)
 #   --gpus N           trainer ranks on this machine (default 2 on CPU; on GPUs: the GPUs the others leave)
@@ -60,6 +62,7 @@ ROOT=$(pwd)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 [ $# -ge 1 ] || { usage; exit 2; }
 MODE=$1; shift
+ORIG_ARGS=("$@")  # as typed: the resume command repeats them (resume_command below)
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
   demo|train|check|status|ref-server|trainer-host|workers) ;;
@@ -79,7 +82,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 if [ "$MODE" = status ]; then
-  exec "$PY" -m ref_server.status_cli "$@"
+  GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m ref_server.status_cli "$@"  # --run-dir is relative to the caller
 fi
 if [ "$MODE" = demo ]; then
   exec "$PY" -m trainer.demo "$@"
@@ -88,7 +91,7 @@ case "$MODE" in  # one host's role in a multi-host run (trainer/dist/hosts.py)
   ref-server|trainer-host|workers) GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.dist.hosts "$MODE" "$@" ;;
 esac
 
-RUN_DIR="runs/$(date +%Y%m%d-%H%M%S)"; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
+RUN_DIR=""; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
 PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=(); REF_DTYPE=auto; WORKER_DTYPE=""; PLAN_FLAGS=(); PRINT_PLAN=""
 KEEP_GOING=""
 from_caller() {  # a path the user typed, relative to where they ran us (we cd'ed to the repository)
@@ -137,18 +140,40 @@ for i in "${!EXTRA[@]}"; do  # path-valued trainer flags (either spelling, or --
       else j=$((i + 1)); [ $j -lt ${#EXTRA[@]} ] && EXTRA[$j]=$(maybe_path "${EXTRA[$j]}"); fi ;;
   esac
 done
+for arg in "${EXTRA[@]}"; do  # the trainer's own grouped --help (every GRPOConfig knob), not a run
+  case "$arg" in -h|--help) exec "$PY" -m trainer.main --help ;; esac
+done
 [ -n "$WORKER_DTYPE" ] && EXTRA+=(--worker_dtype "$WORKER_DTYPE")  # workers load in it, rank 0 publishes in it
 CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
-# The trainer's model (from --config or --model in EXTRA) also serves as reference unless told otherwise.
-if [ -z "$REF_MODEL" ]; then
-  REF_MODEL=$("$PY" - "${CFG_ARGS[@]}" "${EXTRA[@]}" <<'PYEOF'
-import sys
+# One read of the config: the trainer's model (from --config or --model in EXTRA), which also serves as reference
+# unless told otherwise, and the output_dir the user gave (the last --output_dir after --, else the config file's).
+SETTINGS=$("$PY" - "${CFG_ARGS[@]}" "${EXTRA[@]}" <<'PYEOF'
+import json, sys
 from common.config import GRPOConfig
 from common.settings.knobs import load_config_or_exit
-cfg = load_config_or_exit(GRPOConfig, sys.argv[1:], prog="trainer/main.py")  # a bad config: one line, exit 2
+args = sys.argv[1:]
+cfg = load_config_or_exit(GRPOConfig, args, prog="trainer/main.py")  # a bad config: one line, exit 2
+given = files = None
+for i, a in enumerate(args):
+    name, eq, value = a.partition("=")
+    value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if name.replace("-", "_") == "__output_dir":
+        given = value
+    elif name == "--config":
+        files = value
+if given is None and files:
+    with open(files) as f:
+        given = json.load(f).get("output_dir")
 print(cfg.ref_model or cfg.model)
+print(f"out={given or ''}")  # (a marker: an empty line would be cut by $(...))
 PYEOF
 )
+[ -n "$REF_MODEL" ] || REF_MODEL=${SETTINGS%%$'\n'*}
+# The run directory: --run-dir, else the output_dir the user gave, else runs/<timestamp>, all relative to where
+# the user runs this (never the checkout). A folder that already holds a run is used as --run-dir uses it.
+if [ -z "$RUN_DIR" ]; then
+  GIVEN_OUT=${SETTINGS#*$'\n'out=}
+  RUN_DIR=$(from_caller "${GIVEN_OUT:-runs/$(date +%Y%m%d-%H%M%S)}")
 fi
 # Which GPU(s) each process gets (common/placement/plan.py): sets PLAN_REF_ENV/PLAN_REF_DEVICE, PLAN_WORKER_ENV[w],
 # PLAN_WORKER_ARGS[w] and PLAN_DS (deepspeed --include ... or --num_gpus N); prints the plan.
@@ -173,14 +198,30 @@ CHECK_ARGS=(--run-dir "$RUN_DIR" --port "$PORT"); [ -n "$REF_URL" ] && CHECK_ARG
 if [ "$MODE" = check ]; then
   exec "$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}"
 fi
-"$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}" | sed 's/^/[check] /' >&2 || {
-  echo "[launch] a check failed (above): nothing was started" >&2; exit 2; }
+CHECK_LOG=$(mktemp)
+"$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}" | tee "$CHECK_LOG" | sed 's/^/[check] /' >&2 || {
+  fails=$(sed -n 's/^FAIL *//p' "$CHECK_LOG" | paste -sd ';' | cut -c1-400); rm -f "$CHECK_LOG"  # named on the last line
+  echo "[launch] a check failed ($fails): nothing was started" >&2; exit 2; }
+rm -f "$CHECK_LOG"
 mkdir -p "$RUN_DIR"
 rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
   MASTER_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 fi
 
+resume_command() {  # the command as typed, in this run directory, with --resume true
+  local launch=() trainer=() seen_sep="" skip="" a
+  for a in "${ORIG_ARGS[@]}"; do
+    if [ -n "$skip" ]; then skip=""; continue; fi
+    if [ -z "$seen_sep" ]; then
+      case "$a" in --) seen_sep=1 ;; --run-dir|--run_dir) skip=1 ;; *) launch+=("$a") ;; esac
+    else
+      case "$a" in --resume|--resume=*) [ "$a" = --resume ] && skip=1 ;; *) trainer+=("$a") ;; esac
+    fi
+  done
+  printf 'cd %q && %q %s' "$CALLER_DIR" "$ROOT/launch.sh" "$MODE"
+  printf ' %q' "${launch[@]}" --run-dir "$RUN_DIR" -- "${trainer[@]}" --resume true
+}
 PIDS=(); declare -A NAMES=()  # every process started here, and its name (pid -> name) for the watch below
 cleanup() {
   local code=$?
@@ -194,9 +235,14 @@ cleanup() {
   done
   for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
   echo "[launch] stopped everything; logs in $RUN_DIR" >&2
+  # how it ended, for `launch.sh status` once the server is gone; a checkpoint the stop left half-written goes
+  "$PY" -m common.run_record end "$RUN_DIR" "$code" || true
   # a rank that stopped on purpose (stall, dead peer) left one line saying why: it is our last line
   if [ "$code" != 0 ] && [ -s "$RUN_DIR/diagnosis.txt" ]; then
     echo "[launch] run failed (exit $code): $(head -n 1 "$RUN_DIR/diagnosis.txt")" >&2
+  fi
+  if [ "$code" = 130 ] || [ "$code" = 143 ]; then  # the last line: how to go on
+    echo "[launch] interrupted; to continue this run from its last checkpoint: $(resume_command)" >&2
   fi
   exit $code
 }
@@ -225,6 +271,8 @@ if [ -n "$TOKEN_FILE" ]; then
   TOKEN_ARGS=(--token-file "$TOKEN_FILE")
 fi
 NONCE=""; REF_PID=""
+[ -n "$REF_URL" ] || REF_URL_STARTED="http://127.0.0.1:$PORT"
+"$PY" -m common.run_record start "$RUN_DIR" "${REF_URL:-$REF_URL_STARTED}"  # `launch.sh status --run-dir` asks it
 if [ -z "$REF_URL" ]; then
   REF_URL="http://127.0.0.1:$PORT"
   NONCE=$("$PY" -c "import secrets; print(secrets.token_hex(8))")  # /health echoes it: our server, no stranger's
@@ -299,7 +347,11 @@ while kill -0 "$TRAINER" 2>/dev/null; do
       "$PY" -m trainer.dist.exits "$REF_URL" "$name" "$code" || true
       continue
     fi
-    echo "$name exited with code $code: $(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300) (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
+    # the process's own one-line diagnosis (trainer/main.py: its name, the exception, the cause), else its last line
+    own=$(head -n 1 "$RUN_DIR/diagnosis.txt" 2>/dev/null || true); why=${own#"$name: "}
+    [ -n "$why" ] || why=$(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300)
+    echo "$name exited with code $code: $why (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
+    [ "$code" = 7 ] && [ -n "$own" ] && exit 7  # it said "nothing to train on" (trainer/stall.py): docs/hangs.md
     exit 3
   done
   sleep 1

@@ -14,12 +14,13 @@ from common.settings.checks import LOSS_TYPES, ConfigChecks
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
 from common.settings.sections import SECTIONS
+from common.settings.spin import SpinLimits
 from common.settings.tool_options import ToolOptions
 from common.settings.trl_options import TRLOptions
 
 
 @dataclass
-class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, ConfigChecks):
+class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, SpinLimits, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
     validate() and the rules it checks: common/settings/checks.py."""
@@ -31,7 +32,7 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, ConfigChecks):
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "
-                              "embedded tiny Qwen2 model (python -m common.tiny_model).")
+                              "embedded tiny Qwen2 model (common/tiny_model.py).")
     ref_model: str | None = knob(None, "Reference model for the ref server (defaults to `model`).")
     data: str = knob("openai/gsm8k", "Training data: a hub id (datasets.load_dataset), a directory with "
                                      "{split}.jsonl/.json/.csv/.parquet, or one .jsonl, .json (array or lines), "
@@ -206,7 +207,7 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, ConfigChecks):
                                        "applicable (None) and reward_timeouts is counted. Rewards run in a "
                                        "worker process killed on timeout. 0 = in-process, no timeout.")
     # --- generation engine (vLLM) and train/inference mismatch ------------------------
-    gen_backend: str = knob("hf", "Generation engine of genonly workers and `python -m trainer.evaluate`: hf "
+    gen_backend: str = knob("hf", "Generation engine of genonly workers and trainer.evaluate: hf "
                                   "(transformers generate) or vllm. Trainer ranks' own fallback rollouts and "
                                   "in-training eval stay on HF (they sample from the live DeepSpeed module).")
     top_k: int = knob(0, "Top-k sampling for rollouts (0 = off). Rollouts and eval sample exactly temperature/"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import math
 import signal
-import socket
 import threading
 import time
 
+from common.listen import listen_socket
 from ref_server.app import make_app
 from ref_server.config import ServerConfig, check_bind, resolve_token
 from ref_server.gate import make_channel
@@ -30,20 +30,6 @@ class _Throttle(logging.Filter):
             return False
         self.last = now
         return True
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound and listening on host:port (raises OSError when the port is taken)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers only, never a listener
-        sock.bind(addr)
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def serve(cfg: ServerConfig) -> int:

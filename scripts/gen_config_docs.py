@@ -36,7 +36,7 @@ common/settings/trl_aliases.py and ref_server/config.py. Do not edit: change the
 Every trainer option is a field of `GRPOConfig` (`common/config.py`): set it in a JSON file given with
 `--config FILE` (keys by name) or on the command line as `--name value` (dashes or underscores; a flag overrides
 the file). Through `launch.sh`, trainer options go after `--`: `./launch.sh train --config my.json -- --lr 1e-6`.
-Defaults are shown as JSON values. `python trainer/main.py --help` prints the same list.
+Defaults are shown as JSON values. `./launch.sh train -- --help` prints the same list.
 """
 
 
@@ -81,7 +81,8 @@ def render() -> str:
     lines += ["", "Refused by name, with the reason:", "", "| TRL name | why |", "| --- | --- |"]
     lines += [f"| `{name}` | {_cell(why)} |" for name, why in sorted(trl_aliases.REFUSED.items())]
     lines += ["", "## Ref server (`ServerConfig`)", "",
-              "`python -m ref_server --help` (`ref_server/config.py`); `launch.sh` starts it with the run's values. "
+              "`.venv/bin/python -m ref_server --help` (`ref_server/config.py`); `launch.sh` starts it with the run's "
+              "values. "
               "The bearer token comes from `--token_file` or `GRPO_REF_TOKEN`, never from a flag.", ""]
     lines += _table(ServerConfig, [f.name for f in dataclasses.fields(ServerConfig)]) + [""]
     return "\n".join(lines)

@@ -111,8 +111,8 @@ def test_ref_server_loads_with_the_options(custom_dir):
 
 
 def test_evaluate_cli_loads_with_the_options(custom_dir, tmp_path):
-    cmd = [sys.executable, "-m", "trainer.evaluate", "--model", str(custom_dir), "--data", "arith", "--limit", "2",
-           "--max_new_tokens", "2", "--system-prompt", "", "--out", str(tmp_path / "e.json")]
+    cmd = [sys.executable, "-m", "trainer.evaluate", "--model", str(custom_dir), "--data", "arith", "--split", "test",
+           "--limit", "2", "--max_new_tokens", "2", "--system-prompt", "", "--out", str(tmp_path / "e.json")]
     ok = subprocess.run([*cmd, "--trust-remote-code", "true", "--attn_implementation", "eager"], cwd=REPO, env=env(),
                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert ok.returncode == 0, ok.stderr[-3000:]

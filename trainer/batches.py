@@ -75,7 +75,7 @@ class BatchSource:
                                extra=cfg.sampling_extras())
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
-        self.stall = StallReporter(producer_id, cfg.log_stall_every)  # says so when every group is skipped
+        self.stall = StallReporter.from_config(producer_id, cfg)  # says so when every group is skipped; exit 7
         self.idle_since = time.time()
         self.rejected_in_a_row = 0  # reset by a usable batch; max_rejected_batches of them end the run
         self.watchdog = None  # trainer/health.py Watchdog: told what we wait for (its stall diagnosis says it)

@@ -6,7 +6,8 @@ One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
     model    config.json and the tokenizer load from the path, hub id or local cache
     data     the first rows go through the column mapping and the prompt format (the first prompt is printed as the
              model will see it, template and all)
-    rewards  every reward function imports as the workers import it (common/user_code.py) and scores one completion
+    rewards  every reward function imports as the workers import it (common/user_code.py) and scores a whole group
+             (num_generations completions) of each of the first rows, as training does
     tools    with tools/environment_factory: each tool imports and has a JSON schema (one line per tool), and the
              chat template shows them to the model
     port     the ref server's port is free (when launch.sh starts the server)
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -40,18 +40,21 @@ class Checker:
         self.examples: list = []
 
     def run(self, name: str, fn: Callable[[], str]) -> None:
-        t0 = time.time()
+        t0, more = time.time(), []
         try:
             detail = fn()
         except SystemExit as e:  # argparse / load_config say what is wrong themselves, then exit
             detail, ok = f"invalid arguments (exit {e.code})", False
         except Exception as e:  # every check reports its own failure in one line, and the others still run
-            detail, ok = " ".join(f"{type(e).__name__}: {e}".split()), False
+            first, *more = str(e).strip().splitlines() or [""]  # details (a reward's row, completion) below it
+            detail, ok = " ".join(f"{type(e).__name__}: {first}".split()), False
         else:
             ok = True
         if not ok:
             self.failed.append(name)
         print(f"{'ok  ' if ok else 'FAIL'} {name:<8} {detail} ({time.time() - t0:.1f} s)", flush=True)
+        for line in more:
+            print(f"     | {line}", flush=True)
 
     def skip(self, name: str, why: str) -> None:
         self.failed.append(name)
@@ -94,27 +97,84 @@ def check_data(c: Checker) -> str:
         f"; eval rows from {cfg.eval_data or cfg.data} ({cfg.eval_split})" if held_out else "")
     if c.tokenizer is None:
         return read + " (prompts not rendered: no tokenizer)"
-    kept, skipped = encode_prompts(c.tokenizer, c.examples, cfg.system_prompt, cfg.max_prompt_length,
-                                   cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs)
-    if not kept:
-        raise ValueError(f"none of the first {len(c.examples)} prompts fits max_prompt_length {cfg.max_prompt_length}")
+    # counted as the model sees them: chat template, the tools section, what an environment's reset() adds
+    examples, schemas = _as_generated(c)
+    kept, _ = encode_prompts(c.tokenizer, examples, cfg.system_prompt, sys.maxsize, cfg.prompt_format, schemas,
+                             template_kwargs=cfg.chat_template_kwargs)
+    over = [(row, len(ids)) for row, (_, ids) in enumerate(kept) if len(ids) > cfg.max_prompt_length]
+    if over:
+        rows = ", ".join(f"row {row}: {n} tokens" for row, n in over)
+        raise ValueError(f"{len(over)} of the first {len(kept)} prompts do not fit max_prompt_length "
+                         f"{cfg.max_prompt_length} as the model sees them ({rows}; chat template"
+                         f"{', tools section' if schemas else ''} included): raise max_prompt_length or shorten "
+                         f"them (training would skip them)")
     ex, ids = kept[0]
     print(f"     first prompt as the model sees it ({len(ids)} tokens; ground truth {ex.ground_truth!r}):")
     print("\n".join("     | " + line for line in c.tokenizer.decode(ids).splitlines()))
-    return read + (f", {skipped} over max_prompt_length" if skipped else "")
+    return read + f", longest prompt {max(len(i) for _, i in kept)} of max_prompt_length {cfg.max_prompt_length} tokens"
+
+
+def _as_generated(c: Checker) -> tuple[list, list[dict] | None]:
+    """The first rows as rollouts start from them, and the tools' schemas: with environment_factory, each row's
+    reset() text appended (trainer/rollout.py with_observation), as TRL does."""
+    from trainer.rollout import with_observation
+    from trainer.tools import ToolBox
+    try:
+        box = ToolBox.from_config(c.cfg, c.tokenizer)
+    except (ValueError, ImportError):  # a tool that does not load: its own `tools` line says why, once
+        return c.examples, None
+    if box is None:
+        return c.examples, None
+    try:
+        if not box.has_env:
+            return c.examples, box.schemas
+        ids = box.start_episodes(len(c.examples), [{"prompt": ex.prompt, **ex.columns} for ex in c.examples])
+        obs = [box.observations.get(i) for i in ids]
+        box.end_episodes(ids)
+        return [ex if o is None else with_observation(ex, str(o)) for ex, o in zip(c.examples, obs)], box.schemas
+    finally:
+        box.close()
 
 
 def check_rewards(c: Checker) -> str:
+    """A whole group (num_generations completions: right, wrong and malformed answers) for each of the first rows,
+    scored as training scores them (RewardScorer.score_group, completion ids included): a reward that raises on
+    one row, or returns the wrong count only for a full group, fails here rather than minutes into the run."""
+    from dataclasses import replace
+
     from trainer.rewards.scoring import RewardScorer
     scorer = RewardScorer.from_config(c.cfg)  # as the workers build it
+    values: dict[str, list] = {n: [] for n in scorer.names}
     try:
         if not c.examples:
-            return f"{', '.join(scorer.names)} imported (no data row to score one completion)"
-        ex = c.examples[0]
-        score = scorer.score_group(ex, [ANSWER.format(ex.ground_truth)])
+            return f"{', '.join(scorer.names)} imported (no data row to score a group)"
+        for row, ex in enumerate(c.examples):
+            ex = replace(ex, index=row) if ex.index is None else ex
+            completions = _group(ex, c.cfg.num_pre_Q)
+            ids = ([c.tokenizer(x, add_special_tokens=False)["input_ids"] for x in completions]
+                   if c.tokenizer is not None else None)
+            for name, vals in scorer.score_group(ex, completions, ids).components.items():
+                values[name].extend(vals)
     finally:
         scorer.close()
-    return ", ".join(f"{n}={v[0]}" for n, v in score.components.items()) + " on a well-formed answer"
+    return f"{len(c.examples)} groups of {c.cfg.num_pre_Q} scored: " + ", ".join(
+        f"{n}={_summary(v)}" for n, v in values.items())
+
+
+def _group(ex, n: int) -> list[str]:
+    """n completions for one row: the well-formed right answer first, then wrong and malformed ones."""
+    gt = "" if ex.ground_truth is None else str(ex.ground_truth)
+    kinds = [ANSWER.format(gt), ANSWER.format(gt + "1"), gt, "I do not know.", "", f"<answer>{gt}</answer>"]
+    return [kinds[k % len(kinds)] for k in range(n)]
+
+
+def _summary(vals: list) -> str:
+    got = [v for v in vals if v is not None]
+    nones = len(vals) - len(got)
+    if not got:
+        return f"None on all {len(vals)} (not applicable: this reward alone gives no signal)"
+    return (f"{min(got):g}..{max(got):g}" if min(got) != max(got) else f"{got[0]:g}") + (
+        f" ({nones} None)" if nones else "")
 
 
 def check_tools(c: Checker) -> None:
@@ -154,13 +214,13 @@ def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
     return f"{len(names)} tools, all shown by the chat template"
 
 
-def check_port(port: int) -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError as e:
-            raise OSError(f"port {port} is taken ({e.strerror}): pick another with --port") from None
-    return f"{port} is free"
+def check_port(host: str, port: int) -> str:
+    from common.listen import listen_socket
+    try:  # as the ref server binds it (common/listen.py): its host, SO_REUSEADDR (TIME-WAIT is free)
+        listen_socket(host, port).close()
+    except OSError as e:
+        raise OSError(f"port {port} is taken on {host} ({e.strerror}): pick another with --port") from None
+    return f"{port} on {host} is free"
 
 
 def model_bytes(model_path: str, options: dict | None = None) -> int:
@@ -197,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Check a run's config, model, data, rewards, port and disk without "
                                              "loading weights (what ./launch.sh check runs).")
     ap.add_argument("--port", type=int, default=59875, help="the ref server's port (default 59875)")
+    ap.add_argument("--host", default="127.0.0.1", help="the address the ref server binds (default 127.0.0.1, its own)")
     ap.add_argument("--ref-url", "--ref_url", default="", help="a running ref server: no port to check")
     ap.add_argument("--run-dir", "--run_dir", default="runs", help="where checkpoints would go")
     args = ap.parse_args(own)
@@ -212,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         if c.cfg.tools or c.cfg.environment_factory:
             check_tools(c)
     if not args.ref_url:
-        c.run("port", lambda: check_port(args.port))
+        c.run("port", lambda: check_port(args.host, args.port))
     if c.model_path is not None:
         c.run("disk", lambda: check_disk(c, Path(args.run_dir).resolve()))
     if c.failed:

@@ -53,7 +53,22 @@ def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, dtype: tor
             final: bool = False, budget: int = GATHER_BUCKET_BYTES) -> None:
     """HF directory loadable with from_pretrained, in `dtype` (the source checkpoint's; None = as trained).
     Under ZeRO-3 the shards are gathered `budget` bytes at a time (all ranks; trainer/dist/gather.py) into rank 0's
-    CPU copy. A LoRA policy saves its adapter (PeftModel-loadable), and at the end (`final`) the merged model."""
+    CPU copy. A LoRA policy saves its adapter (PeftModel-loadable), and at the end (`final`) the merged model.
+    Written as OUT.partial and renamed once complete (every rank past the save): an interrupted save never leaves
+    a directory that looks complete (common/run_record.py removes the .partial)."""
+    tmp = out.with_name(out.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _save_hf(engine, tokenizer, tmp, rank, zero_stage, dtype, final, budget)
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    torch.distributed.barrier()
+
+
+def _save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, dtype: torch.dtype | None,
+             final: bool, budget: int) -> None:
     from trainer.lora.adapters import is_lora, save_adapter, save_merged
 
     model = engine.module
@@ -73,7 +88,7 @@ def save_hf(engine, tokenizer, out: Path, rank: int, zero_stage: int, dtype: tor
             conf["dtype"] = str(dtype).replace("torch.", "")
             cfg_file.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(out)
-        log.info("saved HF checkpoint %s (%s)", out, str(dtype or model.dtype).replace("torch.", ""))
+        log.info("saved HF checkpoint %s (%s)", out.with_suffix(""), str(dtype or model.dtype).replace("torch.", ""))
     torch.distributed.barrier()
 
 

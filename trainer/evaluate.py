@@ -1,6 +1,10 @@
-"""Greedy pass@1 accuracy and format rate of a model on a test set.
+"""Greedy pass@1 accuracy and format rate of a model on held-out data, scored with the run's rewards.
 
     python -m trainer.evaluate --model DIR --data ../shared/data/gsm8k --split test --limit 200 --out eval.json
+    python -m trainer.evaluate --model runs/x/final --data held_out.jsonl --config my_config.json
+
+A single data file is evaluated whole (it has no splits: `--split` on one is an error, so that the training rows
+are never reported as a test split); a dataset with splits needs `--split`.
 """
 from __future__ import annotations
 
@@ -17,16 +21,18 @@ from tqdm import tqdm
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
 from common.settings.cli import ArgumentParser
-from common.settings.knobs import parse_bool, parse_dict
+from common.settings.knobs import load_config, parse_bool, parse_dict
 from trainer.data import ColumnSpec, Example, load_examples
 from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
 from trainer.rewards.builtin import reward_correct, reward_format
+from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import encode_prompts, sample_groups
 from trainer.tools import ToolBox
 
 log = logging.getLogger("trainer")
+CORRECTNESS_REWARDS = ("correct", "math_verify", "countdown")  # built-ins whose > 0 means "solved"
 
 
 def _one_line(e: Exception) -> str:
@@ -117,7 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
                                                                       "ground_truth}).")
     p.add_argument("--model", required=True, help="HF model directory or id ('tiny' = embedded default).")
     p.add_argument("--data", default="openai/gsm8k", help="Hub id, directory with {split}.jsonl, or a file.")
-    p.add_argument("--split", default="test", help="Split to evaluate.")
+    p.add_argument("--split", default=None, help="Split of a dataset with splits (a hub id, a folder with "
+                                                 "{split}.jsonl, arith): needed there. A single file has none: it "
+                                                 "is evaluated whole, so give held-out rows as their own file.")
+    p.add_argument("--config", default=None, help="The run's config JSON: its reward_fns, reward_weights and "
+                                                  "reward_timeout score the completions (as eval_data does in "
+                                                  "training).")
+    p.add_argument("--reward-fns", default=None, help="Reward functions to score with, as the trainer's "
+                                                      "reward_fns (default: the --config's, else correct,format).")
     p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N examples.")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32)
@@ -151,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model-init-kwargs", type=parse_dict, default=None, help="More from_pretrained arguments "
                                                                               "(a JSON object).")
     a = p.parse_args(argv)
+    a.split = _split(p, a.data, a.split)
+    run_cfg = load_config(GRPOConfig, ["--config", a.config]) if a.config else GRPOConfig()
+    specs = a.reward_fns or run_cfg.reward_fns
     path = resolve_model_path(a.model)
     cfg = GRPOConfig(model=path, gen_backend=a.gen_backend, vllm_dtype=a.vllm_dtype, max_new_tokens=a.max_new_tokens,
                      max_prompt_length=4096, device=a.device, prompt_format=a.prompt_format,
@@ -166,24 +182,57 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model = load_model(path, device=a.device, dtype=a.dtype, options=cfg.load_options())
     columns = ColumnSpec(a.prompt_column, a.answer_column, a.prompt_template, a.prompt_format)
-    examples = load_examples(a.data, split=a.split, limit=a.limit, columns=columns, config=a.dataset_config)
+    examples = load_examples(a.data, split=a.split or "test", limit=a.limit, columns=columns,
+                             config=a.dataset_config)  # (a single file: the split is not read)
+    scorer = RewardScorer(specs, run_cfg.reward_weights if specs == run_cfg.reward_fns else None,
+                          run_cfg.reward_timeout, {"messages": True, "auto": None}.get(a.prompt_format, False))
     try:
         res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,
                        batch_size=a.batch_size, prompt_format=a.prompt_format, toolbox=toolbox,
-                       max_tool_calling_iterations=a.max_tool_calling_iterations,
+                       max_tool_calling_iterations=a.max_tool_calling_iterations, scorer=scorer,
                        chat_template_kwargs=a.chat_template_kwargs)
     finally:
+        scorer.close()
         if toolbox is not None:
             toolbox.close()
-    res.update(model=a.model, data=a.data, split=a.split)
+    res.update(model=a.model, data=a.data, split=a.split, reward_fns=scorer.names, **by_reward(res, scorer.names))
     calls = f"  tool calls per completion {res['tool_calls_per_completion']:.2f}" if toolbox is not None else ""
-    print(f"accuracy {res['accuracy']:.4f}  format {res['format_rate']:.4f}  n={res['n']}{calls}  "
+    shown = lambda k: "n/a" if res[k] is None else f"{res[k]:.4f}"  # n/a: no correctness / format reward
+    means = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if k.startswith("reward/"))
+    print(f"accuracy {shown('accuracy')}  format {shown('format_rate')}  {means}  n={res['n']}{calls}  "
           f"({res['seconds']} s)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2))
         print(f"summary written to {a.out}")
     return res
+
+
+def _split(p, data: str, split: str | None) -> str | None:
+    """A single file has no splits: --split there would report the training rows as a test split. A source with
+    splits needs one named."""
+    if Path(data).is_file():
+        if split is not None:
+            p.error(f"--split {split}: {data} is a single file, which has no splits (every row would be evaluated, "
+                    f"the training rows too). Give the held-out rows as a file of their own: --data held_out.jsonl "
+                    f"here, and eval_data in training (docs/evaluation.md)")
+        return None
+    if split is None:
+        p.error(f"--split: {data} is a dataset with splits; name the held-out one (e.g. --split test)")
+    return split
+
+
+def by_reward(res: dict, names: list[str]) -> dict:
+    """accuracy / format_rate from the run's rewards (a correctness reward's / `format`'s share of completions
+    scored > 0; None without one), and each reward's mean where it applied (reward/<name>)."""
+    n, scored = max(res["n"], 1), res["rewards"]
+    hits = lambda name: scored.get(name, [0.0, 0, 0])[2] / n
+    right = next((name for name in names if name in CORRECTNESS_REWARDS), None)
+    out = {"accuracy": hits(right) if right else None, "format_rate": hits("format") if "format" in names else None,
+           "correct": scored.get(right, [0, 0, 0])[2] if right else None,
+           "formatted": scored.get("format", [0, 0, 0])[2] if "format" in names else None}
+    out.update({f"reward/{k}": v[0] / v[1] for k, v in scored.items() if v[1]})
+    return out
 
 
 if __name__ == "__main__":

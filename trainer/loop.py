@@ -19,6 +19,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
+from common.run_record import drop_incomplete
 from common.settings.knobs import to_dict
 from trainer import resume, run_data
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
@@ -26,6 +27,7 @@ from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.completions import CompletionLog, completion_rows, gather_rows
 from trainer.dist import comm, nodes
 from trainer.engine import build_engine, init_deepspeed
+from trainer.evaluate import CORRECTNESS_REWARDS
 from trainer.health import (
     EXIT_PEER_GONE,
     EXIT_UNUSABLE_BATCHES,
@@ -74,9 +76,6 @@ def round_metrics(batches: list) -> dict:
     rows = [batch_metrics(b) for b in batches]
     keys = set().union(*rows)
     return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
-
-
-CORRECTNESS_REWARDS = ("correct", "math_verify", "countdown")  # built-ins whose > 0 means "solved"
 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scorer=None, toolbox=None) -> dict:
@@ -167,6 +166,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
                  cfg.all_steps)
     if nodes.is_node_leader():  # every host keeps its own run directory (no shared filesystem assumed)
         out.mkdir(parents=True, exist_ok=True)
+        for p in drop_incomplete(out):  # an earlier attempt's save cut short: never resumed from, never loaded
+            log.info("removed %s: a checkpoint an interrupted save left incomplete", p)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         resolve_model_path(cfg.model)
     torch.distributed.barrier()  # each host's leader builds the tiny model once; its other ranks find it cached

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import sys
 
-# `deepspeed trainer/main.py` puts trainer/ first on sys.path, where our module names
-# (data, evaluate, metrics...) would shadow same-named libraries. Packages come from `pip install -e .`.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+# `deepspeed trainer/main.py` (or `python trainer/main.py`) puts trainer/ first on sys.path, where our module names
+# (data, evaluate, metrics...) would shadow same-named libraries: the checkout's root takes its place, so `common`
+# and `trainer` import from it in any interpreter that has the dependencies (GRPO_PYTHON), installed or not.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
 
 from common.config import GRPOConfig  # noqa: E402
 from common.settings.knobs import load_config_or_exit  # noqa: E402
@@ -41,12 +43,38 @@ def main(argv: list[str] | None = None) -> None:
     # the deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway
     cfg = load_config_or_exit(GRPOConfig, argv, prog="trainer/main.py", ignore_unknown=("local_rank",),
                               description=DESCRIPTION, epilog=EPILOG)
-    if mode == "genonly":
-        from trainer.worker import genonly
-        genonly(cfg)
+    try:
+        if mode == "genonly":
+            from trainer.worker import genonly
+            genonly(cfg)
+        else:
+            from trainer.loop import train
+            train(cfg)
+    except Exception as e:  # noqa: BLE001 - the traceback is logged; the last line names the process and the cause
+        sys.exit(die(cfg, mode, e))
+
+
+def die(cfg: GRPOConfig, mode: str, e: Exception) -> int:
+    """Log the traceback, then ONE last line: this process, the exception's type and the first line of its message
+    (a reward's names the function, the row and its columns: trainer/rewards/scoring.py); also the run's
+    diagnosis.txt (first writer wins), which launch.sh repeats as its last line. Exit code 1, or 7 for a producer
+    that can never make a batch (trainer/stall.py NothingToTrain)."""
+    import logging
+    import traceback
+
+    from trainer.health import write_diagnosis
+    from trainer.stall import EXIT_NOTHING_TO_TRAIN, NothingToTrain
+    who = f"worker{cfg.worker_id}" if mode == "genonly" else f"rank {os.environ.get('RANK', '0')}"
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, NothingToTrain):  # its line names the process, the knob or the rewards: no traceback
+        line, code = first, EXIT_NOTHING_TO_TRAIN
     else:
-        from trainer.loop import train
-        train(cfg)
+        line, code = f"{who}: {type(e).__name__}: {first}", 1
+        logging.getLogger("trainer").error("%s", "".join(traceback.format_exception(e)).rstrip())
+    if os.path.isdir(cfg.output_dir):  # launch.sh made the run directory
+        write_diagnosis(cfg.output_dir, line)
+    print(line, file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def genonly(cfg: GRPOConfig) -> None:
     rounds = uploaded = skipped = timeouts = gen_tokens = 0
     tool_totals: dict = {}  # cumulative tool counters for the /status view (tool runs)
     gen_s = 0.0
-    stall = StallReporter(f"worker{cfg.worker_id}", cfg.log_stall_every)
+    stall = StallReporter.from_config(f"worker{cfg.worker_id}", cfg)  # NothingToTrain: exit 7 (trainer/main.py)
     doing = {"now": "starting"}
     heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
                           lambda: {"rounds": rounds, "skipped_groups": skipped, **tool_totals}).start()

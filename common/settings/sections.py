@@ -43,5 +43,6 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "sync_delta", "sync_delta_max_share", "sync_dir", "worker_rounds", "worker_max_queued", "worker_id",
         "device", "weight_fetch_retries", "wait_for_ranks", "wait_for_ranks_timeout"]),
     ("health", "Stalls, dead peers and bad batches: found, named, stopped.", [
-        "stall_warn", "stall_timeout", "max_rejected_batches", "dist_timeout", "heartbeat_s"]),
+        "stall_warn", "stall_timeout", "max_rejected_batches", "max_skipped_prompts", "none_reward_groups",
+        "dist_timeout", "heartbeat_s"]),
 ]

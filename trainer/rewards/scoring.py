@@ -100,8 +100,14 @@ class RewardScorer:
         self.caller.close()
 
     def _fail(self, idx: int, example, completion, why: str):
-        raise RuntimeError(f"reward function {self.names[idx]!r} failed: {why}\n  prompt: {_short(example.prompt)}\n"
-                           f"  ground_truth: {_short(example.ground_truth)}\n  completion: {_short(completion)}")
+        # The first line is the cause (the process's last line and launch.sh's diagnosis): the function, what it
+        # did, the row and its columns. The row's text, the completion and a traceback follow, never as the cause.
+        first, _, rest = why.partition("\n")
+        row = "?" if example.index is None else example.index
+        cols = ", ".join(["prompt", *example.columns])
+        raise RuntimeError(f"reward function {self.names[idx]!r} failed on row {row} (columns: {cols}): {first}\n"
+                           f"  prompt: {_short(example.prompt)}\n  ground_truth: {_short(example.ground_truth)}\n"
+                           f"  completion: {_short(completion)}" + (f"\n{rest.rstrip()}" if rest.strip() else ""))
 
     def _trl_kwargs(self, idx: int, example, completions: list[str], completion_ids: list | None,
                     messages: list[list[dict]] | None = None) -> dict:
