@@ -123,3 +123,23 @@ def test_evaluate_with_and_without_tools(tok):
     res = evaluate(plain, tok, exs, max_new_tokens=300, progress=False)  # no toolbox: single turn, no tool fields
     assert "tool_calls" not in res and len(plain.calls) == 1 and res["accuracy"] == 1.0
     assert "# Tools" not in tok.decode(plain.last_prompts[0])
+
+
+def test_an_environment_reward_is_read_before_the_episode_ends_and_scored(tok):
+    """TRL: get_reward() of the rollout's environment is one more reward (named after the class, weight 1),
+    read while the episode lives; with reward_fns [] it is the only reward. It reaches the batch's components
+    (completions.jsonl's `rewards`, the reward/<name> metric)."""
+    from trainer.completions import completion_rows
+    from trainer.step_metrics import batch_metrics
+
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    fb.reward = lambda ep: float(ep)  # episode k scores k
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer([], timeout=5, env_names=["Env"])
+    exs = [Example(prompt="What is 12 * 34?", ground_truth="408")]
+    (b,), _ = generate_batches(engine, tok, exs, cfg(), scorer, toolbox=fb, policy_version=4)
+    assert fb.rewarded == [(0, True), (1, True), (2, True)] and fb.ended == [0, 1, 2]
+    assert b.extra["components"] == {"Env": [0.0, 1.0, 2.0]} and b.rewards.tolist() == [0.0, 1.0, 2.0]
+    assert batch_metrics(b)["reward/Env"] == 1.0
+    assert all(r["rewards"] == {"Env": float(i)} for i, r in enumerate(completion_rows([b], tok, 1)))

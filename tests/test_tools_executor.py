@@ -176,14 +176,15 @@ def test_get_reward_scores_each_episode_from_its_environment(box):
     """TRL: an environment with get_reward() owns a reward, read from the instance's state."""
     a, b = box.start_episodes(2, [{"start": 5}, {}])
     box.run([(a, [ToolCall("add", {"amount": 2})])])
-    assert box.episode_rewards([a, b]) == [7.0, 0.0]
+    name = box.env_reward  # the class's name: TRL's name of the reward
+    assert box.episode_rewards([a, b]) == [{name: 7.0}, {name: 0.0}]
     box.end_episodes([a, b])
     plain = ToolBox(load_tools([], f"{MOD}:Plain"), f"{MOD}:Plain", timeout=5.0, output_chars=100)
     try:
         [ep] = plain.start_episodes(1)
         assert plain.observations[ep] is None  # reset() returned None: nothing is added to the prompt
         assert plain.run([(ep, [ToolCall("note", {"text": "x"})])])[0][0].content == "1"
-        assert plain.episode_rewards([ep]) is None
+        assert plain.episode_rewards([ep]) == [None]
     finally:
         plain.close()
 

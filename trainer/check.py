@@ -64,7 +64,7 @@ def check_config(c: Checker, argv: list[str]) -> str:
 
 
 def _specs(cfg: GRPOConfig) -> list[str]:
-    return cfg.reward_fns if isinstance(cfg.reward_fns, list) else str(cfg.reward_fns).split(",")
+    return cfg.reward_specs() + [f"{n} (get_reward)" for n in cfg.env_reward_names()]
 
 
 def check_model(c: Checker) -> str:

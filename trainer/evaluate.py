@@ -79,7 +79,8 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
             if scorer is not None:
                 ids = [int(t) for t in out.completion_ids]  # plain ints: they go to the reward process as JSON
                 try:
-                    score = scorer.score_group(ex, [text], [ids], conv)
+                    score = scorer.score_group(ex, [text], [ids], conv,
+                                               [stats[k].get("env_rewards")] if stats is not None else None)
                 except RuntimeError as e:  # e.g. a TRL reward reading a column the held-out rows lack: eval
                     # must not end the run; counted (eval_reward_errors) and said, once per eval
                     if not reward_errors:
@@ -87,7 +88,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
                                     "are counted in eval_reward_errors): %s", _one_line(e))
                     reward_errors += 1
                     continue
-                reward_total += score.rewards[0]
+                reward_total += score.rewards[0] if score.rewards[0] == score.rewards[0] else 0.0  # NaN: unscored
                 for name, (v,) in score.components.items():
                     acc = rewards.setdefault(name, [0.0, 0, 0])
                     if v is not None:

@@ -75,8 +75,10 @@ def round_advantages(rewards: list[torch.Tensor], mode: str) -> list[torch.Tenso
     group and scales by the std of every reward of the round, so it needs the whole round."""
     if mode != "grpo_batch_std":
         return [group_advantages(r, mode) for r in rewards]
-    std = torch.cat(rewards).float().std() if sum(r.numel() for r in rewards) > 1 else torch.tensor(0.0)
-    return [(r.float() - r.float().mean()) / (std + 1e-4) for r in rewards]
+    scored = torch.cat(rewards).float()
+    scored = scored[~torch.isnan(scored)]  # unscorable (all-None) completions: out of the baseline, advantage 0
+    std = scored.std() if scored.numel() > 1 else torch.tensor(0.0)
+    return [torch.nan_to_num(group_advantages(r, "grpo_no_std") / (std + 1e-4), nan=0.0) for r in rewards]
 
 
 def engine_logps(samples: list[Sample]) -> torch.Tensor:
@@ -157,7 +159,7 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
 
 def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg, scorer,
-                     policy_version: int = 0, producer_id: str = "", toolbox=None
+                     policy_version: int = 0, producer_id: str = "", toolbox=None, epoch: float = 0.0
                      ) -> tuple[list[RolloutBatch], RolloutStats]:
     """One generation round: a RolloutBatch per prompt group with reward spread.
 
@@ -166,6 +168,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     messages where the prompt is conversational (scorer.score_group).
 
     scorer: a trainer.rewards.scoring.RewardScorer (rewards, per-function components, timeouts per group).
+    epoch: passes over the training data so far (PromptSampler.progress()), TRL's trainer_state.epoch.
     gen_logps are the engine's own logprobs when it returns them (vLLM, no second forward), otherwise
     one forward of the HF engine's model, the same computation the trainer does."""
     t0 = time.time()
@@ -181,11 +184,15 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         prompt_format=cfg.prompt_format)
     q = cfg.num_pre_Q
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
+    env_rewards = [s.get("env_rewards") for s in tool_stats] if tool_stats is not None else None
+    # TRL's trainer_state: the policy version that sampled these rollouts, the run's length, the passes over the data
+    scorer.set_state(policy_version, cfg.all_steps, epoch)
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
                                  [s.completion_ids.tolist() for s in group],
-                                 messages[g * q:(g + 1) * q] if messages is not None else None)
+                                 messages[g * q:(g + 1) * q] if messages is not None else None,
+                                 env_rewards[g * q:(g + 1) * q] if env_rewards is not None else None)
               for g, ((ex, _), group) in enumerate(zip(kept, groups))]
-    all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]
+    all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]  # NaN: unscorable (all None)
     penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,
                                   cfg.overlong_buffer, cfg.overlong_penalty) for group in groups]
     all_shaped = [r + p for r, p in zip(all_rewards, penalties)]
@@ -200,7 +207,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         stats.completions += len(rows)
         stats.completion_tokens += sum(len(c) for _, c in rows)
         stats.reward_timeouts += sc.timeouts
-        stats.rewards.extend(rewards.tolist())
+        stats.rewards.extend(r for r in rewards.tolist() if r == r)  # unscorable (NaN) completions: no reward
         for k, v in sc.components.items():
             stats.components.setdefault(k, []).extend(v)
         for k, v in (tools or {}).items():
@@ -211,6 +218,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
         extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],
+                 "logged": sc.logged, "reward_metrics": sc.metrics,  # TRL's log_extra / log_metric
                  # what the ref server needs: the T of the logprobs, and whether to run the reference at all
                  "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
         if cfg.overlong_buffer > 0:
@@ -220,7 +228,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
-                             rewards=rewards, policy_version=policy_version, producer_id=producer_id,
+                             rewards=torch.nan_to_num(rewards, nan=0.0),  # the wire takes finite rewards
+                             policy_version=policy_version, producer_id=producer_id,
                              batch_id=uuid.uuid4().hex, extra=extra,
                              loss_mask=loss_mask(group) if toolbox is not None else None)
         if cfg.compute_gen_logps and group[0].logprobs is not None:

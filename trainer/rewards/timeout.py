@@ -14,6 +14,8 @@ A timed-out call yields None ("not applicable"); an exception in the reward stay
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ import time
 import traceback
 
 from trainer.child_pipe import ChildExited, JsonLineReader
+from trainer.rewards.state import TrainerState
 
 log = logging.getLogger("trainer")
 
@@ -49,11 +52,32 @@ def to_value(x) -> float | None:
         raise TypeError(f"returned {x!r} ({type(x).__name__}), not a number or None") from e
 
 
-def call_trl_fn(fn, kwargs: dict) -> list:
-    out = fn(**kwargs)
+def awaited(out):
+    """An `async def` reward's coroutine, run to its value (TRL runs them on an event loop); anything else as is.
+    Inside the reward worker, so the call's timeout covers the wait."""
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+def accepted_kwargs(fn, kwargs: dict) -> dict:
+    """All of them when fn takes **kwargs (TRL's convention), else only the names it declares."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def call_trl_fn(fn, kwargs: dict, state: dict | None = None) -> tuple[list, dict]:
+    """(one value per completion, what it logged). TRL passes every reward `trainer_state`, `log_extra` and
+    `log_metric` besides the columns: built here, in the process that calls it (JSON cannot carry callables);
+    what they log comes back with the values ({"extra": {column: [...]}, "metrics": {name: [...]}})."""
+    logged: dict = {"extra": {}, "metrics": {}}
+    kwargs = dict(kwargs, trainer_state=TrainerState(**(state or {})),
+                  log_extra=lambda column, values: logged["extra"].setdefault(str(column), []).extend(values),
+                  log_metric=lambda name, value: logged["metrics"].setdefault(str(name), []).append(float(value)))
+    out = awaited(fn(**accepted_kwargs(fn, kwargs)))
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
         raise TypeError(f"returned {type(out).__name__}, not a list with one value per completion")
-    return [to_value(v) for v in out]
+    return [to_value(v) for v in out], logged
 
 
 class InProcessCaller:
@@ -67,14 +91,14 @@ class InProcessCaller:
         out = []
         for k, (completion, gt) in enumerate(items):
             try:
-                out.append(to_value(self.fns[idx](completion, gt)))
+                out.append(to_value(awaited(self.fns[idx](completion, gt))))
             except Exception as e:  # noqa: BLE001 - re-raised with the function and the example named
                 raise RewardCallError(idx, k, f"{type(e).__name__}: {e}") from e
         return out, []
 
-    def call_trl(self, idx: int, kwargs: dict) -> list | None:
+    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None) -> tuple[list, dict] | None:
         try:
-            return call_trl_fn(self.fns[idx], kwargs)
+            return call_trl_fn(self.fns[idx], kwargs, state)
         except Exception as e:  # noqa: BLE001 - re-raised with the function and the example named
             raise RewardCallError(idx, 0, f"{type(e).__name__}: {e}") from e
 
@@ -168,10 +192,11 @@ class ProcessCaller:
                     break  # worker killed: resend the rest of the group to a fresh one
         return out, timed_out
 
-    def call_trl(self, idx: int, kwargs: dict) -> list | None:
-        self._send({"fn": idx, "kind": "trl", "kwargs": kwargs})
+    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None) -> tuple[list, dict] | None:
+        """(values, what the function logged), or None when it timed out."""
+        self._send({"fn": idx, "kind": "trl", "kwargs": kwargs, "state": state})
         done, value = self._answer(idx, 0)
-        return value if done else None
+        return (value["values"], value["logged"]) if done else None
 
 
 def make_caller(specs: list[str], fns: list, timeout: float):
@@ -212,10 +237,11 @@ def _serve(specs: list[str]) -> None:
         fn = fns[req["fn"]]
         try:
             if req["kind"] == "trl":
-                send({"ok": call_trl_fn(fn, req["kwargs"])})
+                values, logged = call_trl_fn(fn, req["kwargs"], req.get("state"))
+                send({"ok": {"values": values, "logged": logged}})
                 continue
             for completion, gt in req["items"]:
-                send({"ok": to_value(fn(completion, gt))})  # NaN travels as JSON NaN; the parent refuses it
+                send({"ok": to_value(awaited(fn(completion, gt)))})  # NaN travels as JSON NaN; the parent refuses it
         except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the run
             tb = traceback.format_exc(limit=3)
             send({"error": f"{type(e).__name__}: {e}\n{tb}"})

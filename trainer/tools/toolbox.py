@@ -37,7 +37,9 @@ class ToolBox:
         self.tokenizer = tokenizer
         self.output_chars = int(output_chars)
         self.has_env = bool(environment_factory)
-        self.env_reward = self.has_env and callable(getattr(load_object(environment_factory), "get_reward", None))
+        env_cls = load_object(environment_factory) if self.has_env else None
+        # TRL: a class with get_reward() owns a reward named after it (RewardScorer's env_names)
+        self.env_reward = env_cls.__name__ if callable(getattr(env_cls, "get_reward", None)) else None
         functions = {d.name: d.spec for d in defs if d.where == "executor"}
         env_tools = [d.name for d in defs if d.where == "env"]
         self.executor = (ToolExecutor(functions, environment_factory, env_tools, timeout, output_chars, **limits)
@@ -94,22 +96,22 @@ class ToolBox:
                     log.warning("tools: an environment's reset() failed (episode %d): %s", ep, self.episodes[ep])
         return ids
 
-    def episode_rewards(self, ids: list[int]) -> list[float | None] | None:
-        """TRL: an environment class with a get_reward() method owns a reward (weight 1, named after the class):
-        its value for each episode, read from the instance's state in the executor; None for an episode whose
-        instance is gone, whose reset failed or whose get_reward raised (said in the log). None (not a list)
-        when the environment has no get_reward."""
+    def episode_rewards(self, ids: list[int]) -> list[dict | None]:
+        """TRL: an environment class with a get_reward() method (sync or async) owns a reward (weight 1, named
+        after the class): per episode {class name: its value}, read from the instance's state in the executor
+        before the episode ends; the value is None for an episode whose instance is gone, whose reset failed or
+        whose get_reward raised (said in the log). None per episode when the environment has no get_reward."""
         if not self.env_reward:
-            return None
-        out: list[float | None] = []
+            return [None] * len(ids)
+        out: list[dict | None] = []
         for ep in ids:
             if self.episodes.get(ep):
-                out.append(None)
+                out.append({self.env_reward: None})
                 continue
             status, value = self.executor.episode_reward(ep)
             if status != "ok":
                 log.warning("tools: get_reward() of episode %d: %s", ep, one_line(str(value or status)))
-            out.append(value if status == "ok" else None)
+            out.append({self.env_reward: value if status == "ok" else None})
         return out
 
     def end_episodes(self, ids: list[int]) -> None:
