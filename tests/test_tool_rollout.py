@@ -143,3 +143,14 @@ def test_an_environment_reward_is_read_before_the_episode_ends_and_scored(tok):
     assert b.extra["components"] == {"Env": [0.0, 1.0, 2.0]} and b.rewards.tolist() == [0.0, 1.0, 2.0]
     assert batch_metrics(b)["reward/Env"] == 1.0
     assert all(r["rewards"] == {"Env": float(i)} for i, r in enumerate(completion_rows([b], tok, 1)))
+
+
+def test_the_observation_goes_to_the_last_message_whatever_its_role():
+    """TRL appends reset()'s text to prompt[-1] (an assistant prefill or a system note too), not the last user's."""
+    from trainer.rollout import with_observation
+
+    prompt = [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "I start:"}]
+    got = with_observation(Example(prompt=prompt, ground_truth=None), " board 3x3")
+    assert got.prompt == [prompt[0], {"role": "assistant", "content": "I start: board 3x3"}]
+    assert prompt[1]["content"] == "I start:"  # the example's own prompt is not changed
+    assert with_observation(Example(prompt="Play.", ground_truth=None), " go").prompt == "Play. go"

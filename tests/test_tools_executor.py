@@ -225,3 +225,24 @@ def test_an_executor_that_dies_at_start_says_so_not_that_it_timed_out(tmp_path, 
     finally:
         tb.close()
     assert time.monotonic() - t0 < 60
+
+
+def test_a_reset_only_environment_from_a_pool_of_instances_reset_per_rollout(tmp_path, monkeypatch):
+    """TRL: a class whose only public method is reset is accepted (no tools); instances are pooled, each new
+    rollout's reset() starting one afresh (two live episodes: two instances; after they end, they are reused)."""
+    shutil.copy(HERE / "tools_user_code.py", tmp_path / "reset_only_ex.py")
+    monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
+    spec = "reset_only_ex:OnlyReset"
+    assert load_tools([], spec) == []
+    box = ToolBox(load_tools([], spec), spec, timeout=5.0, output_chars=100)
+    try:
+        assert box.schemas == [] and box.env_reward == "OnlyReset"
+        a, b = box.start_episodes(2)
+        assert [box.observations[a], box.observations[b]] == [" (instance 1)", " (instance 2)"]
+        assert box.episode_rewards([a, b]) == [{"OnlyReset": 1.0}, {"OnlyReset": 2.0}]
+        box.end_episodes([a, b])
+        c, d, e = box.start_episodes(3)  # the two pooled instances, reset again, then a new one
+        assert sorted(box.observations[x] for x in (c, d, e)) == [" (instance 1)", " (instance 2)", " (instance 3)"]
+        box.end_episodes([c, d, e])
+    finally:
+        box.close()

@@ -131,6 +131,8 @@ def _load(specs: list[str], env: str | None) -> list:
 
 
 def _schema_line(defs: list) -> str:
+    if not defs:  # TRL accepts a reset-only environment class
+        return "no tools (reset-only)"
     return "; ".join(f"{d.name}({', '.join(d.schema['function']['parameters'].get('properties', {}))})"
                      for d in defs) + " has a schema"
 
@@ -138,6 +140,8 @@ def _schema_line(defs: list) -> str:
 def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
     defs = _load(specs, env)
     names = [d.name for d in defs]
+    if not names:
+        return "no tools to show (a reset-only environment)"
     if c.tokenizer is None:
         return f"{len(names)} tools (chat template not checked: no tokenizer)"
     rendered = c.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[d.schema for d in defs],

@@ -125,12 +125,11 @@ def loss_mask(samples: list[Sample]) -> torch.Tensor:
 
 
 def with_observation(ex: Example, observation: str) -> Example:
-    """The example with an environment's first observation appended to its (last user) prompt message, as TRL
-    does with what reset() returns."""
+    """The example with an environment's first observation appended to its last prompt message (prompt[-1],
+    whatever its role), as TRL does with what reset() returns."""
     if isinstance(ex.prompt, list):
-        last = max(i for i, m in enumerate(ex.prompt) if m.get("role") == "user")
         msgs = [dict(m) for m in ex.prompt]
-        msgs[last]["content"] = msgs[last]["content"] + observation
+        msgs[-1]["content"] = msgs[-1]["content"] + observation
         return replace(ex, prompt=msgs)
     return replace(ex, prompt=ex.prompt + observation)
 
@@ -149,7 +148,7 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
     def render(i: int, observation: str) -> list[int]:
         (_, ids), = encode_prompts(tokenizer, [with_observation(kept[i][0], str(observation))], system_prompt,
-                                   sys.maxsize, prompt_format, toolbox.schemas)[0]
+                                   sys.maxsize, prompt_format, toolbox.schemas or None)[0]
         return ids
 
     return tool_rollouts(engine, tokenizer, toolbox, prompts, n, max_new_tokens=max_new_tokens,
@@ -174,7 +173,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     t0 = time.time()
     stats = RolloutStats()
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
-                                                     cfg.prompt_format, toolbox.schemas if toolbox else None)
+                                                     cfg.prompt_format, toolbox.schemas or None if toolbox else None)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats

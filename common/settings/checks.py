@@ -156,7 +156,8 @@ class ConfigChecks(RewardSources):
         ]
 
     def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
-        n_fns = len(self.reward_specs())
+        # reward_specs() may import the environment class (reward_fns null): only when weights need counting
+        n_fns = len(self.reward_specs()) if self.reward_weights else 0
         return [(False, msg) for msg in self.reward_source_errors()] + [
             (self.prompt_format in ("auto", "chat", "messages", "raw", "r1zero"),
              f"unknown prompt_format {self.prompt_format!r}; use auto, chat, messages, raw or r1zero"),

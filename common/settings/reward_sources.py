@@ -5,9 +5,12 @@ environment class that has a get_reward() method (named after the class, weight 
     cfg.env_reward_names()    # ["MyEnv"] when environment_factory's class has get_reward()
 
 A mixin of GRPOConfig (methods only, no fields). It imports the environment class only when it must know whether
-that class has get_reward (environment_factory set); the import is the same one the tool executor makes.
+that class has get_reward (environment_factory set); the import is the same one the tool executor makes. Config
+validation imports it only for `reward_fns: []` (refused when nothing gives a reward) or to count reward_weights.
 """
 from __future__ import annotations
+
+from common.settings.tool_specs import tool_spec_errors
 
 DEFAULT_REWARDS = ["correct", "format"]
 
@@ -35,6 +38,8 @@ class RewardSources:
     def reward_source_errors(self) -> list[str]:
         """One line when nothing gives a reward (reward_fns: [] without an environment reward)."""
         if self.reward_fns is None or self.reward_specs():
+            return []
+        if tool_spec_errors([], self.environment_factory):  # a spec that names no class: said by its own check
             return []
         try:
             if self.env_reward_names():

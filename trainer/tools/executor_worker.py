@@ -79,6 +79,7 @@ class Worker:
         self.env_cls = load_object(conf["env"]) if conf.get("env") else None
         self.env_tools = set(conf.get("env_tools") or [])
         self.envs: dict[int, object] = {}
+        self.pool: list = []  # TRL keeps a pool of instances, reset() for each new rollout, instead of new ones
         self.scratch = Path(conf["scratch"])
 
     def folder(self, episode: int) -> Path:
@@ -88,7 +89,7 @@ class Worker:
 
     def start(self, req: dict) -> dict:
         os.chdir(self.folder(req["episode"]))
-        env = self.env_cls()
+        env = self.pool.pop() if self.pool else self.env_cls()
         observation = call_with_cpu_limit(env.reset, req.get("kwargs") or {}, self.conf["timeout"])
         self.envs[req["episode"]] = env
         return {"status": "ok", "content": None if observation is None else str(observation)}
@@ -122,7 +123,9 @@ class Worker:
         return {"status": "ok", "content": None if value is None else float(value)}
 
     def end(self, req: dict) -> dict:
-        self.envs.pop(req["episode"], None)
+        env = self.envs.pop(req["episode"], None)
+        if env is not None:  # back to the pool: the next rollout's reset() starts it afresh
+            self.pool.append(env)
         os.chdir(self.scratch)
         shutil.rmtree(self.scratch / f"episode_{req['episode']}", ignore_errors=True)
         return {"status": "ok"}

@@ -65,9 +65,7 @@ def load_environment(spec: str) -> list[ToolDef]:
         if inspect.isfunction(member) or inspect.ismethod(member):  # methods, and classmethods (bound to cls)
             schema = schema_of(member, f"{cls.__name__}.{name} (environment_factory {spec!r})")
             defs.append(ToolDef(name, schema, "env", spec=spec))
-    if not defs:
-        raise ValueError(f"environment_factory {spec!r}: {cls.__name__} has no public method besides reset: no tools")
-    return defs
+    return defs  # none: a reset-only class (TRL accepts it: reset() writes the prompt, get_reward() may score it)
 
 
 def load_tools(tools: list[str], environment_factory: str | None) -> list[ToolDef]:

@@ -43,10 +43,10 @@ class ToolBox:
         functions = {d.name: d.spec for d in defs if d.where == "executor"}
         env_tools = [d.name for d in defs if d.where == "env"]
         self.executor = (ToolExecutor(functions, environment_factory, env_tools, timeout, output_chars, **limits)
-                         if functions or env_tools else None)
+                         if functions or environment_factory else None)  # a reset-only environment still needs it
         self._ids = itertools.count()
         self.episodes: dict[int, str | None] = {}  # live episode -> why its reset() failed (None: it did not)
-        # What each episode's reset() returned: TRL appends it to the last user message when it is not None.
+        # What each episode's reset() returned: TRL appends it to prompt[-1] (whatever its role) when not None.
         self.observations: dict[int, str | None] = {}
         self._stats = ToolStats()
         self._kills_at_reset = 0
@@ -82,7 +82,7 @@ class ToolBox:
     def start_episodes(self, n: int, reset_kwargs: list[dict] | None = None) -> list[int]:
         """n new episodes (one per rollout); with environment_factory one instance each, reset(**kwargs) called
         (TRL passes the dataset row: give reset_kwargs, one dict per episode). What reset returned is in
-        self.observations[id] (TRL appends it to the last user message). A reset that raises or hangs does not
+        self.observations[id] (TRL appends it to prompt[-1]). A reset that raises or hangs does not
         stop the run: that episode's calls answer with the reason (status "error")."""
         ids = [next(self._ids) for _ in range(n)]
         for k, ep in enumerate(ids):
