@@ -150,7 +150,9 @@ def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
     if missing:
         raise ValueError(f"the chat template does not show the tools {missing} to the model: give the model a "
                          f"template that renders `tools` (docs/tools.md)")
-    return f"{len(names)} tools, all shown by the chat template"
+    from trainer.tools.templates import tool_response_template
+    family, _ = tool_response_template(c.tokenizer, c.cfg.model)  # TRL's add_response_schema: else refused, one line
+    return f"{len(names)} tools, all shown by the chat template; calls parsed as {family}"
 
 
 def check_port(port: int) -> str:

@@ -18,9 +18,10 @@ import time
 
 from common.user_code import load_object
 from trainer.tools.executor import ToolExecutor
-from trainer.tools.parsing import has_response_template, parse_qwen, parse_with_template
+from trainer.tools.parsing import parse_qwen, parse_with_template
 from trainer.tools.schemas import ToolDef, load_tools
 from trainer.tools.stats import ToolStats
+from trainer.tools.templates import set_response_template
 from trainer.tools.types import ToolCall, ToolResult, one_line, truncate
 
 log = logging.getLogger("trainer")
@@ -31,10 +32,12 @@ class ToolBox:
     executor child starts at the first call that needs it. limits: memory_mb / file_mb (trainer/tools/executor.py)."""
 
     def __init__(self, defs: list[ToolDef], environment_factory: str | None = None, tokenizer=None,
-                 timeout: float = 10.0, output_chars: int = 1000, **limits):
+                 timeout: float = 10.0, output_chars: int = 1000, model: str = "the model", **limits):
         self.defs = {d.name: d for d in defs}
         self.schemas: list[dict] = [d.schema for d in defs]
         self.tokenizer = tokenizer
+        # TRL: with tools, the tokenizer's response template (its own, or a known family's): else refused, one line
+        self.family = set_response_template(tokenizer, model) if tokenizer is not None and defs else None
         self.output_chars = int(output_chars)
         self.has_env = bool(environment_factory)
         env_cls = load_object(environment_factory) if self.has_env else None
@@ -59,7 +62,7 @@ class ToolBox:
         if not tools and not cfg.environment_factory:
             return None
         defs = load_tools(tools, cfg.environment_factory)
-        return cls(defs, cfg.environment_factory, tokenizer, cfg.tool_timeout, cfg.tool_output_chars)
+        return cls(defs, cfg.environment_factory, tokenizer, cfg.tool_timeout, cfg.tool_output_chars, cfg.model)
 
     @property
     def names(self) -> list[str]:
@@ -68,9 +71,12 @@ class ToolBox:
     # ------------------------------------------------------------------ parsing
     def parse(self, text: str, prefix: str = "") -> tuple[list[ToolCall], list[ToolResult]]:
         """The calls in one assistant turn's decoded text, and a malformed result for each call that could not be
-        parsed. prefix: the rendered conversation before the turn (only a tokenizer's response_template reads it;
-        "" is fine for templates that do not pre-write part of the turn)."""
-        if has_response_template(self.tokenizer):
+        parsed. prefix: the rendered conversation before the turn (the response template anchors on it). With a
+        tokenizer: transformers' parse_response with the response template set at construction (TRL's way);
+        without one (unit tests of the tools alone): Qwen2.5's <tool_call> blocks. No tools: nothing to call."""
+        if not self.defs:
+            return [], []
+        if self.tokenizer is not None:
             calls, bad = parse_with_template(self.tokenizer, text, prefix, self.schemas)
         else:
             calls, bad = parse_qwen(text)
