@@ -112,3 +112,20 @@ def test_batch_std_leaves_unscorable_out():
             [(2.0 - 1.25) / (std + 1e-4), (0.5 - 1.25) / (std + 1e-4), 0.0]]
     for got, w in zip(round_advantages(groups, "grpo_batch_std"), want):
         torch.testing.assert_close(got.double(), torch.tensor(w, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("timeout", [0, 5])
+def test_async_rewards_are_gathered_and_one_that_raises_is_named(timeout):
+    """TRL runs the async rewards of a batch concurrently (asyncio.gather): each sees the other running."""
+    s = RewardScorer(["trl_rewards:meet_a", "trl_rewards:digit_reward", "trl_rewards:meet_b"], timeout=timeout)
+    try:
+        sc = s.score_group(Example(prompt="p", ground_truth="1"), ["1", "a"])
+    finally:
+        s.close()
+    assert sc.components["meet_a"] == [1.0, 1.0] and sc.components["meet_b"] == [1.0, 1.0]
+    s = RewardScorer(["trl_rewards:meet_a", "trl_rewards:async_raises"], timeout=timeout)
+    try:
+        with pytest.raises(RuntimeError, match="'async_raises' failed: KeyError"):
+            s.score_group(Example(prompt="p", ground_truth="1"), ["1"])
+    finally:
+        s.close()

@@ -90,3 +90,32 @@ def curriculum(prompts, completions, trainer_state, **kwargs):
 def none_on_marker(prompts, completions, **kwargs):
     """None (not applicable) for a completion that contains 'NONE', else 1.0 when it contains 'YES'."""
     return [None if "NONE" in c else float("YES" in c) for c in completions]
+
+
+_STARTED: set = set()
+
+
+async def _meet(me: str, other: str, n: int) -> list:
+    """1.0 when the other reward ran at the same time (gathered on one event loop), 0.0 when it never started."""
+    import asyncio
+    _STARTED.add(me)
+    for _ in range(100):
+        if other in _STARTED:
+            break
+        await asyncio.sleep(0.01)
+    seen = other in _STARTED
+    await asyncio.sleep(0.05)  # let the other see us too
+    _STARTED.discard(me)
+    return [float(seen)] * n
+
+
+async def meet_a(prompts, completions, **kwargs):
+    return await _meet("a", "b", len(completions))
+
+
+async def meet_b(prompts, completions, **kwargs):
+    return await _meet("b", "a", len(completions))
+
+
+async def async_raises(prompts, completions, **kwargs):
+    raise KeyError("async boom")

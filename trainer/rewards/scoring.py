@@ -9,9 +9,10 @@ Two kinds of reward function, told apart by their signature:
           completion.
 None means "not applicable": skipped in the weighted sum (as TRL does) and in the per-function means; a completion
 for which every reward says None is NaN (TRL: unscorable; left out of its group's baseline, advantage 0).
-TRL's keywords: `trainer_state` (state.py), `log_extra`, `log_metric` (timeout.call_trl_fn); `async def` rewards
-are awaited in the reward worker, under the call's timeout. Environment rewards (get_reward()) are named after
-their class, weight 1 (`env_names`; their values come with the rollouts).
+TRL's keywords: `trainer_state` (state.py), `log_extra`, `log_metric` (timeout.call_trl_fn); `async def` TRL-style
+rewards are gathered on one event loop in the reward worker (timeout.gather_trl_fns), under one timeout.
+Environment rewards (get_reward()) are named after their class, weight 1 (`env_names`; their values come with the
+rollouts).
 A call that runs past `reward_timeout` also counts as None (timeout.py). A function that
 raises, returns the wrong length or a non-finite number stops the run, naming itself and the example.
 """
@@ -147,13 +148,14 @@ class RewardScorer:
         n = len(completions)
         comps: dict[str, list[float | None]] = {}
         score = GroupScore(rewards=[0.0] * n, components=comps)
+        kwargs = self._trl_kwargs(example, completions, completion_ids, messages)
+        gathered = self._gather(example, completions, kwargs)
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             try:
                 if kind == "ours":
                     values, late = self.caller.call_simple(i, [(c, example.ground_truth) for c in completions])
                 else:
-                    answer = self.caller.call_trl(i, self._trl_kwargs(example, completions, completion_ids, messages),
-                                                  self.state.to_dict())
+                    answer = gathered[i] if i in gathered else self.caller.call_trl(i, kwargs, self.state.to_dict())
                     late = [] if answer is not None else list(range(n))
                     values, logged = answer if answer is not None else ([None] * n, {})
                     self._keep_logged(score, i, example, completions, logged)
@@ -185,6 +187,19 @@ class RewardScorer:
             if all(vals[k] is None for vals in comps.values()):
                 score.rewards[k] = math.nan
         return score
+
+    def _gather(self, example, completions: list[str], kwargs: dict) -> dict[int, tuple | None]:
+        """TRL gathers the `async def` rewards on one event loop: {function index: (values, logged) or None (the
+        gather timed out: every one of them counts as timed out)}."""
+        idxs = [i for i, (fn, kind) in enumerate(zip(self.fns, self.kinds))
+                if kind == "trl" and inspect.iscoroutinefunction(fn)]
+        if not idxs:
+            return {}
+        try:
+            answers = self.caller.gather_trl(idxs, kwargs, self.state.to_dict())
+        except RewardCallError as e:
+            self._fail(e.fn_index, example, f"(the group of {len(completions)}; first) {completions[0]!r}", str(e))
+        return dict(zip(idxs, answers if answers is not None else [None] * len(idxs)))
 
     def _keep_logged(self, score: GroupScore, i: int, example, completions: list[str], logged: dict) -> None:
         """What a TRL-style reward logged with log_extra (a column: one value per completion) / log_metric."""
