@@ -154,3 +154,18 @@ def test_the_observation_goes_to_the_last_message_whatever_its_role():
     assert got.prompt == [prompt[0], {"role": "assistant", "content": "I start: board 3x3"}]
     assert prompt[1]["content"] == "I start:"  # the example's own prompt is not changed
     assert with_observation(Example(prompt="Play.", ground_truth=None), " go").prompt == "Play. go"
+
+
+def test_eval_scores_the_environment_reward(tok):
+    """In-training eval (the run's scorer) reads each rollout's get_reward() too, before its episode ends."""
+    from trainer.evaluate import evaluate
+
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    fb.reward = lambda ep: 2.0
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer([], timeout=0, env_names=["Env"])
+    res = evaluate(engine, tok, [Example(prompt="What is 12 * 34?", ground_truth="408")] * 2, max_new_tokens=300,
+                   progress=False, toolbox=fb, max_tool_calling_iterations=2, scorer=scorer)
+    assert res["rewards"] == {"Env": [4.0, 2, 2]} and res["reward_total"] == 4.0
+    assert all(live for _, live in fb.rewarded)
