@@ -3,6 +3,7 @@ timeout, RLIMIT_CPU/AS/FSIZE and a scratch folder per episode; a hanging tool is
 works; a crashing tool is an error result; output is truncated; environments keep state within an episode."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -244,5 +245,35 @@ def test_a_reset_only_environment_from_a_pool_of_instances_reset_per_rollout(tmp
         c, d, e = box.start_episodes(3)  # the two pooled instances, reset again, then a new one
         assert sorted(box.observations[x] for x in (c, d, e)) == [" (instance 1)", " (instance 2)", " (instance 3)"]
         box.end_episodes([c, d, e])
+    finally:
+        box.close()
+
+
+def test_a_dict_of_environments_is_routed_by_the_environment_column(tmp_path, monkeypatch):
+    """TRL's multi-environment form: {name: class}; each row's `environment` column picks its environment, whose
+    methods are that rollout's tools (and the tools its prompt lists); get_reward() of a class scores only its
+    own rollouts (None for another environment's)."""
+    from common.config import GRPOConfig
+    from common.settings.knobs import load_config
+
+    shutil.copy(HERE / "tools_user_code.py", tmp_path / "multi_env_ex.py")
+    monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
+    envs = {"count": "multi_env_ex:Counter", "notes": "multi_env_ex:Plain"}
+    cfg = load_config(GRPOConfig, ["--environment_factory", json.dumps(envs)])
+    assert cfg.environment_factory == json.dumps(envs) and cfg.env_reward_names() == ["Counter"]
+    assert GRPOConfig(environment_factory=envs).validate().reward_specs() == []  # the environment's reward alone
+    box = ToolBox(load_tools([], envs), envs, timeout=5.0, output_chars=100)
+    try:
+        listed = lambda row: [s["function"]["name"] for s in box.prompt_tools(row)]  # noqa: E731
+        assert listed({"environment": "count"}) == ["add"] and listed({"environment": "notes"}) == ["note"]
+        a, b = box.start_episodes(2, [{"environment": "count", "start": 3}, {"environment": "notes"}])
+        assert box.observations[a] == "The counter starts at 3." and box.observations[b] is None
+        [[r1], [r2], [r3]] = box.run([(a, [ToolCall("add", {"amount": 2})]), (b, [ToolCall("add", {"amount": 1})]),
+                                      (b, [ToolCall("note", {"text": "x"})])])
+        assert (r1.status, r1.content) == ("ok", "5") and r2.status == "unknown_tool" and r3.content == "1"
+        assert box.episode_rewards([a, b]) == [{"Counter": 5.0}, None]
+        box.end_episodes([a, b])
+        with pytest.raises(ValueError, match="`environment` column must name one, got 'chess'"):
+            box.start_episodes(1, [{"environment": "chess"}])
     finally:
         box.close()

@@ -86,6 +86,9 @@ class FakeToolBox:
         self.reward = None  # fn(episode id) -> get_reward()'s value (an environment that owns a reward), as "Env"
         self.rewarded: list[tuple[int, bool]] = []  # (episode, still live when its reward was read)
 
+    def prompt_tools(self, row: dict):
+        return self.schemas or None
+
     def parse(self, text: str, prefix: str = ""):
         calls, bad = [], []
         for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.S):

@@ -55,7 +55,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     tools."""
     t0 = time.time()
     kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format,
-                                   (toolbox.schemas or None) if toolbox is not None else None)
+                                   toolbox.prompt_tools if toolbox is not None else None)
     engine = model if isinstance(model, GenEngine) else \
         HFEngine(model, tokenizer, eos_ids(tokenizer, model, chat=prompt_format != "r1zero"), temperature=1.0,
                  top_p=1.0, top_k=0, gen_batch_size=batch_size)

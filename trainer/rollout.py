@@ -41,16 +41,16 @@ class RolloutStats:
 
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
-                   prompt_format: str = "auto", tools: list[dict] | None = None
-                   ) -> tuple[list[tuple[Example, list[int]]], int]:
+                   prompt_format: str = "auto", tools=None) -> tuple[list[tuple[Example, list[int]]], int]:
     """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
     dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages. `tools`: the
-    ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does)."""
+    ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does), or a
+    function of the example's row giving them (ToolBox.prompt_tools: each row's environment has its own tools)."""
     kept, skipped = [], 0
     for ex in examples:
         fmt = resolve_format(prompt_format, ex.prompt)  # auto: messages for a message list, else chat
         system = (SYSTEM_PROMPT if fmt == "chat" else None) if system_prompt == "default" else system_prompt
-        text = build_prompt(tokenizer, ex.prompt, system, fmt, tools)
+        text = build_prompt(tokenizer, ex.prompt, system, fmt, tools(ex.columns) if callable(tools) else tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_length:
             skipped += 1
@@ -148,7 +148,7 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
     def render(i: int, observation: str) -> list[int]:
         (_, ids), = encode_prompts(tokenizer, [with_observation(kept[i][0], str(observation))], system_prompt,
-                                   sys.maxsize, prompt_format, toolbox.schemas or None)[0]
+                                   sys.maxsize, prompt_format, toolbox.prompt_tools)[0]
         return ids
 
     return tool_rollouts(engine, tokenizer, toolbox, prompts, n, max_new_tokens=max_new_tokens,
@@ -173,7 +173,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     t0 = time.time()
     stats = RolloutStats()
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
-                                                     cfg.prompt_format, toolbox.schemas or None if toolbox else None)
+                                                     cfg.prompt_format, toolbox.prompt_tools if toolbox else None)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats

@@ -10,7 +10,7 @@ validation imports it only for `reward_fns: []` (refused when nothing gives a re
 """
 from __future__ import annotations
 
-from common.settings.tool_specs import tool_spec_errors
+from common.settings.tool_specs import environment_specs, tool_spec_errors
 
 DEFAULT_REWARDS = ["correct", "format"]
 
@@ -20,12 +20,14 @@ class RewardSources:
 
     def env_reward_names(self) -> list[str]:
         """The class name of each environment_factory class with a get_reward() (sync or async), as TRL names it."""
-        if not self.environment_factory:
-            return []
         from common.user_code import load_object
 
-        cls = load_object(str(self.environment_factory))
-        return [cls.__name__] if callable(getattr(cls, "get_reward", None)) else []
+        classes = []
+        for spec in environment_specs(self.environment_factory).values():
+            cls = load_object(spec)
+            if callable(getattr(cls, "get_reward", None)) and cls not in classes:  # TRL: one reward per class
+                classes.append(cls)
+        return [cls.__name__ for cls in classes]
 
     def reward_specs(self) -> list[str]:
         """reward_fns as a list. Not given (null): the built-in correct,format, unless an environment gives the
