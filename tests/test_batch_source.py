@@ -49,6 +49,9 @@ class Sampler:
     def next_batch(self, n):
         return []
 
+    def progress(self) -> float:  # PromptSampler's passes over the data (TRL's trainer_state.epoch)
+        return 0.0
+
 
 def test_uploads_taken_by_another_rank_cost_no_wait(tiny_model_dir, own_uploads):
     from trainer.batches import BatchSource

@@ -33,8 +33,9 @@ def test_defaults_match_simple_grpo():
 
 def test_mutable_defaults_are_not_shared():
     a, b = GRPOConfig(), GRPOConfig()
-    a.reward_fns.append("x")
-    assert b.reward_fns == ["correct", "format"]
+    a.report_to.append("x")
+    assert b.report_to == ["tensorboard"]
+    assert a.reward_fns is None and a.reward_specs() == ["correct", "format"]  # null: the built-ins (no environment)
 
 
 def test_every_field_has_help():
@@ -76,7 +77,7 @@ def test_cli_overrides_win_over_the_file(tmp_path):
     ("--temperature", "1", "temperature", 1.0),
     ("--reward_fns", "correct, format ,contains", "reward_fns", ["correct", "format", "contains"]),
     ("--reward_fns", '["a.b:c", "format"]', "reward_fns", ["a.b:c", "format"]),
-    ("--reward_fns", "", "reward_fns", []),
+    ("--reward_fns", "null", "reward_fns", None),
     ("--data_limit", "50", "data_limit", 50),
     ("--data_limit", "none", "data_limit", None),
     ("--data_limit", "null", "data_limit", None),
@@ -204,7 +205,7 @@ def test_help_lists_every_field(capsys, monkeypatch):
     for f in dataclasses.fields(GRPOConfig):
         assert f"--{f.name}" in out, f.name
         assert _squash(f.metadata["help"]) in flat, f"help of {f.name} missing from --help"
-    assert _squash("(default: 0.04)") in flat and _squash("(default: ['correct', 'format'])") in flat
+    assert _squash("(default: 0.04)") in flat and _squash("(default: ['tensorboard'])") in flat
 
 
 def test_help_survives_percent_signs(capsys):

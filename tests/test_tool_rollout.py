@@ -123,3 +123,49 @@ def test_evaluate_with_and_without_tools(tok):
     res = evaluate(plain, tok, exs, max_new_tokens=300, progress=False)  # no toolbox: single turn, no tool fields
     assert "tool_calls" not in res and len(plain.calls) == 1 and res["accuracy"] == 1.0
     assert "# Tools" not in tok.decode(plain.last_prompts[0])
+
+
+def test_an_environment_reward_is_read_before_the_episode_ends_and_scored(tok):
+    """TRL: get_reward() of the rollout's environment is one more reward (named after the class, weight 1),
+    read while the episode lives; with reward_fns [] it is the only reward. It reaches the batch's components
+    (completions.jsonl's `rewards`, the reward/<name> metric)."""
+    from trainer.completions import completion_rows
+    from trainer.step_metrics import batch_metrics
+
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    fb.reward = lambda ep: float(ep)  # episode k scores k
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer([], timeout=5, env_names=["Env"])
+    exs = [Example(prompt="What is 12 * 34?", ground_truth="408")]
+    (b,), _ = generate_batches(engine, tok, exs, cfg(), scorer, toolbox=fb, policy_version=4)
+    assert fb.rewarded == [(0, True), (1, True), (2, True)] and fb.ended == [0, 1, 2]
+    assert b.extra["components"] == {"Env": [0.0, 1.0, 2.0]} and b.rewards.tolist() == [0.0, 1.0, 2.0]
+    assert batch_metrics(b)["reward/Env"] == 1.0
+    assert all(r["rewards"] == {"Env": float(i)} for i, r in enumerate(completion_rows([b], tok, 1)))
+
+
+def test_the_observation_goes_to_the_last_message_whatever_its_role():
+    """TRL appends reset()'s text to prompt[-1] (an assistant prefill or a system note too), not the last user's."""
+    from trainer.rollout import with_observation
+
+    prompt = [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "I start:"}]
+    got = with_observation(Example(prompt=prompt, ground_truth=None), " board 3x3")
+    assert got.prompt == [prompt[0], {"role": "assistant", "content": "I start: board 3x3"}]
+    assert prompt[1]["content"] == "I start:"  # the example's own prompt is not changed
+    assert with_observation(Example(prompt="Play.", ground_truth=None), " go").prompt == "Play. go"
+
+
+def test_eval_scores_the_environment_reward(tok):
+    """In-training eval (the run's scorer) reads each rollout's get_reward() too, before its episode ends."""
+    from trainer.evaluate import evaluate
+
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    fb.reward = lambda ep: 2.0
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer([], timeout=0, env_names=["Env"])
+    res = evaluate(engine, tok, [Example(prompt="What is 12 * 34?", ground_truth="408")] * 2, max_new_tokens=300,
+                   progress=False, toolbox=fb, max_tool_calling_iterations=2, scorer=scorer)
+    assert res["rewards"] == {"Env": [4.0, 2, 2]} and res["reward_total"] == 4.0
+    assert all(live for _, live in fb.rewarded)

@@ -3,6 +3,7 @@ timeout, RLIMIT_CPU/AS/FSIZE and a scratch folder per episode; a hanging tool is
 works; a crashing tool is an error result; output is truncated; environments keep state within an episode."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -176,14 +177,15 @@ def test_get_reward_scores_each_episode_from_its_environment(box):
     """TRL: an environment with get_reward() owns a reward, read from the instance's state."""
     a, b = box.start_episodes(2, [{"start": 5}, {}])
     box.run([(a, [ToolCall("add", {"amount": 2})])])
-    assert box.episode_rewards([a, b]) == [7.0, 0.0]
+    name = box.env_reward  # the class's name: TRL's name of the reward
+    assert box.episode_rewards([a, b]) == [{name: 7.0}, {name: 0.0}]
     box.end_episodes([a, b])
     plain = ToolBox(load_tools([], f"{MOD}:Plain"), f"{MOD}:Plain", timeout=5.0, output_chars=100)
     try:
         [ep] = plain.start_episodes(1)
         assert plain.observations[ep] is None  # reset() returned None: nothing is added to the prompt
         assert plain.run([(ep, [ToolCall("note", {"text": "x"})])])[0][0].content == "1"
-        assert plain.episode_rewards([ep]) is None
+        assert plain.episode_rewards([ep]) == [None]
     finally:
         plain.close()
 
@@ -224,3 +226,54 @@ def test_an_executor_that_dies_at_start_says_so_not_that_it_timed_out(tmp_path, 
     finally:
         tb.close()
     assert time.monotonic() - t0 < 60
+
+
+def test_a_reset_only_environment_from_a_pool_of_instances_reset_per_rollout(tmp_path, monkeypatch):
+    """TRL: a class whose only public method is reset is accepted (no tools); instances are pooled, each new
+    rollout's reset() starting one afresh (two live episodes: two instances; after they end, they are reused)."""
+    shutil.copy(HERE / "tools_user_code.py", tmp_path / "reset_only_ex.py")
+    monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
+    spec = "reset_only_ex:OnlyReset"
+    assert load_tools([], spec) == []
+    box = ToolBox(load_tools([], spec), spec, timeout=5.0, output_chars=100)
+    try:
+        assert box.schemas == [] and box.env_reward == "OnlyReset"
+        a, b = box.start_episodes(2)
+        assert [box.observations[a], box.observations[b]] == [" (instance 1)", " (instance 2)"]
+        assert box.episode_rewards([a, b]) == [{"OnlyReset": 1.0}, {"OnlyReset": 2.0}]
+        box.end_episodes([a, b])
+        c, d, e = box.start_episodes(3)  # the two pooled instances, reset again, then a new one
+        assert sorted(box.observations[x] for x in (c, d, e)) == [" (instance 1)", " (instance 2)", " (instance 3)"]
+        box.end_episodes([c, d, e])
+    finally:
+        box.close()
+
+
+def test_a_dict_of_environments_is_routed_by_the_environment_column(tmp_path, monkeypatch):
+    """TRL's multi-environment form: {name: class}; each row's `environment` column picks its environment, whose
+    methods are that rollout's tools (and the tools its prompt lists); get_reward() of a class scores only its
+    own rollouts (None for another environment's)."""
+    from common.config import GRPOConfig
+    from common.settings.knobs import load_config
+
+    shutil.copy(HERE / "tools_user_code.py", tmp_path / "multi_env_ex.py")
+    monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
+    envs = {"count": "multi_env_ex:Counter", "notes": "multi_env_ex:Plain"}
+    cfg = load_config(GRPOConfig, ["--environment_factory", json.dumps(envs)])
+    assert cfg.environment_factory == json.dumps(envs) and cfg.env_reward_names() == ["Counter"]
+    assert GRPOConfig(environment_factory=envs).validate().reward_specs() == []  # the environment's reward alone
+    box = ToolBox(load_tools([], envs), envs, timeout=5.0, output_chars=100)
+    try:
+        listed = lambda row: [s["function"]["name"] for s in box.prompt_tools(row)]  # noqa: E731
+        assert listed({"environment": "count"}) == ["add"] and listed({"environment": "notes"}) == ["note"]
+        a, b = box.start_episodes(2, [{"environment": "count", "start": 3}, {"environment": "notes"}])
+        assert box.observations[a] == "The counter starts at 3." and box.observations[b] is None
+        [[r1], [r2], [r3]] = box.run([(a, [ToolCall("add", {"amount": 2})]), (b, [ToolCall("add", {"amount": 1})]),
+                                      (b, [ToolCall("note", {"text": "x"})])])
+        assert (r1.status, r1.content) == ("ok", "5") and r2.status == "unknown_tool" and r3.content == "1"
+        assert box.episode_rewards([a, b]) == [{"Counter": 5.0}, None]
+        box.end_episodes([a, b])
+        with pytest.raises(ValueError, match="`environment` column must name one, got 'chess'"):
+            box.start_episodes(1, [{"environment": "chess"}])
+    finally:
+        box.close()

@@ -83,6 +83,11 @@ class FakeToolBox:
         self.observations: dict = {}
         self.reset_kwargs: list = []
         self.observe = None  # fn(reset kwargs) -> what reset() returns (an environment's first observation)
+        self.reward = None  # fn(episode id) -> get_reward()'s value (an environment that owns a reward), as "Env"
+        self.rewarded: list[tuple[int, bool]] = []  # (episode, still live when its reward was read)
+
+    def prompt_tools(self, row: dict):
+        return self.schemas or None
 
     def parse(self, text: str, prefix: str = ""):
         calls, bad = [], []
@@ -117,6 +122,10 @@ class FakeToolBox:
                     res.append(Result(c.name, f"error: {e}", "error", 0.25))
             out.append(res)
         return out
+
+    def episode_rewards(self, ids) -> list:
+        self.rewarded += [(i, i not in self.ended) for i in ids]
+        return [None if self.reward is None else {"Env": self.reward(i)} for i in ids]
 
     def end_episodes(self, ids) -> None:
         self.ended += list(ids)

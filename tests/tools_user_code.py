@@ -140,3 +140,19 @@ class Plain:
         self.seen.append(text)
         return len(self.seen)
 
+
+
+class OnlyReset:
+    """TRL accepts an environment whose only public method is reset (and get_reward): no tools."""
+
+    instances = 0
+
+    def __init__(self):
+        OnlyReset.instances += 1
+        self.id = OnlyReset.instances
+
+    def reset(self, **kwargs) -> str:
+        return f" (instance {self.id})"
+
+    def get_reward(self) -> float:
+        return float(self.id)

@@ -71,3 +71,51 @@ def tool_turns(prompts, completions, **kwargs):
         tools = [m for m in c if m["role"] == "tool"]
         out.append(len(tools) + float(c[-1]["role"] == "assistant" and "408" in c[-1]["content"]))
     return out
+
+
+async def async_len(prompts, completions, **kwargs):
+    """An `async def` reward (TRL awaits it on an event loop): the completion's length in characters."""
+    import asyncio
+    await asyncio.sleep(0)
+    return [float(len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
+
+
+def curriculum(prompts, completions, trainer_state, **kwargs):
+    """TRL's curriculum pattern: reads trainer_state.global_step (and max_steps, epoch); logs as TRL rewards do."""
+    kwargs["log_extra"]("state", [f"{trainer_state.global_step}/{trainer_state.max_steps}"] * len(completions))
+    kwargs["log_metric"]("curriculum_step", float(trainer_state.global_step))
+    return [float(trainer_state.global_step) + trainer_state.epoch * 0.0] * len(completions)
+
+
+def none_on_marker(prompts, completions, **kwargs):
+    """None (not applicable) for a completion that contains 'NONE', else 1.0 when it contains 'YES'."""
+    return [None if "NONE" in c else float("YES" in c) for c in completions]
+
+
+_STARTED: set = set()
+
+
+async def _meet(me: str, other: str, n: int) -> list:
+    """1.0 when the other reward ran at the same time (gathered on one event loop), 0.0 when it never started."""
+    import asyncio
+    _STARTED.add(me)
+    for _ in range(100):
+        if other in _STARTED:
+            break
+        await asyncio.sleep(0.01)
+    seen = other in _STARTED
+    await asyncio.sleep(0.05)  # let the other see us too
+    _STARTED.discard(me)
+    return [float(seen)] * n
+
+
+async def meet_a(prompts, completions, **kwargs):
+    return await _meet("a", "b", len(completions))
+
+
+async def meet_b(prompts, completions, **kwargs):
+    return await _meet("b", "a", len(completions))
+
+
+async def async_raises(prompts, completions, **kwargs):
+    raise KeyError("async boom")

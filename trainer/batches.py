@@ -185,7 +185,8 @@ class BatchSource:
         t0 = time.time()
         self._doing("generating its own rollouts")
         batches, st = generate_batches(self.engine, self.tok, self.sampler.next_batch(self.cfg.Q_batch_size),
-                                       self.cfg, self.scorer, policy_version, self.producer_id, self.toolbox)
+                                       self.cfg, self.scorer, policy_version, self.producer_id, self.toolbox,
+                                       epoch=self.sampler.progress())
         info["gen_s"] += time.time() - t0
         _merge_stats(gen, st)
         self._doing("uploading its rollouts to the ref server {url}")

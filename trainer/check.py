@@ -72,7 +72,7 @@ def check_config(c: Checker, argv: list[str]) -> str:
 
 
 def _specs(cfg: GRPOConfig) -> list[str]:
-    return cfg.reward_fns if isinstance(cfg.reward_fns, list) else str(cfg.reward_fns).split(",")
+    return cfg.reward_specs() + [f"{n} (get_reward)" for n in cfg.env_reward_names()]
 
 
 def check_model(c: Checker) -> str:
@@ -114,9 +114,9 @@ def check_data(c: Checker) -> str:
     return read + f", longest prompt {max(len(i) for _, i in kept)} of max_prompt_length {cfg.max_prompt_length} tokens"
 
 
-def _as_generated(c: Checker) -> tuple[list, list[dict] | None]:
-    """The first rows as rollouts start from them, and the tools' schemas: with environment_factory, each row's
-    reset() text appended (trainer/rollout.py with_observation), as TRL does."""
+def _as_generated(c: Checker) -> tuple[list, object]:
+    """The first rows as rollouts start from them, and the tools (ToolBox.prompt_tools: a row -> its schemas):
+    with environment_factory, each row's reset() text appended (trainer/rollout.py with_observation), as TRL does."""
     from trainer.rollout import with_observation
     from trainer.tools import ToolBox
     try:
@@ -127,11 +127,11 @@ def _as_generated(c: Checker) -> tuple[list, list[dict] | None]:
         return c.examples, None
     try:
         if not box.has_env:
-            return c.examples, box.schemas
+            return c.examples, box.prompt_tools
         ids = box.start_episodes(len(c.examples), [{"prompt": ex.prompt, **ex.columns} for ex in c.examples])
         obs = [box.observations.get(i) for i in ids]
         box.end_episodes(ids)
-        return [ex if o is None else with_observation(ex, str(o)) for ex, o in zip(c.examples, obs)], box.schemas
+        return [ex if o is None else with_observation(ex, str(o)) for ex, o in zip(c.examples, obs)], box.prompt_tools
     finally:
         box.close()
 
@@ -196,6 +196,8 @@ def _load(specs: list[str], env: str | None) -> list:
 
 
 def _schema_line(defs: list) -> str:
+    if not defs:  # TRL accepts a reset-only environment class
+        return "no tools (reset-only)"
     return "; ".join(f"{d.name}({', '.join(d.schema['function']['parameters'].get('properties', {}))})"
                      for d in defs) + " has a schema"
 
@@ -203,6 +205,8 @@ def _schema_line(defs: list) -> str:
 def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
     defs = _load(specs, env)
     names = [d.name for d in defs]
+    if not names:
+        return "no tools to show (a reset-only environment)"
     if c.tokenizer is None:
         return f"{len(names)} tools (chat template not checked: no tokenizer)"
     rendered = c.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[d.schema for d in defs],
@@ -211,7 +215,9 @@ def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
     if missing:
         raise ValueError(f"the chat template does not show the tools {missing} to the model: give the model a "
                          f"template that renders `tools` (docs/tools.md)")
-    return f"{len(names)} tools, all shown by the chat template"
+    from trainer.tools.templates import tool_response_template
+    family, _ = tool_response_template(c.tokenizer, c.cfg.model)  # TRL's add_response_schema: else refused, one line
+    return f"{len(names)} tools, all shown by the chat template; calls parsed as {family}"
 
 
 def check_port(host: str, port: int) -> str:

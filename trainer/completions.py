@@ -34,6 +34,9 @@ def completion_rows(batches: list[ScoredBatch], tokenizer, step: int) -> list[di
                          "reward": None if b.rewards is None else float(b.rewards[i]),
                          "advantage": float(b.advantages[i]), "policy_version": int(b.policy_version),
                          "producer": b.producer_id})
+            for column, vals in (b.extra.get("logged") or {}).items():  # TRL's log_extra: one more column
+                if len(vals) == b.num_rows and column not in rows[-1]:
+                    rows[-1][column] = vals[i]
             if b.loss_mask is not None:  # a tool run: the tokens it trained on (tool turns' are masked)
                 rows[-1].update(tokens=c, model_tokens=int(b.loss_mask[i, :c].sum()))
     return rows

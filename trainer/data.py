@@ -284,6 +284,10 @@ class PromptSampler:
         if pos > len(self._order):
             raise ValueError(f"PromptSampler state: position {pos} beyond epoch {epoch}'s {len(self._order)} items")
 
+    def progress(self) -> float:
+        """Passes over this shard's examples so far, fractional (TRL's trainer_state.epoch)."""
+        return max(self.epoch, 0) + (self._pos / len(self._order) if self._order else 0.0)
+
     def next_batch(self, n: int) -> list[Example]:
         if n < 0:
             raise ValueError(f"batch size must be >= 0, got {n}")

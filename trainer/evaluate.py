@@ -62,7 +62,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     tools."""
     t0 = time.time()
     kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format,
-                                   toolbox.schemas if toolbox is not None else None, chat_template_kwargs)
+                                   toolbox.prompt_tools if toolbox is not None else None, chat_template_kwargs)
     engine = model if isinstance(model, GenEngine) else \
         HFEngine(model, tokenizer, eos_ids(tokenizer, model, chat=prompt_format != "r1zero"), temperature=1.0,
                  top_p=1.0, top_k=0, gen_batch_size=batch_size)
@@ -86,7 +86,8 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
             if scorer is not None:
                 ids = [int(t) for t in out.completion_ids]  # plain ints: they go to the reward process as JSON
                 try:
-                    score = scorer.score_group(ex, [text], [ids], conv)
+                    score = scorer.score_group(ex, [text], [ids], conv,
+                                               [stats[k].get("env_rewards")] if stats is not None else None)
                 except RuntimeError as e:  # e.g. a TRL reward reading a column the held-out rows lack: eval
                     # must not end the run; counted (eval_reward_errors) and said, once per eval
                     if not reward_errors:
@@ -94,7 +95,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
                                     "are counted in eval_reward_errors): %s", _one_line(e))
                     reward_errors += 1
                     continue
-                reward_total += score.rewards[0]
+                reward_total += score.rewards[0] if score.rewards[0] == score.rewards[0] else 0.0  # NaN: unscored
                 for name, (v,) in score.components.items():
                     acc = rewards.setdefault(name, [0.0, 0, 0])
                     if v is not None:

@@ -51,6 +51,7 @@ from trainer.step_metrics import (
     memory_row,
     model_summary,
     reduce_metrics,
+    reward_logged_metrics,
 )
 from trainer.tools import ToolBox
 from trainer.tools.loop import add_tool_totals, tool_metric_keys
@@ -273,6 +274,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         once = list(setup_row) if step == start_step + 1 else []
         row = reduce_metrics(row, keys, SUM_KEYS + objective_sum + mem_keys(world) + once, MAX_KEYS)
+        row.update(reward_logged_metrics(rnd.batches, row))  # TRL's log_metric, from the reward functions
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             watchdog.activity = f"evaluating at step {step}"
             row.update(maybe_eval(step))

@@ -41,18 +41,20 @@ class RolloutStats:
 
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
-                   prompt_format: str = "auto", tools: list[dict] | None = None, template_kwargs: dict | None = None
+                   prompt_format: str = "auto", tools=None, template_kwargs: dict | None = None
                    ) -> tuple[list[tuple[Example, list[int]]], int]:
     """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
     dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages. `tools`: the
-    ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does).
+    ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does), or a
+    function of the example's row giving them (ToolBox.prompt_tools: each row's environment has its own tools).
     prompt_format trl: no system prompt; a text prompt gets the tokenizer's special tokens (TRL's
     processing_class(text=prompts): a BOS for Llama); templated text never does (the template has its own)."""
     kept, skipped = [], 0
     for ex in examples:
         fmt = resolve_format(prompt_format, ex.prompt)  # auto: messages for a message list, else chat
         system = (SYSTEM_PROMPT if fmt == "chat" else None) if system_prompt == "default" else system_prompt
-        text = build_prompt(tokenizer, ex.prompt, system, fmt, tools, template_kwargs)
+        text = build_prompt(tokenizer, ex.prompt, system, fmt, tools(ex.columns) if callable(tools) else tools,
+                            template_kwargs)
         plain = fmt == "trl" and not isinstance(ex.prompt, list)
         ids = tokenizer(text, add_special_tokens=plain)["input_ids"]
         if len(ids) > max_prompt_length:
@@ -78,8 +80,10 @@ def round_advantages(rewards: list[torch.Tensor], mode: str) -> list[torch.Tenso
     group and scales by the std of every reward of the round, so it needs the whole round."""
     if mode != "grpo_batch_std":
         return [group_advantages(r, mode) for r in rewards]
-    std = torch.cat(rewards).float().std() if sum(r.numel() for r in rewards) > 1 else torch.tensor(0.0)
-    return [(r.float() - r.float().mean()) / (std + 1e-4) for r in rewards]
+    scored = torch.cat(rewards).float()
+    scored = scored[~torch.isnan(scored)]  # unscorable (all-None) completions: out of the baseline, advantage 0
+    std = scored.std() if scored.numel() > 1 else torch.tensor(0.0)
+    return [torch.nan_to_num(group_advantages(r, "grpo_no_std") / (std + 1e-4), nan=0.0) for r in rewards]
 
 
 def engine_logps(samples: list[Sample]) -> torch.Tensor:
@@ -126,12 +130,11 @@ def loss_mask(samples: list[Sample]) -> torch.Tensor:
 
 
 def with_observation(ex: Example, observation: str) -> Example:
-    """The example with an environment's first observation appended to its (last user) prompt message, as TRL
-    does with what reset() returns."""
+    """The example with an environment's first observation appended to its last prompt message (prompt[-1],
+    whatever its role), as TRL does with what reset() returns."""
     if isinstance(ex.prompt, list):
-        last = max(i for i, m in enumerate(ex.prompt) if m.get("role") == "user")
         msgs = [dict(m) for m in ex.prompt]
-        msgs[last]["content"] = msgs[last]["content"] + observation
+        msgs[-1]["content"] = msgs[-1]["content"] + observation
         return replace(ex, prompt=msgs)
     return replace(ex, prompt=ex.prompt + observation)
 
@@ -150,7 +153,7 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
     def render(i: int, observation: str) -> list[int]:
         (_, ids), = encode_prompts(tokenizer, [with_observation(kept[i][0], str(observation))], system_prompt,
-                                   sys.maxsize, prompt_format, toolbox.schemas, template_kwargs)[0]
+                                   sys.maxsize, prompt_format, toolbox.prompt_tools, template_kwargs)[0]
         return ids
 
     return tool_rollouts(engine, tokenizer, toolbox, prompts, n, max_new_tokens=max_new_tokens,
@@ -160,7 +163,7 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
 
 def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg, scorer,
-                     policy_version: int = 0, producer_id: str = "", toolbox=None
+                     policy_version: int = 0, producer_id: str = "", toolbox=None, epoch: float = 0.0
                      ) -> tuple[list[RolloutBatch], RolloutStats]:
     """One generation round: a RolloutBatch per prompt group with reward spread.
 
@@ -169,12 +172,13 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     messages where the prompt is conversational (scorer.score_group).
 
     scorer: a trainer.rewards.scoring.RewardScorer (rewards, per-function components, timeouts per group).
+    epoch: passes over the training data so far (PromptSampler.progress()), TRL's trainer_state.epoch.
     gen_logps are the engine's own logprobs when it returns them (vLLM, no second forward), otherwise
     one forward of the HF engine's model, the same computation the trainer does."""
     t0 = time.time()
     stats = RolloutStats()
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
-                                                     cfg.prompt_format, toolbox.schemas if toolbox else None,
+                                                     cfg.prompt_format, toolbox.prompt_tools if toolbox else None,
                                                      cfg.chat_template_kwargs)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
@@ -185,11 +189,15 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         prompt_format=cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs)
     q = cfg.num_pre_Q
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
+    env_rewards = [s.get("env_rewards") for s in tool_stats] if tool_stats is not None else None
+    # TRL's trainer_state: the policy version that sampled these rollouts, the run's length, the passes over the data
+    scorer.set_state(policy_version, cfg.all_steps, epoch)
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
                                  [s.completion_ids.tolist() for s in group],
-                                 messages[g * q:(g + 1) * q] if messages is not None else None)
+                                 messages[g * q:(g + 1) * q] if messages is not None else None,
+                                 env_rewards[g * q:(g + 1) * q] if env_rewards is not None else None)
               for g, ((ex, _), group) in enumerate(zip(kept, groups))]
-    all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]
+    all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]  # NaN: unscorable (all None)
     penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,
                                   cfg.overlong_buffer, cfg.overlong_penalty) for group in groups]
     all_shaped = [r + p for r, p in zip(all_rewards, penalties)]
@@ -204,7 +212,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         stats.completions += len(rows)
         stats.completion_tokens += sum(len(c) for _, c in rows)
         stats.reward_timeouts += sc.timeouts
-        stats.rewards.extend(rewards.tolist())
+        stats.rewards.extend(r for r in rewards.tolist() if r == r)  # unscorable (NaN) completions: no reward
         for k, v in sc.components.items():
             stats.components.setdefault(k, []).extend(v)
         for k, v in (tools or {}).items():
@@ -215,6 +223,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
         extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],
+                 "logged": sc.logged, "reward_metrics": sc.metrics,  # TRL's log_extra / log_metric
                  # what the ref server needs: the T of the logprobs, and whether to run the reference at all
                  "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
         if cfg.overlong_buffer > 0:
@@ -224,7 +233,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
-                             rewards=rewards, policy_version=policy_version, producer_id=producer_id,
+                             rewards=torch.nan_to_num(rewards, nan=0.0),  # the wire takes finite rewards
+                             policy_version=policy_version, producer_id=producer_id,
                              batch_id=uuid.uuid4().hex, extra=extra,
                              loss_mask=loss_mask(group) if toolbox is not None else None)
         if cfg.compute_gen_logps and group[0].logprobs is not None:

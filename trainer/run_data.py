@@ -34,7 +34,7 @@ def train_examples(cfg, limit: int | None = None) -> list[Example]:
     """The training examples (`limit`: the first rows only, e.g. for `launch.sh check`; default data_limit)."""
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit if limit is None else limit,
                              columns=ColumnSpec.from_config(cfg), config=cfg.dataset_config)
-    check_ground_truths(cfg.reward_fns, examples, _label(cfg.data, cfg.data_split))
+    check_ground_truths(cfg.reward_specs(), examples, _label(cfg.data, cfg.data_split))
     return examples
 
 
@@ -54,5 +54,5 @@ def eval_examples(cfg, limit: int | None = None) -> list[Example]:
         raise ValueError(f"eval_steps/eval_before evaluate on {where} {source!r} split {cfg.eval_split!r}, which "
                          f"did not load ({e}); give eval_data (held-out rows), set eval_split, or set eval_steps 0 "
                          f"and eval_before false") from e
-    check_ground_truths(cfg.reward_fns, examples, _label(source, cfg.eval_split))
+    check_ground_truths(cfg.reward_specs(), examples, _label(source, cfg.eval_split))
     return examples

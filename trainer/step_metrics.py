@@ -77,3 +77,22 @@ def memory_row(rank: int, world: int) -> dict:
     from trainer.lora.adapters import peak_memory_mb
     mb = peak_memory_mb()
     return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb}
+
+
+def reward_logged_metrics(batches: list[ScoredBatch], taken: dict) -> dict:
+    """What reward functions logged with TRL's log_metric(name, value) for the trained batches: each name's mean
+    over every value every rank's batches carry (an object collective: every rank calls it). Named as logged; a
+    name one of our own metrics has (`taken`) keeps ours."""
+    mine: dict[str, list[float]] = {}
+    for b in batches:
+        for name, values in (b.extra.get("reward_metrics") or {}).items():
+            mine.setdefault(name, []).extend(float(v) for v in values)
+    parts: list = [mine]
+    if torch.distributed.is_initialized():
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, mine)
+    merged: dict[str, list[float]] = {}
+    for part in parts:
+        for name, values in part.items():
+            merged.setdefault(name, []).extend(values)
+    return {name: sum(vs) / len(vs) for name, vs in merged.items() if vs and name not in taken}

@@ -93,7 +93,7 @@ def genonly(cfg: GRPOConfig) -> None:
             doing["now"] = f"generating round {rounds + 1}"
             batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}",
-                                           toolbox=toolbox)
+                                           toolbox=toolbox, epoch=sampler.progress())
             for rb in batches:
                 if stop["now"]:
                     break

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from common.settings.reward_sources import RewardSources
 from common.settings.tool_specs import tool_spec_errors
 
 # TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
@@ -18,8 +19,9 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".csv", ".parq
 C = TypeVar("C", bound="ConfigChecks")
 
 
-class ConfigChecks:
-    """GRPOConfig's validation (mixed into it; every attribute named here is a GRPOConfig field)."""
+class ConfigChecks(RewardSources):
+    """GRPOConfig's validation (mixed into it; every attribute named here is a GRPOConfig field); reward_specs()
+    and env_reward_names() come with it (reward_sources.py)."""
 
     def reporters(self) -> set[str]:
         """report_to (+ the wandb flag) as a set of tensorboard/wandb; metrics.jsonl is always written."""
@@ -155,8 +157,9 @@ class ConfigChecks:
         ]
 
     def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
-        n_fns = len(self.reward_fns) if isinstance(self.reward_fns, list) else len(str(self.reward_fns).split(","))
-        return [
+        # reward_specs() may import the environment class (reward_fns null): only when weights need counting
+        n_fns = len(self.reward_specs()) if self.reward_weights else 0
+        return [(False, msg) for msg in self.reward_source_errors()] + [
             (self.prompt_format in ("auto", "chat", "messages", "raw", "r1zero", "trl"),
              f"unknown prompt_format {self.prompt_format!r}; use auto, chat, messages, raw, r1zero or trl"),
             (self.dataset_config is None or (isinstance(self.dataset_config, str) and self.dataset_config.strip()),

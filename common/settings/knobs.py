@@ -141,6 +141,8 @@ def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
     if value is None and optional:
         return None
     base = _base_type(tp)
+    if isinstance(value, dict) and dict in typing.get_args(tp):  # str | dict | None: environment_factory's object
+        return value
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is list and isinstance(value, str):  # "report_to": "wandb", "reward_fns": "correct,format": as on the CLI

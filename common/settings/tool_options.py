@@ -16,9 +16,10 @@ class ToolOptions:
                            "(bounded arithmetic, in-process) and python (runs a snippet), or your typed functions "
                            "with Google-style docstrings as 'module:function' or 'path/to/file.py:function'. Their "
                            "JSON schemas (transformers' get_json_schema) reach the chat template.")
-    environment_factory: str | None = knob(None, "TRL's environment_factory: a class ('module:Class' or "
-                                                 "'path/to/file.py:Class') whose public methods besides reset are "
-                                                 "tools; one instance per rollout, reset() starts its episode.")
+    environment_factory: str | dict | None = knob(None, "TRL's environment_factory: a class ('module:Class' or "
+                                                        "'path/to/file.py:Class') whose public methods besides "
+                                                        "reset are tools, or {name: class} routed by an "
+                                                        "`environment` column (docs/tools.md).")
     max_tool_calling_iterations: int | None = knob(None, "TRL's name: tool rounds per completion at most (null = "
                                                          "no limit: a turn without a call, or max_new_tokens, ends "
                                                          "it; 0 = tools are shown but never run).")

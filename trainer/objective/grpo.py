@@ -37,8 +37,17 @@ def group_advantages(rewards: torch.Tensor, mode: str = "grpo", eps: float = 1e-
     """Rewards of one group (G,) -> advantages (G,). `grpo` follows simple_GRPO: (r - mean) / (std + 1e-4).
 
     `reinforce_pp` returns the group-centred rewards; the trainer then normalises them over the whole
-    batch (reinforce_pp_advantages), which needs every group of the step and so cannot happen here."""
+    batch (reinforce_pp_advantages), which needs every group of the step and so cannot happen here.
+
+    NaN (TRL: a completion for which every reward function returned None) is unscorable: left out of the group's
+    mean and std, and its advantage is 0 (TRL's nanmean / nanstd, then nan_to_num)."""
     rewards = rewards.float()
+    scored = ~torch.isnan(rewards)
+    if not scored.all():
+        out = torch.zeros_like(rewards)
+        if scored.any():
+            out[scored] = group_advantages(rewards[scored], mode, eps) if scored.sum() > 1 or mode == "raw" else 0.0
+        return out
     if mode == "raw":
         return rewards.clone()
     centred = rewards - rewards.mean()
@@ -76,8 +85,10 @@ def overlong_penalty(completion_lens: torch.Tensor, max_new_tokens: int, buffer:
 
 
 def has_spread(rewards: torch.Tensor, tol: float = 1e-6) -> bool:
-    """A group whose rewards are all equal carries no signal (zero advantage): skip it."""
-    return bool((rewards.max() - rewards.min()) > tol)
+    """A group whose rewards are all equal carries no signal (zero advantage): skip it. NaN (unscorable) rows
+    are left out."""
+    rewards = rewards[~torch.isnan(rewards)]
+    return rewards.numel() > 1 and bool((rewards.max() - rewards.min()) > tol)
 
 
 def k3_kl(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:

@@ -55,10 +55,11 @@ def _import_fn(spec: str) -> RewardFn:
 
 
 def load_reward_fns(spec: str | list[str]) -> list[RewardFn]:
-    """Built-in names and/or dotted paths -> functions. A string may list several, comma-separated."""
+    """Built-in names and/or dotted paths -> functions. A string may list several, comma-separated. An empty list
+    is no function (valid where an environment's get_reward() gives the reward: GRPOConfig.reward_specs)."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
-    if not items or not all(isinstance(s, str) and s.strip() for s in items):
-        raise ValueError(f"reward_fns must be a non-empty list of names or dotted paths, got {spec!r}")
+    if not all(isinstance(s, str) and s.strip() for s in items):
+        raise ValueError(f"reward_fns must be a list of names or dotted paths, got {spec!r}")
     names = [s.strip() for s in items]
     return [REWARD_FNS[n] if n in REWARD_FNS else _import_fn(n) for n in names]
 

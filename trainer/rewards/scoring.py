@@ -7,7 +7,12 @@ Two kinds of reward function, told apart by their signature:
           `messages` runs), `completions` strings (message lists [{"role": "assistant", ...}] in `messages`
           runs), `completion_ids` (token ids) and every other dataset column as a keyword list, one value per
           completion.
-None means "not applicable": skipped in the weighted sum (as TRL does) and in the per-function means.
+None means "not applicable": skipped in the weighted sum (as TRL does) and in the per-function means; a completion
+for which every reward says None is NaN (TRL: unscorable; left out of its group's baseline, advantage 0).
+TRL's keywords: `trainer_state` (state.py), `log_extra`, `log_metric` (timeout.call_trl_fn); `async def` TRL-style
+rewards are gathered on one event loop in the reward worker (timeout.gather_trl_fns), under one timeout.
+Environment rewards (get_reward()) are named after their class, weight 1 (`env_names`; their values come with the
+rollouts).
 A call that runs past `reward_timeout` also counts as None (timeout.py). A function that
 raises, returns the wrong length or a non-finite number stops the run, naming itself and the example.
 """
@@ -19,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from trainer.rewards.registry import load_reward_fns, reward_name
+from trainer.rewards.state import TrainerState
 from trainer.rewards.timeout import RewardCallError, make_caller
 
 log = logging.getLogger("trainer")
@@ -47,20 +53,14 @@ def reward_kind(fn, name: str) -> str:
                      f"nor {TRL_SIG} (TRL-style)")
 
 
-def _accepted_kwargs(fn, kwargs: dict) -> dict:
-    """All of them when fn takes **kwargs (TRL's convention), else only the names it declares."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
 @dataclass
 class GroupScore:
-    rewards: list[float]  # weighted sum per completion (0.0 where every function said None)
+    rewards: list[float]  # weighted sum per completion; NaN where every reward said None (TRL: unscorable)
     components: dict[str, list[float | None]]  # unweighted value per function and completion
     timeouts: int = 0  # timed-out calls in this group
     timed_out: dict[str, list[int]] = field(default_factory=dict)
+    logged: dict[str, list] = field(default_factory=dict)  # log_extra: column -> one value per completion
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # log_metric: name -> values logged
 
 
 def _short(x, n: int = 300) -> str:
@@ -71,8 +71,9 @@ def _short(x, n: int = 300) -> str:
 class RewardScorer:
     """The run's reward functions, ready to score groups (one worker process when reward_timeout > 0)."""
 
-    def __init__(self, specs, weights: list | None = None, timeout: float = 10.0, conversational: bool | None = None):
-        specs = specs.split(",") if isinstance(specs, str) else list(specs)
+    def __init__(self, specs, weights: list | None = None, timeout: float = 10.0, conversational: bool | None = None,
+                 env_names: list[str] | None = None):
+        specs = [s for s in specs.split(",") if s.strip()] if isinstance(specs, str) else list(specs or [])
         self.specs = [s.strip() for s in specs]
         self.fns = load_reward_fns(self.specs)
         self.names: list[str] = []
@@ -88,13 +89,30 @@ class RewardScorer:
             raise ValueError(f"reward_weights has {len(weights)} values for {len(self.fns)} reward functions "
                              f"({', '.join(self.names)})")
         self.weights = weights
+        # TRL: each environment class with get_reward() is one more reward source, named after the class, weight 1;
+        # its values come from the rollouts (read in the tool executor before the episode ends, trainer/tools/).
+        self.env_names = []
+        for base in env_names or []:  # in self.names too (metrics keys, eval), after the functions'
+            name, k = base, 2
+            while name in self.names:
+                name, k = f"{base}#{k}", k + 1
+            self.env_names.append(name)
+            self.names.append(name)
+        if not self.fns and not self.env_names:
+            raise ValueError("no reward source: reward_fns is empty and no environment_factory class has get_reward()")
         self.timeout, self.conversational = timeout, conversational
-        self.caller = make_caller(self.specs, self.fns, timeout)
+        self.caller = make_caller(self.specs, self.fns, timeout if self.fns else 0)  # no functions: no worker
+        self.state = TrainerState()  # trainer_state of the next groups (set_state)
 
     @classmethod
     def from_config(cls, cfg) -> RewardScorer:
         conversational = {"messages": True, "auto": None, "trl": None}.get(cfg.prompt_format, False)
-        return cls(cfg.reward_fns, cfg.reward_weights, cfg.reward_timeout, conversational)
+        return cls(cfg.reward_specs(), cfg.reward_weights, cfg.reward_timeout, conversational,
+                   cfg.env_reward_names())
+
+    def set_state(self, global_step: int, max_steps: int = 0, epoch: float = 0.0) -> None:
+        """What TRL-style rewards get as trainer_state (trainer/rewards/state.py) for the groups scored next."""
+        self.state = TrainerState(int(global_step), int(max_steps), float(epoch))
 
     def close(self) -> None:
         self.caller.close()
@@ -109,7 +127,7 @@ class RewardScorer:
                            f"  prompt: {_short(example.prompt)}\n  ground_truth: {_short(example.ground_truth)}\n"
                            f"  completion: {_short(completion)}" + (f"\n{rest.rstrip()}" if rest.strip() else ""))
 
-    def _trl_kwargs(self, idx: int, example, completions: list[str], completion_ids: list | None,
+    def _trl_kwargs(self, example, completions: list[str], completion_ids: list | None,
                     messages: list[list[dict]] | None = None) -> dict:
         n = len(completions)
         # conversational None (prompt_format auto): as TRL, message completions for a message-list prompt
@@ -122,27 +140,31 @@ class RewardScorer:
         kwargs.update(prompts=[example.prompt] * n, completions=comps)
         if completion_ids is not None:
             kwargs["completion_ids"] = completion_ids
-        return _accepted_kwargs(self.fns[idx], kwargs)
+        return kwargs  # the reward worker passes each function the names it takes (timeout.accepted_kwargs)
 
     def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None,
-                    messages: list[list[dict]] | None = None) -> GroupScore:
+                    messages: list[list[dict]] | None = None, env_rewards: list[dict | None] | None = None
+                    ) -> GroupScore:
         """Rewards for the completions of one prompt (decoded text, special tokens stripped; TRL-style
         functions also get `completion_ids`, the sampled token ids, when given). `messages`: in a tool run, each
         completion as its list of messages (assistant turns with their tool_calls, tool turns): what TRL-style
         functions receive as `completions` for a conversational prompt; the text is then the whole completion's
-        (tool turns included), for functions of our signature and plain-text prompts."""
+        (tool turns included), for functions of our signature and plain-text prompts. `env_rewards`: per completion,
+        {environment class name: its get_reward()} from the tool loop (None: no environment reward read)."""
         n = len(completions)
         comps: dict[str, list[float | None]] = {}
         score = GroupScore(rewards=[0.0] * n, components=comps)
+        kwargs = self._trl_kwargs(example, completions, completion_ids, messages)
+        gathered = self._gather(example, completions, kwargs)
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             try:
                 if kind == "ours":
                     values, late = self.caller.call_simple(i, [(c, example.ground_truth) for c in completions])
                 else:
-                    values = self.caller.call_trl(i, self._trl_kwargs(i, example, completions, completion_ids,
-                                                                      messages))
-                    late = [] if values is not None else list(range(n))
-                    values = [None] * n if values is None else values
+                    answer = gathered[i] if i in gathered else self.caller.call_trl(i, kwargs, self.state.to_dict())
+                    late = [] if answer is not None else list(range(n))
+                    values, logged = answer if answer is not None else ([None] * n, {})
+                    self._keep_logged(score, i, example, completions, logged)
             except RewardCallError as e:
                 bad = completions[e.item] if kind == "ours" else f"(the group of {n}; first) {completions[0]!r}"
                 self._fail(i, example, bad, str(e))
@@ -162,7 +184,38 @@ class RewardScorer:
             for k, v in enumerate(values):
                 if v is not None:
                     score.rewards[k] += self.weights[i] * v
+        for name in self.env_names:  # weight 1; None for a rollout of another environment or with no reading
+            key = name.split("#")[0]  # the class name the tool loop reports
+            values = [(d or {}).get(key) for d in env_rewards] if env_rewards is not None else [None] * n
+            comps[name] = values
+            score.rewards = [r + v if v is not None else r for r, v in zip(score.rewards, values)]
+        for k in range(n):  # TRL: every reward said None -> NaN, out of the group's baseline, advantage 0
+            if all(vals[k] is None for vals in comps.values()):
+                score.rewards[k] = math.nan
         return score
+
+    def _gather(self, example, completions: list[str], kwargs: dict) -> dict[int, tuple | None]:
+        """TRL gathers the `async def` rewards on one event loop: {function index: (values, logged) or None (the
+        gather timed out: every one of them counts as timed out)}."""
+        idxs = [i for i, (fn, kind) in enumerate(zip(self.fns, self.kinds))
+                if kind == "trl" and inspect.iscoroutinefunction(fn)]
+        if not idxs:
+            return {}
+        try:
+            answers = self.caller.gather_trl(idxs, kwargs, self.state.to_dict())
+        except RewardCallError as e:
+            self._fail(e.fn_index, example, f"(the group of {len(completions)}; first) {completions[0]!r}", str(e))
+        return dict(zip(idxs, answers if answers is not None else [None] * len(idxs)))
+
+    def _keep_logged(self, score: GroupScore, i: int, example, completions: list[str], logged: dict) -> None:
+        """What a TRL-style reward logged with log_extra (a column: one value per completion) / log_metric."""
+        for column, values in (logged.get("extra") or {}).items():
+            if len(values) != len(completions):
+                self._fail(i, example, completions[0], f"log_extra({column!r}) got {len(values)} values for "
+                                                       f"{len(completions)} completions")
+            score.logged[column] = values
+        for name, values in (logged.get("metrics") or {}).items():
+            score.metrics.setdefault(name, []).extend(values)
 
 
 def component_means(components: dict[str, list]) -> dict[str, float]:

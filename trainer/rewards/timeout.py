@@ -14,6 +14,8 @@ A timed-out call yields None ("not applicable"); an exception in the reward stay
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ import time
 import traceback
 
 from trainer.child_pipe import ChildExited, JsonLineReader
+from trainer.rewards.state import TrainerState
 
 log = logging.getLogger("trainer")
 
@@ -49,11 +52,63 @@ def to_value(x) -> float | None:
         raise TypeError(f"returned {x!r} ({type(x).__name__}), not a number or None") from e
 
 
-def call_trl_fn(fn, kwargs: dict) -> list:
-    out = fn(**kwargs)
+def awaited(out):
+    """An `async def` reward's coroutine, run to its value (TRL runs them on an event loop); anything else as is.
+    Inside the reward worker, so the call's timeout covers the wait."""
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+def accepted_kwargs(fn, kwargs: dict) -> dict:
+    """All of them when fn takes **kwargs (TRL's convention), else only the names it declares."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _trl_call(fn, kwargs: dict, state: dict | None) -> tuple[dict, dict]:
+    """The keyword arguments of one TRL-style call, and where what it logs goes. TRL passes every reward
+    `trainer_state`, `log_extra` and `log_metric` besides the columns: built here, in the process that calls it
+    (JSON cannot carry callables); what they log comes back with the values ({"extra": {column: [...]},
+    "metrics": {name: [...]}})."""
+    logged: dict = {"extra": {}, "metrics": {}}
+    kwargs = dict(kwargs, trainer_state=TrainerState(**(state or {})),
+                  log_extra=lambda column, values: logged["extra"].setdefault(str(column), []).extend(values),
+                  log_metric=lambda name, value: logged["metrics"].setdefault(str(name), []).append(float(value)))
+    return accepted_kwargs(fn, kwargs), logged
+
+
+def _values(out) -> list:
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
         raise TypeError(f"returned {type(out).__name__}, not a list with one value per completion")
     return [to_value(v) for v in out]
+
+
+def call_trl_fn(fn, kwargs: dict, state: dict | None = None) -> tuple[list, dict]:
+    """(one value per completion, what it logged)."""
+    call, logged = _trl_call(fn, kwargs, state)
+    return _values(awaited(fn(**call))), logged
+
+
+def gather_trl_fns(fns: list, idxs: list[int], kwargs: dict, state: dict | None = None) -> list[tuple[list, dict]]:
+    """The `async def` TRL-style rewards of a group, gathered on one event loop as TRL does (asyncio.gather):
+    [(values, logged)] in order. The first that raised -> RewardCallError naming it."""
+    async def one(i: int):
+        call, logged = _trl_call(fns[i], kwargs, state)
+        return _values(await awaited_async(fns[i](**call))), logged
+
+    async def every():
+        return await asyncio.gather(*(one(i) for i in idxs), return_exceptions=True)
+
+    out = asyncio.run(every())
+    for i, r in zip(idxs, out):
+        if isinstance(r, Exception):
+            raise RewardCallError(i, 0, f"{type(r).__name__}: {r}") from r
+    return out
+
+
+async def awaited_async(out):
+    return await out if inspect.isawaitable(out) else out
 
 
 class InProcessCaller:
@@ -67,16 +122,19 @@ class InProcessCaller:
         out = []
         for k, (completion, gt) in enumerate(items):
             try:
-                out.append(to_value(self.fns[idx](completion, gt)))
+                out.append(to_value(awaited(self.fns[idx](completion, gt))))
             except Exception as e:  # noqa: BLE001 - re-raised with the function and the example named
                 raise RewardCallError(idx, k, f"{type(e).__name__}: {e}") from e
         return out, []
 
-    def call_trl(self, idx: int, kwargs: dict) -> list | None:
+    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None) -> tuple[list, dict] | None:
         try:
-            return call_trl_fn(self.fns[idx], kwargs)
+            return call_trl_fn(self.fns[idx], kwargs, state)
         except Exception as e:  # noqa: BLE001 - re-raised with the function and the example named
             raise RewardCallError(idx, 0, f"{type(e).__name__}: {e}") from e
+
+    def gather_trl(self, idxs: list[int], kwargs: dict, state: dict | None = None) -> list | None:
+        return gather_trl_fns(self.fns, idxs, kwargs, state)
 
     def close(self) -> None:
         pass
@@ -150,7 +208,7 @@ class ProcessCaller:
             self._on_timeout()
             return False, None
         if "error" in msg:
-            raise RewardCallError(idx, item, msg["error"])
+            raise RewardCallError(msg.get("fn", idx), item, msg["error"])
         return True, msg["ok"]
 
     def call_simple(self, idx: int, items: list[tuple[str, str]]) -> tuple[list[float | None], list[int]]:
@@ -168,10 +226,17 @@ class ProcessCaller:
                     break  # worker killed: resend the rest of the group to a fresh one
         return out, timed_out
 
-    def call_trl(self, idx: int, kwargs: dict) -> list | None:
-        self._send({"fn": idx, "kind": "trl", "kwargs": kwargs})
+    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None) -> tuple[list, dict] | None:
+        """(values, what the function logged), or None when it timed out."""
+        self._send({"fn": idx, "kind": "trl", "kwargs": kwargs, "state": state})
         done, value = self._answer(idx, 0)
-        return value if done else None
+        return (value["values"], value["logged"]) if done else None
+
+    def gather_trl(self, idxs: list[int], kwargs: dict, state: dict | None = None) -> list | None:
+        """The async rewards of a group at once, under one timeout: [(values, logged)], or None when it passed."""
+        self._send({"fn": idxs[0], "fns": idxs, "kind": "gather", "kwargs": kwargs, "state": state})
+        done, value = self._answer(idxs[0], 0)
+        return [(v["values"], v["logged"]) for v in value] if done else None
 
 
 def make_caller(specs: list[str], fns: list, timeout: float):
@@ -211,11 +276,18 @@ def _serve(specs: list[str]) -> None:
         req = json.loads(line)
         fn = fns[req["fn"]]
         try:
+            if req["kind"] == "gather":
+                answers = gather_trl_fns(fns, req["fns"], req["kwargs"], req.get("state"))
+                send({"ok": [{"values": v, "logged": lg} for v, lg in answers]})
+                continue
             if req["kind"] == "trl":
-                send({"ok": call_trl_fn(fn, req["kwargs"])})
+                values, logged = call_trl_fn(fn, req["kwargs"], req.get("state"))
+                send({"ok": {"values": values, "logged": logged}})
                 continue
             for completion, gt in req["items"]:
-                send({"ok": to_value(fn(completion, gt))})  # NaN travels as JSON NaN; the parent refuses it
+                send({"ok": to_value(awaited(fn(completion, gt)))})  # NaN travels as JSON NaN; the parent refuses it
+        except RewardCallError as e:  # a gathered reward raised: name it
+            send({"error": str(e), "fn": e.fn_index})
         except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the run
             tb = traceback.format_exc(limit=3)
             send({"error": f"{type(e).__name__}: {e}\n{tb}"})

@@ -40,13 +40,15 @@ FILE_MB = 64  # RLIMIT_FSIZE: the largest file a tool may write
 
 
 class ToolExecutor:
-    """Runs `functions` ({tool name: spec}) and the environment `env` (a class spec, whose methods `env_tools` are
-    the tools) in a child process. `kills` counts the processes killed for a timeout (or found dead)."""
+    """Runs `functions` ({tool name: spec}) and the environments `envs` ({name: class spec}, whose methods
+    `env_tools[name]` are the tools) in a child process. `kills` counts the processes killed for a timeout (or
+    found dead)."""
 
-    def __init__(self, functions: dict[str, str], env: str | None, env_tools: list[str], timeout: float,
-                 output_chars: int, memory_mb: int = MEMORY_MB, file_mb: int = FILE_MB):
+    def __init__(self, functions: dict[str, str], envs: dict[str, str] | None, env_tools: dict[str, list[str]],
+                 timeout: float, output_chars: int, memory_mb: int = MEMORY_MB, file_mb: int = FILE_MB):
         self.scratch = tempfile.mkdtemp(prefix="grpo-tools-")
-        self.conf = {"functions": dict(functions), "env": env, "env_tools": list(env_tools), "timeout": timeout,
+        self.conf = {"functions": dict(functions), "envs": dict(envs or {}),
+                     "env_tools": {k: list(v) for k, v in (env_tools or {}).items()}, "timeout": timeout,
                      "output_chars": output_chars, "memory_mb": memory_mb, "file_mb": file_mb,
                      "scratch": self.scratch}
         self.timeout = float(timeout)
@@ -124,8 +126,8 @@ class ToolExecutor:
         status, content = self.request({"op": "call", "episode": episode, "name": name, "arguments": arguments})
         return ToolResult(name=name, content=content or "", status=status, seconds=time.monotonic() - t0)
 
-    def start_episode(self, episode: int, kwargs: dict) -> tuple[str, str | None]:
-        return self.request({"op": "start", "episode": episode, "kwargs": kwargs})
+    def start_episode(self, episode: int, kwargs: dict, env: str = "") -> tuple[str, str | None]:
+        return self.request({"op": "start", "episode": episode, "kwargs": kwargs, "env": env})
 
     def episode_reward(self, episode: int) -> tuple[str, float | str | None]:
         return self.request({"op": "reward", "episode": episode})

@@ -76,9 +76,12 @@ class Worker:
     def __init__(self, conf: dict):
         self.conf = conf
         self.fns = {name: load_object(spec) for name, spec in conf["functions"].items()}
-        self.env_cls = load_object(conf["env"]) if conf.get("env") else None
-        self.env_tools = set(conf.get("env_tools") or [])
+        self.env_cls = {name: load_object(spec) for name, spec in (conf.get("envs") or {}).items()}
+        self.env_tools = {name: set(tools) for name, tools in (conf.get("env_tools") or {}).items()}
         self.envs: dict[int, object] = {}
+        self.env_of: dict[int, str] = {}  # live episode -> its environment's name
+        # TRL keeps a pool of instances per environment, reset() for each new rollout, instead of new ones
+        self.pool: dict[str, list] = {name: [] for name in self.env_cls}
         self.scratch = Path(conf["scratch"])
 
     def folder(self, episode: int) -> Path:
@@ -88,14 +91,16 @@ class Worker:
 
     def start(self, req: dict) -> dict:
         os.chdir(self.folder(req["episode"]))
-        env = self.env_cls()
+        name = req.get("env", "")
+        env = self.pool[name].pop() if self.pool[name] else self.env_cls[name]()
         observation = call_with_cpu_limit(env.reset, req.get("kwargs") or {}, self.conf["timeout"])
-        self.envs[req["episode"]] = env
+        self.envs[req["episode"]], self.env_of[req["episode"]] = env, name
         return {"status": "ok", "content": None if observation is None else str(observation)}
 
     def call(self, req: dict) -> dict:
         name, episode = req["name"], req["episode"]
-        if name in self.env_tools:
+        if name in self.env_tools.get(self.env_of.get(episode, ""), ()) or (
+                episode not in self.envs and any(name in tools for tools in self.env_tools.values())):
             if episode not in self.envs:
                 return {"status": "error", "content": "Error: this rollout's environment is gone: the tool process "
                                                       "was restarted after a call timed out or crashed"}
@@ -122,7 +127,9 @@ class Worker:
         return {"status": "ok", "content": None if value is None else float(value)}
 
     def end(self, req: dict) -> dict:
-        self.envs.pop(req["episode"], None)
+        env, name = self.envs.pop(req["episode"], None), self.env_of.pop(req["episode"], "")
+        if env is not None:  # back to its pool: the next rollout's reset() starts it afresh
+            self.pool[name].append(env)
         os.chdir(self.scratch)
         shutil.rmtree(self.scratch / f"episode_{req['episode']}", ignore_errors=True)
         return {"status": "ok"}

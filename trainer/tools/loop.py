@@ -118,7 +118,7 @@ def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[i
 
     reset_kwargs: one dict per prompt, what each rollout's environment reset() gets (TRL passes the dataset row).
     with_observation(prompt index, observation) -> prompt ids: as TRL, what an environment's reset() returns is
-    appended to the prompt's last user message; the rollouts with one then start from their own prompt."""
+    appended to the prompt's last message (prompt[-1]); the rollouts with one then start from their own prompt."""
     synced = getattr(engine, "synced_gpus", False)
     episodes = toolbox.start_episodes(len(prompt_ids) * n,
                                       [kw for kw in reset_kwargs for _ in range(n)] if reset_kwargs else None)
@@ -143,6 +143,8 @@ def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[i
             budget = max((max_new_tokens - len(rolls[i].ids) for i in active), default=1)
             outs = engine.generate(ctx, 1, max_new_tokens=budget, greedy=greedy)
             turns = list(zip(active, outs))
+        for r, env_reward in zip(rolls, toolbox.episode_rewards(episodes)):  # TRL: read before the episodes end
+            r.stats["env_rewards"] = env_reward  # {class name: get_reward()} or None; rewards read it, not metrics
     finally:
         toolbox.end_episodes(episodes)
     return [r.sample() for r in rolls], [r.messages for r in rolls], [r.stats for r in rolls]

@@ -1,10 +1,11 @@
 """The tool calls in one assistant turn's decoded text.
 
-Two parsers, picked per tokenizer:
-- a tokenizer with a `response_template` (transformers' response parsing, set by the model's authors or by you):
-  transformers' own `tokenizer.parse_response`, which also casts arguments to the tools' schema types. It reads the
-  whole turn: a call it cannot parse makes the turn one "malformed" result (it does not say which call).
-- otherwise Qwen2.5's format, which the tiny model's template also uses: any number of
+Two parsers:
+- a run's: transformers' own `tokenizer.parse_response` with the response template TRL 1.16 sets for the model's
+  family (trainer/tools/templates.py; a model of no known family is refused before any rollout). It also casts
+  arguments to the tools' schema types. It reads the whole turn: a call it cannot parse makes the turn one
+  "malformed" result (it does not say which call).
+- without a tokenizer (the tools' unit tests): Qwen2.5's format, any number of
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; each is parsed on its own, so one broken call
   is one "malformed" result next to the others' calls.
 Every result's content is one line the model reads in the tool message.
@@ -74,6 +75,3 @@ def parse_with_template(tokenizer, text: str, prefix: str, schemas: list[dict]
         (calls if isinstance(out, ToolCall) else bad).append(out)
     return calls, bad
 
-
-def has_response_template(tokenizer) -> bool:
-    return tokenizer is not None and getattr(tokenizer, "response_template", None) is not None

@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from common.settings.tool_specs import BUILTIN_TOOLS
+from common.settings.tool_specs import BUILTIN_TOOLS, environment_specs
 from common.user_code import load_object
 from trainer.tools.calculator import calculator
 from trainer.tools.types import one_line
@@ -31,6 +31,7 @@ class ToolDef:
     where: str
     spec: str = ""
     fn: Any = None
+    env: str = ""  # "env" tools: the environment's name in a dict environment_factory ("" for a single class)
 
 
 def schema_of(fn: Any, label: str) -> dict:
@@ -51,7 +52,7 @@ def _load_function(spec: str) -> ToolDef:
     return ToolDef(schema["function"]["name"], schema, "executor", spec=spec)
 
 
-def load_environment(spec: str) -> list[ToolDef]:
+def load_environment(spec: str, env: str = "") -> list[ToolDef]:
     """The tools of the environment class `spec` names: its public methods but reset/get_reward."""
     cls = load_object(spec)
     if not inspect.isclass(cls):
@@ -64,14 +65,13 @@ def load_environment(spec: str) -> list[ToolDef]:
             continue
         if inspect.isfunction(member) or inspect.ismethod(member):  # methods, and classmethods (bound to cls)
             schema = schema_of(member, f"{cls.__name__}.{name} (environment_factory {spec!r})")
-            defs.append(ToolDef(name, schema, "env", spec=spec))
-    if not defs:
-        raise ValueError(f"environment_factory {spec!r}: {cls.__name__} has no public method besides reset: no tools")
-    return defs
+            defs.append(ToolDef(name, schema, "env", spec=spec, env=env))
+    return defs  # none: a reset-only class (TRL accepts it: reset() writes the prompt, get_reward() may score it)
 
 
-def load_tools(tools: list[str], environment_factory: str | None) -> list[ToolDef]:
-    """Every tool of the config, in order (tools, then the environment's methods); names must be unique."""
+def load_tools(tools: list[str], environment_factory: str | dict | None) -> list[ToolDef]:
+    """Every tool of the config, in order (tools, then each environment's methods); names must be unique among the
+    tools one rollout sees (the functions and its environment's methods: two environments may share a name)."""
     defs = []
     for raw in tools:
         spec = raw.strip()
@@ -83,12 +83,14 @@ def load_tools(tools: list[str], environment_factory: str | None) -> list[ToolDe
         else:
             assert spec not in BUILTIN_TOOLS, spec
             defs.append(_load_function(spec))
-    if environment_factory:
-        defs += load_environment(environment_factory.strip())
-    seen: dict[str, str] = {}
-    for d in defs:
-        if d.name in seen:
-            raise ValueError(f"two tools are called {d.name!r} ({seen[d.name]} and {d.spec or d.name}): the model "
-                             f"calls tools by name, so names must be unique")
-        seen[d.name] = d.spec or d.name
+    functions = list(defs)
+    for env, spec in environment_specs(environment_factory).items():
+        defs += load_environment(spec, env)
+    for env in environment_specs(environment_factory) or {"": None}:
+        seen: dict[str, str] = {}
+        for d in functions + [d for d in defs if d.where == "env" and d.env == env]:
+            if d.name in seen:
+                raise ValueError(f"two tools are called {d.name!r} ({seen[d.name]} and {d.spec or d.name}): the "
+                                 f"model calls tools by name, so names must be unique")
+            seen[d.name] = d.spec or d.name
     return defs

@@ -16,11 +16,13 @@ import itertools
 import logging
 import time
 
+from common.settings.tool_specs import environment_specs
 from common.user_code import load_object
 from trainer.tools.executor import ToolExecutor
-from trainer.tools.parsing import has_response_template, parse_qwen, parse_with_template
+from trainer.tools.parsing import parse_qwen, parse_with_template
 from trainer.tools.schemas import ToolDef, load_tools
 from trainer.tools.stats import ToolStats
+from trainer.tools.templates import set_response_template
 from trainer.tools.types import ToolCall, ToolResult, one_line, truncate
 
 log = logging.getLogger("trainer")
@@ -30,21 +32,30 @@ class ToolBox:
     """The tools of one process's rollouts (see the module docstring). One ToolBox per rollout process; its
     executor child starts at the first call that needs it. limits: memory_mb / file_mb (trainer/tools/executor.py)."""
 
-    def __init__(self, defs: list[ToolDef], environment_factory: str | None = None, tokenizer=None,
-                 timeout: float = 10.0, output_chars: int = 1000, **limits):
-        self.defs = {d.name: d for d in defs}
-        self.schemas: list[dict] = [d.schema for d in defs]
+    def __init__(self, defs: list[ToolDef], environment_factory: str | dict | None = None, tokenizer=None,
+                 timeout: float = 10.0, output_chars: int = 1000, model: str = "the model", **limits):
+        self.all_defs = list(defs)
+        self.defs = {d.name: d for d in defs}  # every name (two environments may share one: the first's here)
+        self.schemas: list[dict] = [d.schema for d in self.defs.values()]
         self.tokenizer = tokenizer
+        # TRL: with tools, the tokenizer's response template (its own, or a known family's): else refused, one line
+        self.family = set_response_template(tokenizer, model) if tokenizer is not None and defs else None
         self.output_chars = int(output_chars)
-        self.has_env = bool(environment_factory)
-        self.env_reward = self.has_env and callable(getattr(load_object(environment_factory), "get_reward", None))
+        self.envs = environment_specs(environment_factory)  # {name: class spec}; {"": spec} for one class
+        self.has_env = bool(self.envs)
+        classes = {name: load_object(spec) for name, spec in self.envs.items()}
+        # TRL: a class with get_reward() owns a reward named after it (RewardScorer's env_names)
+        self.env_rewards = {name: c.__name__ if callable(getattr(c, "get_reward", None)) else None
+                            for name, c in classes.items()}
+        self.env_reward = next(iter(self.env_rewards.values()), None) if len(self.envs) == 1 else None
         functions = {d.name: d.spec for d in defs if d.where == "executor"}
-        env_tools = [d.name for d in defs if d.where == "env"]
-        self.executor = (ToolExecutor(functions, environment_factory, env_tools, timeout, output_chars, **limits)
-                         if functions or env_tools else None)
+        env_tools = {name: [d.name for d in defs if d.where == "env" and d.env == name] for name in self.envs}
+        self.executor = (ToolExecutor(functions, self.envs, env_tools, timeout, output_chars, **limits)
+                         if functions or self.envs else None)  # a reset-only environment still needs it
+        self.episode_env: dict[int, str] = {}  # live episode -> its environment's name
         self._ids = itertools.count()
         self.episodes: dict[int, str | None] = {}  # live episode -> why its reset() failed (None: it did not)
-        # What each episode's reset() returned: TRL appends it to the last user message when it is not None.
+        # What each episode's reset() returned: TRL appends it to prompt[-1] (whatever its role) when not None.
         self.observations: dict[int, str | None] = {}
         self._stats = ToolStats()
         self._kills_at_reset = 0
@@ -57,18 +68,40 @@ class ToolBox:
         if not tools and not cfg.environment_factory:
             return None
         defs = load_tools(tools, cfg.environment_factory)
-        return cls(defs, cfg.environment_factory, tokenizer, cfg.tool_timeout, cfg.tool_output_chars)
+        return cls(defs, cfg.environment_factory, tokenizer, cfg.tool_timeout, cfg.tool_output_chars, cfg.model)
 
     @property
     def names(self) -> list[str]:
         return list(self.defs)
 
+    def env_of(self, row: dict) -> str:
+        """The environment a dataset row's rollouts run in: the one class, or (a dict environment_factory) the one
+        its `environment` column names, as TRL routes them. ValueError, one line, for a row that names none."""
+        if list(self.envs) in ([], [""]):
+            return ""
+        name = row.get("environment")
+        if name not in self.envs:
+            raise ValueError(f"environment_factory has environments {sorted(self.envs)}: each row's `environment` "
+                             f"column must name one, got {name!r}")
+        return name
+
+    def _defs_for(self, env: str) -> dict[str, ToolDef]:
+        return {d.name: d for d in self.all_defs if d.where != "env" or d.env == env}
+
+    def prompt_tools(self, row: dict) -> list[dict] | None:
+        """The JSON schemas a row's prompt lists: the functions and its environment's methods (None: no tools, so
+        a template renders no tools section, as TRL passes `tools or None`)."""
+        return [d.schema for d in self._defs_for(self.env_of(row)).values()] or None
+
     # ------------------------------------------------------------------ parsing
     def parse(self, text: str, prefix: str = "") -> tuple[list[ToolCall], list[ToolResult]]:
         """The calls in one assistant turn's decoded text, and a malformed result for each call that could not be
-        parsed. prefix: the rendered conversation before the turn (only a tokenizer's response_template reads it;
-        "" is fine for templates that do not pre-write part of the turn)."""
-        if has_response_template(self.tokenizer):
+        parsed. prefix: the rendered conversation before the turn (the response template anchors on it). With a
+        tokenizer: transformers' parse_response with the response template set at construction (TRL's way);
+        without one (unit tests of the tools alone): Qwen2.5's <tool_call> blocks. No tools: nothing to call."""
+        if not self.defs:
+            return [], []
+        if self.tokenizer is not None:
             calls, bad = parse_with_template(self.tokenizer, text, prefix, self.schemas)
         else:
             calls, bad = parse_qwen(text)
@@ -80,13 +113,15 @@ class ToolBox:
     def start_episodes(self, n: int, reset_kwargs: list[dict] | None = None) -> list[int]:
         """n new episodes (one per rollout); with environment_factory one instance each, reset(**kwargs) called
         (TRL passes the dataset row: give reset_kwargs, one dict per episode). What reset returned is in
-        self.observations[id] (TRL appends it to the last user message). A reset that raises or hangs does not
+        self.observations[id] (TRL appends it to prompt[-1]). A reset that raises or hangs does not
         stop the run: that episode's calls answer with the reason (status "error")."""
         ids = [next(self._ids) for _ in range(n)]
+        rows = reset_kwargs or [{}] * n
+        envs = [self.env_of(row) for row in rows]  # (a row that names no environment: refused before any reset)
         for k, ep in enumerate(ids):
-            self.episodes[ep], self.observations[ep] = None, None
+            self.episodes[ep], self.observations[ep], self.episode_env[ep] = None, None, envs[k]
             if self.has_env:
-                status, content = self.executor.start_episode(ep, (reset_kwargs or [{}] * n)[k])
+                status, content = self.executor.start_episode(ep, rows[k], envs[k])
                 if status == "ok":
                     self.observations[ep] = content
                 else:
@@ -94,37 +129,38 @@ class ToolBox:
                     log.warning("tools: an environment's reset() failed (episode %d): %s", ep, self.episodes[ep])
         return ids
 
-    def episode_rewards(self, ids: list[int]) -> list[float | None] | None:
-        """TRL: an environment class with a get_reward() method owns a reward (weight 1, named after the class):
-        its value for each episode, read from the instance's state in the executor; None for an episode whose
-        instance is gone, whose reset failed or whose get_reward raised (said in the log). None (not a list)
-        when the environment has no get_reward."""
-        if not self.env_reward:
-            return None
-        out: list[float | None] = []
+    def episode_rewards(self, ids: list[int]) -> list[dict | None]:
+        """TRL: an environment class with a get_reward() method (sync or async) owns a reward (weight 1, named
+        after the class): per episode {class name: its value}, read from the instance's state in the executor
+        before the episode ends; the value is None for an episode whose instance is gone, whose reset failed or
+        whose get_reward raised (said in the log). None per episode when the environment has no get_reward."""
+        out: list[dict | None] = []
         for ep in ids:
-            if self.episodes.get(ep):
-                out.append(None)
+            name = self.env_rewards.get(self.episode_env.get(ep, ""))
+            if not name or self.episodes.get(ep):
+                out.append({name: None} if name else None)
                 continue
             status, value = self.executor.episode_reward(ep)
             if status != "ok":
                 log.warning("tools: get_reward() of episode %d: %s", ep, one_line(str(value or status)))
-            out.append(value if status == "ok" else None)
+            out.append({name: value if status == "ok" else None})
         return out
 
     def end_episodes(self, ids: list[int]) -> None:
         for ep in ids:
             self.episodes.pop(ep, None)
             self.observations.pop(ep, None)
+            self.episode_env.pop(ep, None)
             if self.executor is not None:
                 self.executor.end_episode(ep)
 
     # ------------------------------------------------------------------ running
     def _run_one(self, episode: int, call: ToolCall) -> ToolResult:
-        d = self.defs.get(call.name)
+        defs = self._defs_for(self.episode_env.get(episode, ""))  # the functions and this rollout's environment's
+        d = defs.get(call.name)
         if d is None:
             return ToolResult(call.name, f"Error: unknown tool {call.name!r}; the tools are: "
-                                         f"{', '.join(self.defs)}", "unknown_tool")
+                                         f"{', '.join(defs)}", "unknown_tool")
         if d.where == "env" and self.episodes.get(episode):
             return ToolResult(call.name, f"Error: this rollout's environment did not start: {self.episodes[episode]}",
                               "error")
@@ -147,7 +183,7 @@ class ToolBox:
             results = []
             for call in calls:
                 r = self._run_one(episode, call)
-                self._stats.add(r, known=call.name in self.defs)
+                self._stats.add(r, known=call.name in self._defs_for(self.episode_env.get(episode, "")))
                 results.append(r)
             out.append(results)
         return out
