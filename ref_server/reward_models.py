@@ -50,7 +50,7 @@ class RewardModels:
                 model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
                                                                            **(options or {}))
                 tok = AutoTokenizer.from_pretrained(e.get("tokenizer") or path, **tokenizer_options(options))
-            except (OSError, ValueError, RuntimeError) as err:
+            except Exception as err:  # noqa: BLE001 - whatever loading raises (safetensors' own errors too): one line
                 raise RewardModelError(f"reward model {name!r} ({path}) failed to load: {type(err).__name__}: "
                                        f"{' '.join(str(err).split())[:300]}") from err
             if model.config.num_labels != 1:

@@ -5,6 +5,10 @@ send text. Which reward_fns entries are models, and their names: common/settings
 """
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("trainer")
+
 
 class RewardModelFn:
     """One reward model, called as TRL calls reward functions (by keyword; the other columns are ignored)."""
@@ -25,4 +29,6 @@ def reward_model_fns(cfg) -> dict[int, RewardModelFn]:
     from trainer.runtime import make_client
 
     client = make_client(cfg)
+    for m in models:  # said by every producer: its weights are not loaded here (the e2e test reads this)
+        log.info("reward model %s (%s): scored by the ref server %s", m["name"], m["spec"], cfg.ref_server)
     return {m["index"]: RewardModelFn(m["name"], client, cfg.reward_model_timeout) for m in models}
