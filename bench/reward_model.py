@@ -56,7 +56,8 @@ def build_model(folder: Path, layers: int, smoke: bool) -> None:
     from common.modeling import resolve_model_path
     src = resolve_model_path("tiny")
     d = AutoConfig.from_pretrained(src).to_dict()
-    d.pop("layer_types", None)  # rebuilt for the layer count
+    for k in ("layer_types", "id2label", "label2id"):  # rebuilt for the layer count and the one label
+        d.pop(k, None)
     d.update({} if smoke else QWEN05B, num_hidden_layers=layers, num_labels=1,
              architectures=["Qwen2ForSequenceClassification"])
     c = Qwen2Config(**d)

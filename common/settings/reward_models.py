@@ -85,7 +85,7 @@ def describe_config(path: str) -> str:
 class RewardModels:
     reward_processing_classes: list | None = knob(None, "TRL name: one tokenizer per reward_fns entry (a path or hub "
                                                         "id, or null = the reward model's own), used by reward "
-                                                        "models only (docs/rewards.md#reward-models).")
+                                                        "models only (docs/reward_models.md).")
     reward_model_timeout: float = knob(120.0, "Seconds one batch of completions may take to be scored by the reward "
                                               "models in the ref server; past it the run stops, naming the model.")
 
