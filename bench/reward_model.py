@@ -38,7 +38,7 @@ QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4, help="Decoder layers (Qwen2.5-0.5B has 24; CPU time).")
-    p.add_argument("--groups", type=int, default=4, help="Groups scored (one request each when served).")
+    p.add_argument("--groups", type=int, default=2, help="Groups scored (one request each when served).")
     p.add_argument("--group-size", type=int, default=8, help="Completions per group (num_pre_Q).")
     p.add_argument("--min-words", type=int, default=20, help="Shortest completion, in words.")
     p.add_argument("--max-words", type=int, default=200, help="Longest completion, in words.")

@@ -10,8 +10,8 @@ the model's pad_token_id set to it (the score is read at the last non-pad token)
 list) is rendered with the reward tokenizer's chat template over prompt + completion messages (tokenize=False, no
 generation prompt); a text prompt is prompt + completion. Right padding, no special tokens added, no truncation;
 the reward is logits[:, 0]. Unlike TRL, rows are sorted by length and scored in forwards of at most `token_budget`
-padded tokens (a row's score does not depend on its neighbours: right padding, attention mask), in the ref server's
-dtype (bf16 on CUDA: docs/trl.md).
+padded tokens (on CPU also at most 10 % of them padding; a row's score does not depend on its neighbours: right
+padding, attention mask), in the ref server's dtype (bf16 on CUDA: docs/trl.md).
 """
 from __future__ import annotations
 
@@ -85,12 +85,18 @@ class RewardModels:
         order = sorted(range(len(ids)), key=lambda k: len(ids[k]))
         out = [0.0] * len(ids)
         device = next(model.parameters()).device
+        # CPU forwards are compute-bound: a padded token costs what a real one does, so a forward stops growing at
+        # 10 % padding; on a GPU more rows per forward are nearly free, the token budget alone bounds them
+        cap = 1.1 if device.type == "cpu" else float("inf")
         start = 0
         with self.lock, torch.inference_mode():
             while start < len(order):  # rows by length, as many as fit the budget when padded to the longest
-                end = start + 1
-                while end < len(order) and len(ids[order[end]]) * (end + 1 - start) <= self.token_budget:
-                    end += 1
+                end, real = start + 1, len(ids[order[start]])
+                while end < len(order):
+                    width, real_next = len(ids[order[end]]), real + len(ids[order[end]])
+                    if width * (end + 1 - start) > self.token_budget or width * (end + 1 - start) > cap * real_next:
+                        break
+                    end, real = end + 1, real_next
                 rows = [ids[k] for k in order[start:end]]
                 width = max(len(r) for r in rows)
                 x = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)

@@ -154,3 +154,23 @@ def test_scorer_routes_models_through_the_reward_path(rm):
     assert scorer.names == ["fake", "format"]
     assert calls[0] == ([PROMPTS[0]] * 2, [[{"role": "assistant", "content": c}] for c in COMPLETIONS])
     assert score.rewards[0] == pytest.approx(0.5 * 2.0 + score.components["format"][0])
+
+
+def test_print_plan_counts_the_reward_model_on_the_ref_servers_gpu(tmp_path):
+    """`launch.sh train --print-plan` (fake nvidia-smi, 8 x 80 GB): a Qwen2.5-7B-shaped reward model adds its bf16
+    weights (7.07 B parameters: no LM head) to the ref server's line, and launch.sh hands the server --reward_models."""
+    from test_memory_plan import QWEN7B, print_plan
+
+    rm = tmp_path / "rm7b"
+    rm.mkdir()
+    (rm / "config.json").write_text(json.dumps(dict(QWEN7B, architectures=["Qwen2ForSequenceClassification"],
+                                                    id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})))
+    base = print_plan(tmp_path, 8, 81559, "--workers", "1", "--", "--model", str(rm), "--reward_fns", "format")
+    proc = print_plan(tmp_path, 8, 81559, "--workers", "1", "--", "--model", str(rm), "--reward_fns",
+                      json.dumps(["rm7b", "format"]))
+    assert base.returncode == 0 and proc.returncode == 0, proc.stderr
+    h, L, inter, V, kv = 3584, 28, 18944, 152064, 4 * 128
+    n = V * h + L * (h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * inter + 2 * h) + 2 * h
+    ref = next(line for line in proc.stderr.splitlines() if "ref_server" in line and "weights" in line)
+    assert f"reward_models {n * 2 / 2 ** 30:.1f}" in ref, ref
+    assert "reward_models" not in base.stderr

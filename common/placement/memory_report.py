@@ -83,8 +83,10 @@ def train_settings(cfg, ds: dict, shape: ModelShape, world: int, workers: int, m
 
 
 def reward_model_bytes(cfg, e: int) -> int:
-    """The weights of the run's reward models (config.json: their shapes), 0 when none."""
-    return sum(ModelShape.from_config(m["path"]).params() * e for m in cfg.reward_models())
+    """The weights of the run's reward models (config.json: their shapes), 0 when none: embeddings, layers, final
+    norm and the one-label score head (no LM head)."""
+    shapes = [ModelShape.from_config(m["path"]) for m in cfg.reward_models()]
+    return sum((s.vocab * s.hidden + s.layers * s.layer_params() + 2 * s.hidden) * e for s in shapes)
 
 
 def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict[int, int] | None,
