@@ -5,11 +5,10 @@ logits[:, 0], here computed one completion at a time with transformers in fp32."
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
-from conftest import find_free_port
+from conftest import start_ref_server, subprocess_env
 
 from common.config import GRPOConfig
 from common.settings.knobs import load_config
@@ -104,37 +103,25 @@ def test_server_scores_as_trl(rm):
     assert got[0] != got[1]
 
 
-def test_reward_route_authenticated_and_named_failures(rm, tmp_path):
-    from waitress import create_server
-
+def test_reward_route_authenticated_and_named_failures(rm, tiny_model_dir):
+    """A real ref server process (--reward_models): POST /reward as TRL scores, behind the token and the body limit."""
     from common.wire.client import RefClient, RefServerError
-    from ref_server.app import make_app
-    from ref_server.config import load_server_config
-    from ref_server.gate import make_channel
 
-    port = find_free_port()
-    cfg = load_server_config(["--model", "tiny", "--port", str(port), "--max_body_mb", "0.01", "--reward_models",
-                              json.dumps([{"path": str(rm), "name": "tiny-rm", "tokenizer": None}])])
-    app, state = make_app(cfg, token="s3cret")
-    server = create_server(app, host="127.0.0.1", port=port, threads=4)
-    server.channel_class = make_channel(cfg, "s3cret", state.weights, state.weights_limit.bytes)
-    threading.Thread(target=server.run, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        client = RefClient(url, token="s3cret", timeout=30)
+    env = subprocess_env(GRPO_REF_TOKEN="s3cret")
+    models = json.dumps([{"path": str(rm), "name": "tiny-rm", "tokenizer": None}])
+    with start_ref_server(tiny_model_dir, "--max_body_mb", "0.01", "--reward_models", models, env=env) as srv:
+        assert "reward model tiny-rm loaded from" in srv.log()
+        client = RefClient(srv.url, token="s3cret", timeout=30)
         got = client.reward_scores("tiny-rm", PROMPTS, COMPLETIONS, timeout=30)
         assert got == pytest.approx([trl_score(rm, p, c) for p, c in zip(PROMPTS, COMPLETIONS)], abs=1e-4)
         with pytest.raises(RefServerError, match="401"):
-            RefClient(url, token="wrong", timeout=5).reward_scores("tiny-rm", PROMPTS, COMPLETIONS, timeout=5)
+            RefClient(srv.url, token="wrong", timeout=5).reward_scores("tiny-rm", PROMPTS, COMPLETIONS, timeout=5)
         with pytest.raises(RefServerError, match="no reward model 'other'"):
             client.reward_scores("other", PROMPTS, COMPLETIONS, timeout=5)
         with pytest.raises(RefServerError, match="413"):  # the same body limit as the rollouts' uploads
             client.reward_scores("tiny-rm", ["x" * 20000], ["y"], timeout=5)
         with pytest.raises(RefServerError, match="reward model 'tiny-rm' failed"):  # a template that cannot render
             client.reward_scores("tiny-rm", [[{"content": "no role"}]], [[{"role": 3}]], timeout=5)
-    finally:
-        server.close()
-        state.scorer.stop()
 
 
 def test_scorer_routes_models_through_the_reward_path(rm):
