@@ -53,8 +53,8 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, SpinLimits, ConfigChecks
                                                     "with a default, like Qwen2.5's, still inserts its own); "
                                                     "'none' = no system turn at all (cut out of the template's "
                                                     "output; an error where the template does not allow it).")
-    reward_fns: list | None = knob(None, "Rewards summed per completion: built-ins or dotted paths; null: correct,"
-                                         "format, or none if an environment has get_reward() (docs/rewards.md).")
+    reward_fns: list | None = knob(None, "Rewards per completion: built-ins, dotted paths, reward models (docs/reward_"
+                                         "models.md); null: correct,format, or none if an environment has get_reward()")
     # --- ref server -----------------------------------------------------------------
     ref_server: str = knob("http://127.0.0.1:59875", "Ref server URL (comma-separated list to spread uploads).")
     ref_token: str | None = knob(None, "Bearer token for the ref server (or set GRPO_REF_TOKEN).")

@@ -3,6 +3,7 @@ Its state and the /status and /health views: ref_server/state.py; the token chec
 
     POST /upload   rollout message (common/wire/protocol.py) -> 202 {"id", "queued"}
     GET  /get      oldest scored message (FIFO, each handed out once); 204 when none; ?wait=S long-polls
+    POST /reward   {"model", "prompts", "completions"} -> {"rewards"}: the reward models (ref_server/reward_models.py)
     GET  /health   status, model, vocab size, max_seq_len, dtype, device, queue depths, uptime
     GET  /stats    JSON counters;   GET /metrics   Prometheus text
     GET  /status   heartbeat table, queues, weight version (ref_server/status.py);  GET /  the same as HTML
@@ -28,6 +29,7 @@ from common.packing import resolve_padding_free
 from common.wire.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.auth import _authorized, _query_token_ok
 from ref_server.config import ServerConfig, resolve_token
+from ref_server.reward_models import RewardModels, add_routes
 from ref_server.scorer import QueueFull, Scorer, ServerMetrics, Stopping
 from ref_server.state import ServerState
 from ref_server.status import identity_from_environ, render_html
@@ -77,6 +79,9 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
         log.info("model %s loaded in %.1f s (%.1fM params, %s on %s)", cfg.model, time.time() - t0,
                  sum(q.numel() for q in model.parameters()) / 1e6, str(p.dtype).replace("torch.", ""), p.device)
     model.eval().requires_grad_(False)
+    ref_p = next(model.parameters())  # reward models (TRL reward_funcs entries) live beside it, same device/dtype
+    rewards = RewardModels.load(cfg.reward_models, ref_p.device, ref_p.dtype, cfg.load_options(),
+                                cfg.score_token_budget) if cfg.reward_models else None
     metrics = ServerMetrics()
     scorer = Scorer(model, metrics, cfg.max_queue, cfg.max_output_queue, cfg.score_token_budget, cfg.chunk_tokens,
                     padding_free=resolve_padding_free(cfg.padding_free, model))
@@ -262,6 +267,8 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
             return json.dumps({"error": "internal server error"}).encode()
         return json.dumps({"error": f"{res.status_line}: {res.body}"}).encode()
 
+    if rewards is not None:
+        add_routes(app, rewards, require_token, _error, _json, cfg.max_body_bytes)
     app.default_error_handler = json_error  # type: ignore[method-assign]
     scorer.start()
     return app, state

@@ -58,6 +58,9 @@ class ServerConfig(ModelLoading):
     retry_after: int = knob(1, "Seconds sent in Retry-After with 503 answers.")
     drain_timeout: float = knob(5.0, "On SIGTERM/SIGINT: after the batch being scored is done, keep answering "
                                      "/get this many seconds while scored batches wait (a 2nd signal skips it).")
+    reward_models: list = knob([], "Reward models to hold and serve on POST /reward (launch.sh passes the trainer's "
+                                   "reward_fns entries that are models): a JSON list of {path, name, tokenizer}, or "
+                                   "paths (named by their last part). Same device and dtype as --model.")
     # --- run identity (issue 11) ---
     run_nonce: str | None = knob(None, "Opaque id of the run that started this server, echoed by /health: "
                                           "launch.sh checks it so that it never trains against a stranger's "
@@ -86,11 +89,17 @@ class ServerConfig(ModelLoading):
              f"padding_free must be auto, true or false, got {self.padding_free!r}"),
             (self.placement_file is None or Path(self.placement_file).is_file(),
              f"placement_file {self.placement_file} not found"),
+            (all(isinstance(m, str) or (isinstance(m, dict) and m.get("path") and m.get("name"))
+                 for m in self.reward_models), "reward_models entries must be paths or {path, name, tokenizer}"),
         ] + self.loading_checks()
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"ref_server config: {msg}")
         return self
+
+    def __post_init__(self) -> None:  # a plain path entry -> {path, name (TRL's: the last part), tokenizer: None}
+        self.reward_models = [{"path": m, "name": m.rstrip("/").split("/")[-1], "tokenizer": None}
+                              if isinstance(m, str) else m for m in self.reward_models or []]
 
     @property
     def max_body_bytes(self) -> int:

@@ -13,6 +13,7 @@ from common.listen import listen_socket
 from ref_server.app import make_app
 from ref_server.config import ServerConfig, check_bind, resolve_token
 from ref_server.gate import make_channel
+from ref_server.reward_models import RewardModelError
 
 log = logging.getLogger("ref_server")
 
@@ -53,7 +54,12 @@ def serve(cfg: ServerConfig) -> int:
     # Installed before the (slow) model load, so an early SIGTERM also ends in a clean exit 0.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    app, state = make_app(cfg, token=token)
+    try:
+        app, state = make_app(cfg, token=token)
+    except RewardModelError as e:  # one line naming the model; launch.sh shows it and stops the run
+        log.error("%s", e)
+        sock.close()
+        return 1
     logging.getLogger("waitress.queue").addFilter(_Throttle(60.0))
     try:
         server = create_server(app, sockets=[sock], threads=cfg.threads, ident="grpo-ref-server",

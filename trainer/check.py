@@ -136,6 +136,21 @@ def _as_generated(c: Checker) -> tuple[list, object]:
         box.close()
 
 
+def check_reward_models(c: Checker) -> str:
+    """Which reward_fns entries are reward models, and what their config.json says (no weights are loaded: the
+    ref server loads and checks them at its start; common/settings/reward_models.py)."""
+    from common.settings.reward_models import config_refusal, describe_config
+
+    out = []
+    for m in c.cfg.reward_models():
+        why = config_refusal(m["path"], m["name"])
+        if why:
+            raise ValueError(why)
+        out.append(f"{m['spec']!r} is a reward model named {m['name']!r} ({describe_config(m['path'])}), scored by "
+                   f"the ref server")
+    return "; ".join(out)
+
+
 def check_rewards(c: Checker) -> str:
     """A whole group (num_generations completions: right, wrong and malformed answers) for each of the first rows,
     scored as training scores them (RewardScorer.score_group, completion ids included): a reward that raises on
@@ -143,7 +158,10 @@ def check_rewards(c: Checker) -> str:
     from dataclasses import replace
 
     from trainer.rewards.scoring import RewardScorer
-    scorer = RewardScorer.from_config(c.cfg)  # as the workers build it
+    if c.cfg.reward_models() and len(c.cfg.reward_models()) == len(c.cfg.reward_specs()) \
+            and not c.cfg.env_reward_names():
+        return "no reward function besides the reward models"
+    scorer = RewardScorer.from_config(c.cfg, reward_models=False)  # as the workers build it, less the models
     values: dict[str, list] = {n: [] for n in scorer.names}
     try:
         if not c.examples:
@@ -275,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         c.run("model", lambda: check_model(c))
         c.run("data", lambda: check_data(c))
+        if c.cfg.reward_models():
+            c.run("reward models", lambda: check_reward_models(c))
         c.run("rewards", lambda: check_rewards(c))
         if c.cfg.tools or c.cfg.environment_factory:
             check_tools(c)

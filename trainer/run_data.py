@@ -9,6 +9,7 @@ Both are checked against the reward functions before anything runs: a built-in t
 """
 from __future__ import annotations
 
+from common.settings.reward_models import reward_model_path
 from trainer.data import ColumnSpec, Example, load_examples
 from trainer.data_files import is_data_file
 from trainer.rewards.registry import load_reward_fns, needs_ground_truth
@@ -23,6 +24,7 @@ def check_ground_truths(reward_fns, examples: list[Example], what: str) -> None:
     if not examples or examples[0].ground_truth is not None:  # load_examples keeps a data set all one kind
         return
     specs = reward_fns.split(",") if isinstance(reward_fns, str) else list(reward_fns)
+    specs = [s for s in specs if reward_model_path(s) is None]  # a reward model reads no ground truth
     for spec, fn in zip(specs, load_reward_fns(specs)):
         if needs_ground_truth(fn):
             raise ValueError(f"reward {spec.strip()!r} needs a ground truth, but {what} is prompt-only (no answer "

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.json:
         write_plan(plan, how, a.json)
-    print(shell_vars(plan, cfg.cli_args()))
+    print(shell_vars(plan, cfg.cli_args() + cfg.reward_model_server_args()))  # the ref server holds the reward models
     print(f"PLAN_TRAIN_ARGS=({' '.join(shlex.quote(x) for x in memory.trainer_args)})")  # values picked to fit
     return 0
 

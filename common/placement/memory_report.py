@@ -82,6 +82,13 @@ def train_settings(cfg, ds: dict, shape: ModelShape, world: int, workers: int, m
         generate_rows=min(cfg.gen_batch_size, cfg.Q_batch_size * cfg.num_pre_Q) if own_gen else 0)
 
 
+def reward_model_bytes(cfg, e: int) -> int:
+    """The weights of the run's reward models (config.json: their shapes), 0 when none: embeddings, layers, final
+    norm and the one-label score head (no LM head)."""
+    shapes = [ModelShape.from_config(m["path"]) for m in cfg.reward_models()]
+    return sum((s.vocab * s.hidden + s.layers * s.layer_params() + 2 * s.hidden) * e for s in shapes)
+
+
 def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict[int, int] | None,
             ref_dtype: str) -> tuple[dict[int, list[tuple[str, int, str]]], list[str]]:
     """({GPU: [(process, bytes, how)]} of the ref server and the workers, the vLLM workers that cannot start)."""
@@ -92,6 +99,9 @@ def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict
         e = _dtype_bytes(ref_dtype)
         parts = with_context(ref_parts(ref_shape, e, cfg.num_pre_Q, seq, cfg.max_new_tokens, cfg.logp_chunk_tokens),
                              True)
+        rm = reward_model_bytes(cfg, e)
+        if rm:  # held beside the reference model, same dtype (ref_server/reward_models.py)
+            parts["reward_models"] = rm
         others.setdefault(plan.ref.gpus[0], []).append(("ref_server", sum(parts.values()), describe_parts(parts)))
     for w in plan.workers:
         g = w.gpus[0]

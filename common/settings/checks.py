@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from common.settings.reward_models import RewardModels
 from common.settings.reward_sources import RewardSources
 from common.settings.tool_specs import tool_spec_errors
 
@@ -19,7 +20,7 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".csv", ".parq
 C = TypeVar("C", bound="ConfigChecks")
 
 
-class ConfigChecks(RewardSources):
+class ConfigChecks(RewardSources, RewardModels):
     """GRPOConfig's validation (mixed into it; every attribute named here is a GRPOConfig field); reward_specs()
     and env_reward_names() come with it (reward_sources.py)."""
 
@@ -159,7 +160,7 @@ class ConfigChecks(RewardSources):
     def _check_data_and_rewards(self) -> list[tuple[bool, str]]:
         # reward_specs() may import the environment class (reward_fns null): only when weights need counting
         n_fns = len(self.reward_specs()) if self.reward_weights else 0
-        return [(False, msg) for msg in self.reward_source_errors()] + [
+        return [(False, msg) for msg in self.reward_source_errors() + self.reward_model_errors()] + [
             (self.prompt_format in ("auto", "chat", "messages", "raw", "r1zero", "trl"),
              f"unknown prompt_format {self.prompt_format!r}; use auto, chat, messages, raw, r1zero or trl"),
             (self.dataset_config is None or (isinstance(self.dataset_config, str) and self.dataset_config.strip()),

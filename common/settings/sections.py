@@ -12,7 +12,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "prompt_column", "answer_column",
         "prompt_template", "system_prompt", "chat_template_kwargs"]),
     ("rewards", "Reward functions and their shaping.", [
-        "reward_fns", "reward_weights", "reward_timeout", "overlong_buffer", "overlong_penalty"]),
+        "reward_fns", "reward_weights", "reward_timeout", "reward_processing_classes", "reward_model_timeout",
+        "overlong_buffer", "overlong_penalty"]),
     ("generation", "Rollouts: group size, lengths, sampling and the engine of the genonly workers.", [
         "num_pre_Q", "Q_batch_size", "max_prompt_length", "max_new_tokens", "temperature", "top_p", "top_k",
         "min_p", "repetition_penalty", "generation_kwargs",

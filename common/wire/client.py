@@ -195,6 +195,14 @@ class RefClient:
             if time.monotonic() >= deadline:
                 return None
 
+    def reward_scores(self, model: str, prompts: list, completions: list, timeout: float) -> list[float]:
+        """The reward model `model` held by the server (ref_server/reward_models.py) scores these completions;
+        `timeout`: seconds the scoring may take (a batch of a whole group, beyond the usual request timeout)."""
+        # no retry: past `timeout` the model is too slow (or stuck), which the run must hear about, not wait out
+        _, r = self._request("POST", self._rotation("_rr_upload"), "/reward", retry=False, read_timeout=timeout,
+                             json={"model": model, "prompts": prompts, "completions": completions})
+        return [float(v) for v in r.json()["rewards"]]
+
     # -- policy weights (ref_server/weights.py): rank 0 publishes, workers follow -------------
     def publish_weights(self, blob, version: int) -> None:
         """PUT the policy's safetensors bytes as `version` on every server (workers may use any).

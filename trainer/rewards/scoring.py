@@ -23,6 +23,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from trainer.rewards.models import reward_model_fns
 from trainer.rewards.registry import load_reward_fns, reward_name
 from trainer.rewards.state import TrainerState
 from trainer.rewards.timeout import RewardCallError, make_caller
@@ -72,10 +73,16 @@ class RewardScorer:
     """The run's reward functions, ready to score groups (one worker process when reward_timeout > 0)."""
 
     def __init__(self, specs, weights: list | None = None, timeout: float = 10.0, conversational: bool | None = None,
-                 env_names: list[str] | None = None):
+                 env_names: list[str] | None = None, models: dict | None = None):
         specs = [s for s in specs.split(",") if s.strip()] if isinstance(specs, str) else list(specs or [])
         self.specs = [s.strip() for s in specs]
-        self.fns = load_reward_fns(self.specs)
+        # models: {index in specs: a reward model's TRL-style function (trainer/rewards/models.py)}, scored by the
+        # ref server; the other entries are functions, imported here and in the reward worker
+        models = models or {}
+        fn_idx = [i for i in range(len(self.specs)) if i not in models]
+        loaded = dict(zip(fn_idx, load_reward_fns([self.specs[i] for i in fn_idx])))
+        self.fns = [models[i] if i in models else loaded[i] for i in range(len(self.specs))]
+        self.call_idx = {i: k for k, i in enumerate(fn_idx)}  # the reward worker's index of each function
         self.names: list[str] = []
         for fn in self.fns:  # a repeated name gets a #2, #3... suffix
             name = base = reward_name(fn)
@@ -83,7 +90,8 @@ class RewardScorer:
             while name in self.names:
                 name, k = f"{base}#{k}", k + 1
             self.names.append(name)
-        self.kinds = [reward_kind(fn, n) for fn, n in zip(self.fns, self.names)]
+        self.kinds = ["model" if i in models else reward_kind(fn, n)
+                      for i, (fn, n) in enumerate(zip(self.fns, self.names))]
         weights = [1.0] * len(self.fns) if not weights else [float(w) for w in weights]
         if len(weights) != len(self.fns):
             raise ValueError(f"reward_weights has {len(weights)} values for {len(self.fns)} reward functions "
@@ -101,14 +109,20 @@ class RewardScorer:
         if not self.fns and not self.env_names:
             raise ValueError("no reward source: reward_fns is empty and no environment_factory class has get_reward()")
         self.timeout, self.conversational = timeout, conversational
-        self.caller = make_caller(self.specs, self.fns, timeout if self.fns else 0)  # no functions: no worker
+        self.caller = make_caller([self.specs[i] for i in fn_idx], [loaded[i] for i in fn_idx],
+                                  timeout if fn_idx else 0)  # no functions: no worker
         self.state = TrainerState()  # trainer_state of the next groups (set_state)
 
     @classmethod
-    def from_config(cls, cfg) -> RewardScorer:
+    def from_config(cls, cfg, reward_models: bool = True) -> RewardScorer:
+        """reward_models=False: the reward functions only (launch.sh check: no ref server to score with)."""
         conversational = {"messages": True, "auto": None, "trl": None}.get(cfg.prompt_format, False)
-        return cls(cfg.reward_specs(), cfg.reward_weights, cfg.reward_timeout, conversational,
-                   cfg.env_reward_names())
+        specs, weights = cfg.reward_specs(), cfg.reward_weights
+        if not reward_models:
+            keep = [i for i in range(len(specs)) if i not in {m["index"] for m in cfg.reward_models()}]
+            specs, weights = [specs[i] for i in keep], [weights[i] for i in keep] if weights else weights
+        return cls(specs, weights, cfg.reward_timeout, conversational, cfg.env_reward_names(),
+                   reward_model_fns(cfg) if reward_models else None)
 
     def set_state(self, global_step: int, max_steps: int = 0, epoch: float = 0.0) -> None:
         """What TRL-style rewards get as trainer_state (trainer/rewards/state.py) for the groups scored next."""
@@ -123,7 +137,8 @@ class RewardScorer:
         first, _, rest = why.partition("\n")
         row = "?" if example.index is None else example.index
         cols = ", ".join(["prompt", *example.columns])
-        raise RuntimeError(f"reward function {self.names[idx]!r} failed on row {row} (columns: {cols}): {first}\n"
+        kind = "reward model" if self.kinds[idx] == "model" else "reward function"
+        raise RuntimeError(f"{kind} {self.names[idx]!r} failed on row {row} (columns: {cols}): {first}\n"
                            f"  prompt: {_short(example.prompt)}\n  ground_truth: {_short(example.ground_truth)}\n"
                            f"  completion: {_short(completion)}" + (f"\n{rest.rstrip()}" if rest.strip() else ""))
 
@@ -159,9 +174,13 @@ class RewardScorer:
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             try:
                 if kind == "ours":
-                    values, late = self.caller.call_simple(i, [(c, example.ground_truth) for c in completions])
+                    values, late = self.caller.call_simple(self.call_idx[i],
+                                                           [(c, example.ground_truth) for c in completions])
+                elif kind == "model":  # scored in the ref server, under reward_model_timeout
+                    values, late = self._call_model(i, kwargs["prompts"], kwargs["completions"]), []
                 else:
-                    answer = gathered[i] if i in gathered else self.caller.call_trl(i, kwargs, self.state.to_dict())
+                    answer = gathered[i] if i in gathered else self.caller.call_trl(self.call_idx[i], kwargs,
+                                                                                    self.state.to_dict())
                     late = [] if answer is not None else list(range(n))
                     values, logged = answer if answer is not None else ([None] * n, {})
                     self._keep_logged(score, i, example, completions, logged)
@@ -202,10 +221,19 @@ class RewardScorer:
         if not idxs:
             return {}
         try:
-            answers = self.caller.gather_trl(idxs, kwargs, self.state.to_dict())
-        except RewardCallError as e:
-            self._fail(e.fn_index, example, f"(the group of {len(completions)}; first) {completions[0]!r}", str(e))
+            answers = self.caller.gather_trl([self.call_idx[i] for i in idxs], kwargs, self.state.to_dict())
+        except RewardCallError as e:  # fn_index: the reward worker's index
+            idx = next(i for i in idxs if self.call_idx[i] == e.fn_index)
+            self._fail(idx, example, f"(the group of {len(completions)}; first) {completions[0]!r}", str(e))
         return dict(zip(idxs, answers if answers is not None else [None] * len(idxs)))
+
+    def _call_model(self, i: int, prompts: list, completions: list) -> list[float]:
+        from common.wire.client import RefServerError
+
+        try:
+            return self.fns[i](prompts, completions)
+        except RefServerError as e:
+            raise RewardCallError(i, 0, str(e)) from e
 
     def _keep_logged(self, score: GroupScore, i: int, example, completions: list[str], logged: dict) -> None:
         """What a TRL-style reward logged with log_extra (a column: one value per completion) / log_metric."""
