@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from common.final_logits import LogitFn, final_logit_fn
+from common.packed_attention import packed_call_kwargs
 from common.packing import Packed, check_packed_attention, pack_plan, pack_rows
 
 
@@ -194,7 +195,7 @@ def _packs_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, 
     B, T = input_ids.shape[0], int(completion_lens.max())
     logps = ent = None
     for g in groups:
-        lp, en = _packed_logprobs(body, head, input_ids, prompt_lens, completion_lens, g, (B, T), chunk_tokens,
+        lp, en = _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, g, (B, T), chunk_tokens,
                                   with_entropy, min_chunks if g is not None else max(min_chunks, 1), logit_fn)
         # each pack fills only its own rows (zeros elsewhere): the sum is exact, and keeps every pack (a dummy
         # one too) in the autograd graph, so ZeRO-3's backward gathers for it on every rank alike
@@ -207,21 +208,22 @@ def _dummy_pack(input_ids: torch.Tensor) -> Packed:
     """A 1-token pack that predicts nothing: a rank's forward past its own packs (min_packs)."""
     none = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     return Packed(input_ids=input_ids[:1, :1], position_ids=torch.zeros_like(input_ids[:1, :1]), pred=none,
-                  targets=none, rows=none, cols=none)
+                  targets=none, rows=none, cols=none, lens=[1])
 
 
-def _packed_logprobs(body, head, input_ids, prompt_lens, completion_lens, rows, shape, chunk_tokens, with_entropy,
-                     min_chunks, logit_fn) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One packed forward over `rows` (None: a dummy pack): attention_mask None, so transformers confines
-    attention to each row from the restarting position_ids (common/packing.py); outputs scattered into zeros of
-    the (B, T) `shape` at those rows."""
+def _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, rows, shape, chunk_tokens,
+                     with_entropy, min_chunks, logit_fn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One packed forward over `rows` (None: a dummy pack), attention confined to each row without a pack-wide
+    mask (common/packed_attention.py; eager models: transformers' mask from the restarting position_ids);
+    outputs scattered into zeros of the (B, T) `shape` at those rows."""
     if rows is None:
         p, at_rows = _dummy_pack(input_ids), torch.zeros(0, dtype=torch.long, device=input_ids.device)
     else:
         rows = rows.to(input_ids.device)
         p = pack_rows(input_ids[rows], prompt_lens[rows], completion_lens[rows])
         at_rows = rows[p.rows]  # the pack's row -> the micro-batch's row
-    hidden = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False).last_hidden_state
+    extra = packed_call_kwargs(model, p.lens, p.input_ids.device)  # per-row attention, no N x N mask
+    hidden = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, **extra).last_hidden_state
     h = hidden[:, p.pred]  # (1, K, H): the state before each completion token, no padded position
     logps, ent = logprobs_from_hidden(h, head, p.targets[None], chunk_tokens, with_entropy, min_chunks, logit_fn)
     scatter = lambda x: x.new_zeros(shape).index_put((at_rows, p.cols), x[0])  # noqa: E731  (differentiable)

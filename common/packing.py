@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 # attention implementations whose masks / kernels confine attention to each packed row (see the docstring)
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = ("sdpa", "packed_sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Packed:
     targets: torch.Tensor       # (K,) those completion tokens
     rows: torch.Tensor          # (K,) row of each completion token in the (B, T) output
     cols: torch.Tensor          # (K,) its column (index within the row's completion)
+    lens: list[int]             # each row's length in the pack (common/packed_attention.py attends within them)
 
 
 def pack_rows(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor) -> Packed:
@@ -59,7 +60,8 @@ def pack_rows(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_len
     rows, cols = cmask.nonzero(as_tuple=True)
     at = prompt_lens[rows] + cols  # position of the completion token within its row
     return Packed(input_ids=input_ids[real][None], position_ids=positions[real][None],
-                  pred=starts[rows] + at - 1, targets=input_ids[rows, at], rows=rows, cols=cols)
+                  pred=starts[rows] + at - 1, targets=input_ids[rows, at], rows=rows, cols=cols,
+                  lens=lens.tolist())
 
 
 def check_packed_attention(model: torch.nn.Module) -> None:
