@@ -29,12 +29,6 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def completion_index(prompt_lens: torch.Tensor, completion_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of completion token j in row i, shape (B, T), and the (B, T) validity mask.
 
@@ -111,26 +105,38 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
     step = max(1, chunk_tokens // max(B, 1))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
 
-    def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return logprobs_from_logits(post(lm_head(h)), t)
+    def from_logits(logits: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # logp and (with_entropy) the entropy from the SAME logits: the head runs once per chunk in the forward
+        # (and once more in the checkpoint's recompute for backward), never again for the entropy
+        logits = post(logits).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+        if not with_entropy:
+            return logp, lse.new_zeros(0)
+        with torch.no_grad():  # a diagnostic and the entropy mask: no gradient through it
+            d = logits.detach()
+            ent = lse.detach() - (torch.softmax(d, dim=-1) * d).sum(-1)
+        return logp, ent
+
+    def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return from_logits(lm_head(h), t)
 
     if grad and _frozen_zero3(lm_head):
         # A frozen head under ZeRO-3 (LoRA) is gathered only while its forward runs, so the checkpoint's
         # recompute would see the released (empty) weight: use a full copy taken during one forward instead.
         weight, bias = _gathered_copy(lm_head, hidden)
 
-        def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # noqa: F811
-            return logprobs_from_logits(post(torch.nn.functional.linear(h, weight, bias)), t)
+        def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: F811
+            return from_logits(torch.nn.functional.linear(h, weight, bias), t)
 
     out, ents = [], []
     starts = list(range(0, T, step))
     starts += [T] * (min_chunks - len(starts))  # empty chunks: same calls as the other ranks, no positions
     for s in starts:
         h, t = hidden[:, s:s + step], targets[:, s:s + step]
-        out.append(checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t))
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(_entropy_from_logits(post(lm_head(h.detach()))))  # post upcasts (or the entropy does)
+        lp, en = checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t)
+        out.append(lp)
+        ents.append(en)
     return torch.cat(out, dim=1), (torch.cat(ents, dim=1) if with_entropy else None)
 
 
