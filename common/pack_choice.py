@@ -4,12 +4,13 @@
             linear work per padded token, attention over each row's full padded square (sdpa with a mask),
             the LM head over the padded completion positions
     packed  the real tokens only, attention per row (sum l_i^2 / 2, common/packed_attention.py), the head over the
-            real completion positions, plus the packed kernel's fixed cost per row and layer (one attention call
-            per row on CPU; none for flex / flash varlen), or, where no packed kernel applies (eager), the dense
-            N x N mask over each pack
+            real completion positions, plus the packed kernel's attention: on CPU per-row calls (sum l_i^2 and a
+            fixed cost per row and layer) or one padded call per pack, the cheaper; flex / flash varlen sum
+            l_i^2 / 2; where no packed kernel applies (eager), the dense N x N mask over each pack
 
 Work is in multiply-adds of the model's own shapes (hidden, heads, KV heads, MLP, vocabulary, layers), so the
-choice is per model and per batch; the per-call cost is per device (CPU: SEGMENT_CALL_FLOPS). The ranks sum
+choice is per model and per batch; the per-call cost is per device (CPU: packed_attention.SEGMENT_CALL_FLOPS).
+The ranks sum
 their estimates first (`reduce`), so every ZeRO-3 rank makes the same choice (its module calls must match).
 bench/packing.py measures the choice against both paths at the shapes users run (docs/benchmarks.md).
 """
@@ -19,11 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from common.packed_attention import packed_kernel
+from common.packed_attention import cpu_kernel, packed_kernel
 from common.packing import pack_plan
-
-# one per-row attention call (forward + backward) on CPU, in multiply-adds of the same time: ~40 us at ~25 GFLOP/s
-SEGMENT_CALL_FLOPS = 1.0e6
 
 
 def _dims(model: torch.nn.Module) -> tuple[float, float, float, int]:
@@ -55,8 +53,9 @@ def work(model: torch.nn.Module, prompt_lens: torch.Tensor, completion_lens: tor
     if kernel is None:  # transformers' dense block-diagonal mask over each pack
         packed += sum(float(lens[g].sum()) ** 2 for g in pack_plan(prompt_lens.cpu(), completion_lens.cpu(),
                                                                   pack_tokens)) * per_pair
-    elif kernel == "segments":  # torch's CPU kernel tiles keys by 512: a causal row under that costs its full square
-        packed += float((lens * lens).sum()) * per_pair + lens.numel() * layers * SEGMENT_CALL_FLOPS
+    elif kernel == "segments":  # CPU: per-row calls or one padded call per pack, the cheaper (packed_attention)
+        packed += sum(cpu_kernel([int(n) for n in lens[g]], per_pair, layers)[1]
+                      for g in pack_plan(prompt_lens.cpu(), completion_lens.cpu(), pack_tokens))
     else:  # block-sparse / varlen kernels skip the blocks above the diagonal
         packed += float((lens * lens).sum()) / 2 * per_pair
     return packed, padded

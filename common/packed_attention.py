@@ -9,6 +9,10 @@ place) to the attention implementation `packed_sdpa` registered here:
     `pack_lens` given      the packed forward of common/logprobs.py: no mask is built (the model gets a mask mapping
                            of None, so create_causal_mask never runs) and attention runs per row:
         segments  (CPU)    one causal sdpa call per row (sum l_i^2 work, torch's fused CPU kernel), GQA in-kernel
+        rows      (CPU)    the pack's q/k/v gathered into (rows, longest) and ONE masked sdpa call: the padded
+                           batch's attention (rows x longest^2) without its per-row calls; the linear layers and
+                           the head still see only real tokens. Chosen per pack when cheaper than segments
+                           (many short rows: the per-call cost, SEGMENT_CALL_FLOPS, dominates)
         flex      (CUDA)   flex_attention with a block mask of the rows (block-sparse: blocks of other rows skipped)
 
 flash_attention_2/3 models need none of this: transformers calls the varlen kernel with cu_seqlens from the
@@ -26,13 +30,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 PACKED_SDPA = "packed_sdpa"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
-KERNELS = ("segments", "flex")
+KERNELS = ("segments", "rows", "flex")
+# one per-row attention call (forward + backward) on CPU, in multiply-adds of the same time: ~40 us at ~25 GFLOP/s
+SEGMENT_CALL_FLOPS = 1.0e6
 FORCE_KERNEL: str | None = None  # tests: run the CUDA kernel (flex) on CPU, where flex_attention runs un-compiled
 _compiled_flex = None
 
 
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                pack_lens=None, pack_kernel="segments", pack_block_mask=None, **kwargs):
+                pack_lens=None, pack_kernel="segments", pack_block_mask=None, pack_rows=None, **kwargs):
     """transformers' sdpa, or (pack_lens given) attention within each of the rows packed along the sequence."""
     if pack_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -44,6 +50,8 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     if pack_kernel == "flex":
         out = _flex()(query, key, value, block_mask=pack_block_mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
+    if pack_kernel == "rows" and (sliding_window is None or max(pack_lens) <= sliding_window):
+        return _rows_attention(query, key, value, pack_rows, drop, scaling, gqa), None
     outs, s = [], 0
     for n in pack_lens:
         q, k, v = query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n]
@@ -57,6 +65,37 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                 q, k, v, is_causal=True, dropout_p=drop, scale=scaling, enable_gqa=gqa))
         s += n
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _rows_attention(query, key, value, rows, drop, scaling, gqa):
+    """(1, H, N, D) packed -> (B, H, longest, D) rows through one masked sdpa call -> (1, N, H, D) packed."""
+    index, mask, real = rows  # (B, longest) packed position of each row's column, (B, 1, L, L) mask, (N,) flat
+    B, L = index.shape
+
+    def to_rows(x):
+        return x[0][:, index.reshape(-1)].reshape(x.shape[1], B, L, x.shape[-1]).transpose(0, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(to_rows(query), to_rows(key), to_rows(value),
+                                                           attn_mask=mask, dropout_p=drop, scale=scaling,
+                                                           enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(B * L, out.shape[1], out.shape[-1])[real][None]
+
+
+def _rows_plan(lens: list[int], device: torch.device):
+    lt = torch.tensor(lens, device=device)
+    L = int(lt.max())
+    col = torch.arange(L, device=device)
+    valid = col[None, :] < lt[:, None]
+    index = torch.where(valid, (torch.cumsum(lt, 0) - lt)[:, None] + col[None, :], 0)
+    mask = (col[None, :] <= col[:, None])[None] & valid[:, None, :]  # causal, keys of the row only
+    return index, mask[:, None], valid.reshape(-1).nonzero().squeeze(1)
+
+
+def cpu_kernel(lens: list[int], pair_flops: float, layers: int = 1) -> tuple[str, float]:
+    """The cheaper CPU kernel for a pack of these row lengths and its attention work (per_pair: multiply-adds
+    per (query, key) pair over all layers): per-row calls, or one padded call."""
+    segments = sum(n * n for n in lens) * pair_flops + len(lens) * layers * SEGMENT_CALL_FLOPS
+    rows = len(lens) * max(lens) ** 2 * pair_flops + layers * SEGMENT_CALL_FLOPS
+    return ("segments", segments) if segments <= rows else ("rows", rows)
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa)
@@ -101,7 +140,13 @@ def packed_call_kwargs(model: torch.nn.Module, lens: list[int], device: torch.de
     if kernel in ("native", None):
         return {}
     install(model)
+    if kernel == "segments" and FORCE_KERNEL is None:
+        c = model.config
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kernel = cpu_kernel(lens, 4 * c.num_attention_heads * hd)[0]
     kw: dict = {"attention_mask": defaultdict(lambda: None), "pack_lens": tuple(lens), "pack_kernel": kernel}
+    if kernel == "rows":
+        kw["pack_rows"] = _rows_plan(lens, device)
     if kernel == "flex":
         kw["pack_block_mask"] = _block_mask(lens, device)
     return kw

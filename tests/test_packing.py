@@ -152,11 +152,12 @@ def test_padding_free_knob(tiny):
         tiny.config._attn_implementation = impl
 
 
-@pytest.mark.parametrize("kernel", ["segments", "flex"])
+@pytest.mark.parametrize("kernel", ["segments", "rows", "flex"])
 def test_packed_attention_kernels_equal_padded_without_a_pack_wide_mask(qwen_shaped, kernel, monkeypatch):
-    """Both packed kernels (common/packed_attention.py: per-row sdpa, CPU's; flex_attention's block mask, CUDA's,
-    here un-compiled) give the padded logprobs, and no attention call spans the pack: the longest query any
-    attention call sees is one row (the dense-mask path attended over all sum(lens) tokens at once)."""
+    """The packed kernels (common/packed_attention.py: per-row sdpa and one padded call over the pack's rows, CPU's;
+    flex_attention's block mask, CUDA's, here un-compiled) give the padded logprobs, and no attention call spans
+    the pack: the longest query any attention call sees is one row (the dense-mask path attended over all
+    sum(lens) tokens at once)."""
     from common import packed_attention
     model = qwen_shaped
     monkeypatch.setattr(packed_attention, "FORCE_KERNEL", kernel)
@@ -171,7 +172,7 @@ def test_packed_attention_kernels_equal_padded_without_a_pack_wide_mask(qwen_sha
         got, _ = sequence_logprobs(model, ids, pl, cl, padding_free=True)
     assert model.config._attn_implementation == packed_attention.PACKED_SDPA
     assert float((got - want).abs().max()) <= 2e-5
-    if kernel == "segments":
+    if kernel != "flex":
         assert widest and max(widest) <= int((pl + cl).max())
     else:
         assert not widest  # flex_attention, no sdpa call at all
