@@ -192,3 +192,23 @@ def test_auto_packs_ragged_rows_and_pads_uniform_ones(tiny, qwen_shaped):
     assert choose_packed("auto", tiny, even_p, even_c, 32, reduce=lambda t: seen.append(t) or t.mul_(0).add_(
         torch.tensor([1.0, 2.0], dtype=torch.float64))) is True  # the other ranks' work tipped it
     assert len(seen) == 1
+
+
+def test_packed_sdpa_is_sdpa_outside_packed_forwards():
+    """The model switched to packed_sdpa (on its first packed forward) generates and scores padded rows exactly as
+    with sdpa: the HF engine generates with the same model its logprob pass packs."""
+    from common import packed_attention
+    from common.modeling import load_model, resolve_model_path
+    model = load_model(resolve_model_path("tiny"), device="cpu", dtype="float32")
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    att = (ids != 0).long()
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            return out, model(input_ids=ids, attention_mask=att).logits
+    want = run()
+    packed_attention.install(model)
+    assert model.config._attn_implementation == packed_attention.PACKED_SDPA
+    got = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
