@@ -50,8 +50,11 @@ def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["eval_n"] == 3  # both ranks' shards counted
-    # padding_free auto: these ragged rows pack (common/pack_choice.py), no padded token computed; said per step
-    assert all(r["padding_free"] == 1.0 and r["padding_share"] == 0.0 for r in rows)
+    # padding_free auto: chosen per batch from both ranks' summed work estimates (common/pack_choice.py), so the
+    # ranks stayed in lockstep whatever it chose; said per step (the share of the step's batches packed), and a
+    # step whose batches all packed computed no padded token
+    assert all(0.0 <= r["padding_free"] <= 1.0 for r in rows)
+    assert all(r["padding_share"] == 0.0 for r in rows if r["padding_free"] == 1.0)
 
 
 def test_ranks_needing_different_pack_counts_stay_in_lockstep(tiny_model_dir):
