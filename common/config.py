@@ -140,12 +140,12 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, SpinLimits, ConfigChecks
                                      "generation-time logprob pass): a micro-batch's rows as ONE packed sequence, "
                                      "position_ids restarting per row, attention confined to each row "
                                      "(common/packing.py); false pads to the longest row and groups rows of similar "
-                                     "length into micro-batches. auto: true on CPU (measured, docs/benchmarks.md) "
-                                     "and on CUDA with a varlen (flash-attn) kernel, false otherwise.")
+                                     "length into micro-batches. auto: per batch, whichever an estimate of the work "
+                                     "both ways says is less (common/pack_choice.py, docs/benchmarks.md).")
     pack_tokens: int = knob(4096, "padding_free: the most tokens (prompt + completion, summed over rows) of one packed "
                                   "forward; a micro-batch's rows go into packs of up to this many (a longer row "
-                                  "alone), one forward each, the same logprobs and gradient. Bounds the dense N x N "
-                                  "attention mask sdpa builds for a packed sequence (quadratic in N, CPU). The ref "
+                                  "alone), one forward each, the same logprobs and gradient. Bounds memory (and the "
+                                  "dense N x N mask of an eager-attention model's packs). The ref "
                                   "server bounds its forwards by its own score_token_budget.")
     # --- run ------------------------------------------------------------------------
     all_steps: int = knob(1000, "Training steps = optimizer updates (the LR schedule, versions, staleness, "

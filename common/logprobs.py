@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from common.final_logits import LogitFn, final_logit_fn
+from common.packed_attention import packed_call_kwargs
 from common.packing import Packed, check_packed_attention, pack_plan, pack_rows
 
 
@@ -26,12 +27,6 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     """(..., V) logits, (...) int targets -> (...) float32 log p(target). Upcasts once, per call."""
     logits = logits.float()
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def _entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def completion_index(prompt_lens: torch.Tensor, completion_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,26 +105,38 @@ def logprobs_from_hidden(hidden: torch.Tensor, lm_head: torch.nn.Module, targets
     step = max(1, chunk_tokens // max(B, 1))
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
 
-    def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return logprobs_from_logits(post(lm_head(h)), t)
+    def from_logits(logits: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # logp and (with_entropy) the entropy from the SAME logits: the head runs once per chunk in the forward
+        # (and once more in the checkpoint's recompute for backward), never again for the entropy
+        logits = post(logits).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+        if not with_entropy:
+            return logp, lse.new_zeros(0)
+        with torch.no_grad():  # a diagnostic and the entropy mask: no gradient through it
+            d = logits.detach()
+            ent = lse.detach() - (torch.softmax(d, dim=-1) * d).sum(-1)
+        return logp, ent
+
+    def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return from_logits(lm_head(h), t)
 
     if grad and _frozen_zero3(lm_head):
         # A frozen head under ZeRO-3 (LoRA) is gathered only while its forward runs, so the checkpoint's
         # recompute would see the released (empty) weight: use a full copy taken during one forward instead.
         weight, bias = _gathered_copy(lm_head, hidden)
 
-        def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # noqa: F811
-            return logprobs_from_logits(post(torch.nn.functional.linear(h, weight, bias)), t)
+        def chunk_fn(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: F811
+            return from_logits(torch.nn.functional.linear(h, weight, bias), t)
 
     out, ents = [], []
     starts = list(range(0, T, step))
     starts += [T] * (min_chunks - len(starts))  # empty chunks: same calls as the other ranks, no positions
     for s in starts:
         h, t = hidden[:, s:s + step], targets[:, s:s + step]
-        out.append(checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t))
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(_entropy_from_logits(post(lm_head(h.detach()))))  # post upcasts (or the entropy does)
+        lp, en = checkpoint(chunk_fn, h, t, use_reentrant=False) if grad else chunk_fn(h, t)
+        out.append(lp)
+        ents.append(en)
     return torch.cat(out, dim=1), (torch.cat(ents, dim=1) if with_entropy else None)
 
 
@@ -194,7 +201,7 @@ def _packs_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, 
     B, T = input_ids.shape[0], int(completion_lens.max())
     logps = ent = None
     for g in groups:
-        lp, en = _packed_logprobs(body, head, input_ids, prompt_lens, completion_lens, g, (B, T), chunk_tokens,
+        lp, en = _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, g, (B, T), chunk_tokens,
                                   with_entropy, min_chunks if g is not None else max(min_chunks, 1), logit_fn)
         # each pack fills only its own rows (zeros elsewhere): the sum is exact, and keeps every pack (a dummy
         # one too) in the autograd graph, so ZeRO-3's backward gathers for it on every rank alike
@@ -207,21 +214,22 @@ def _dummy_pack(input_ids: torch.Tensor) -> Packed:
     """A 1-token pack that predicts nothing: a rank's forward past its own packs (min_packs)."""
     none = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     return Packed(input_ids=input_ids[:1, :1], position_ids=torch.zeros_like(input_ids[:1, :1]), pred=none,
-                  targets=none, rows=none, cols=none)
+                  targets=none, rows=none, cols=none, lens=[1])
 
 
-def _packed_logprobs(body, head, input_ids, prompt_lens, completion_lens, rows, shape, chunk_tokens, with_entropy,
-                     min_chunks, logit_fn) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One packed forward over `rows` (None: a dummy pack): attention_mask None, so transformers confines
-    attention to each row from the restarting position_ids (common/packing.py); outputs scattered into zeros of
-    the (B, T) `shape` at those rows."""
+def _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens, rows, shape, chunk_tokens,
+                     with_entropy, min_chunks, logit_fn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One packed forward over `rows` (None: a dummy pack), attention confined to each row without a pack-wide
+    mask (common/packed_attention.py; eager models: transformers' mask from the restarting position_ids);
+    outputs scattered into zeros of the (B, T) `shape` at those rows."""
     if rows is None:
         p, at_rows = _dummy_pack(input_ids), torch.zeros(0, dtype=torch.long, device=input_ids.device)
     else:
         rows = rows.to(input_ids.device)
         p = pack_rows(input_ids[rows], prompt_lens[rows], completion_lens[rows])
         at_rows = rows[p.rows]  # the pack's row -> the micro-batch's row
-    hidden = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False).last_hidden_state
+    extra = packed_call_kwargs(model, p.lens, p.input_ids.device)  # per-row attention, no N x N mask
+    hidden = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, **extra).last_hidden_state
     h = hidden[:, p.pred]  # (1, K, H): the state before each completion token, no padded position
     logps, ent = logprobs_from_hidden(h, head, p.targets[None], chunk_tokens, with_entropy, min_chunks, logit_fn)
     scatter = lambda x: x.new_zeros(shape).index_put((at_rows, p.cols), x[0])  # noqa: E731  (differentiable)

@@ -6,18 +6,17 @@ tokens (verl's remove-padding, OpenRLHF's packed samples).
     [p c c . . . . .]        ->       position_ids  [0 1 2 3 4 | 0 1 2 | 0 1 2 3]
     [p p p c . . . .]
 
-transformers (5.x) reads position_ids that restart at 0 as sequence boundaries when the model is called with
-`attention_mask=None`: masking_utils.find_packed_sequence_indices turns them into sequence ids and
-create_causal_mask ANDs "same sequence" into the causal mask (a block-diagonal dense mask for sdpa/eager: what
-runs on CPU), and the flash-attention integrations (modeling_flash_attention_utils._is_packed_sequence) call the
-varlen kernel with cu_seqlens built from them (CUDA with flash-attn: no N x N mask at all). Rotary embeddings
-take the restarting positions, so every row sees exactly the positions it has when padded.
+Attention stays within each row without an N x N mask over the pack (common/packed_attention.py): sdpa models
+attend per row (CPU) or through flex_attention's block mask (CUDA); flash-attention models get the varlen kernel
+from transformers (cu_seqlens from the restarting position_ids); only eager models fall back to transformers'
+dense block-diagonal mask. Rotary embeddings take the restarting positions, so every row sees exactly the
+positions it has when padded. Whether `auto` packs: common/pack_choice.py.
 
 Only the LM head positions that predict a completion token are gathered from the packed hidden states, so the
 head (the largest matmul of a small model: vocabulary x hidden per position) skips the padding too.
 
-A packed forward is bounded (`pack_plan`): the sdpa/eager mask above is dense N x N, so one pack of a whole
-micro-batch costs quadratically in its TOTAL length (32 rows of ~640 tokens: 87 s a step on CPU). Rows go into
+A packed forward is bounded (`pack_plan`): with a dense N x N mask (eager) one pack of a whole micro-batch costs
+quadratically in its TOTAL length (32 rows of ~640 tokens: 87 s a step on CPU), and packs bound memory. Rows go into
 packs of at most `pack_tokens` tokens (row_groups, the helper the ref server bounds its forwards with too), one
 forward each, their outputs added into one (B, T) result: the same numbers as one pack, attention never crosses
 a row anyway.
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 # attention implementations whose masks / kernels confine attention to each packed row (see the docstring)
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = ("sdpa", "packed_sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
@@ -40,6 +39,7 @@ class Packed:
     targets: torch.Tensor       # (K,) those completion tokens
     rows: torch.Tensor          # (K,) row of each completion token in the (B, T) output
     cols: torch.Tensor          # (K,) its column (index within the row's completion)
+    lens: list[int]             # each row's length in the pack (common/packed_attention.py attends within them)
 
 
 def pack_rows(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor) -> Packed:
@@ -59,7 +59,8 @@ def pack_rows(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_len
     rows, cols = cmask.nonzero(as_tuple=True)
     at = prompt_lens[rows] + cols  # position of the completion token within its row
     return Packed(input_ids=input_ids[real][None], position_ids=positions[real][None],
-                  pred=starts[rows] + at - 1, targets=input_ids[rows, at], rows=rows, cols=cols)
+                  pred=starts[rows] + at - 1, targets=input_ids[rows, at], rows=rows, cols=cols,
+                  lens=lens.tolist())
 
 
 def check_packed_attention(model: torch.nn.Module) -> None:
@@ -80,23 +81,6 @@ def forward_tokens(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, pac
 
 def padding_share(computed: int, real: int) -> float:
     return (computed - real) / computed if computed else 0.0
-
-
-def resolve_padding_free(setting: str | bool, model: torch.nn.Module) -> bool:
-    """The padding_free knob (auto/true/false) for this model on its device. auto: packed on CPU, where the
-    block-diagonal sdpa mask costs less than the padding it removes (bench/packing.py, docs/benchmarks.md); on
-    CUDA only when the model runs a flash-attention (varlen) kernel. Otherwise a packed CUDA forward would be sdpa
-    with a dense N x N mask over the whole micro-batch (not measured on a GPU here), so rows of similar length are
-    grouped into padded micro-batches instead (trainer/objective/microbatch.py, ref_server/scorer.py)."""
-    s = str(setting).lower()
-    if s in ("true", "false"):
-        return s == "true"
-    if s != "auto":
-        raise ValueError(f"padding_free must be auto, true or false, got {setting!r}")
-    if next(model.parameters()).device.type == "cpu":
-        return True
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return impl in ("flash_attention_2", "flash_attention_3")
 
 
 def pack_plan(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, pack_tokens: int | None

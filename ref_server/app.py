@@ -25,7 +25,6 @@ import torch
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.modeling import load_model
-from common.packing import resolve_padding_free
 from common.wire.protocol import CONTENT_TYPE, ProtocolError, decode_rollout
 from ref_server.auth import _authorized, _query_token_ok
 from ref_server.config import ServerConfig, resolve_token
@@ -84,7 +83,7 @@ def make_app(cfg: ServerConfig, model: torch.nn.Module | None = None,
                                 cfg.score_token_budget) if cfg.reward_models else None
     metrics = ServerMetrics()
     scorer = Scorer(model, metrics, cfg.max_queue, cfg.max_output_queue, cfg.score_token_budget, cfg.chunk_tokens,
-                    padding_free=resolve_padding_free(cfg.padding_free, model))
+                    padding_free=cfg.padding_free)
     state = ServerState(cfg=cfg, model=model, scorer=scorer, metrics=metrics, token=token,
                         vocab_size=int(model.get_input_embeddings().num_embeddings),
                         max_seq_len=int(model.config.max_position_embeddings),

@@ -52,8 +52,8 @@ class ServerConfig(ModelLoading):
     chunk_tokens: int = knob(256, "Positions per LM-head chunk in the logprob computation (bounds memory).")
     padding_free: str = knob("auto", "Padding-free scoring: the rows of a forward as ONE packed sequence, no padded "
                                      "token computed (common/packing.py); false pads each forward to its longest "
-                                     "row, rows grouped by length. auto: true on CPU and on CUDA with a varlen "
-                                     "(flash-attn) kernel (docs/benchmarks.md), false otherwise.")
+                                     "row, rows grouped by length. auto: per scoring call, whichever an estimate "
+                                     "of the work both ways says is less (common/pack_choice.py).")
     max_get_wait: float = knob(10.0, "Cap in seconds on the long-poll of GET /get?wait=SECONDS.")
     retry_after: int = knob(1, "Seconds sent in Retry-After with 503 answers.")
     drain_timeout: float = knob(5.0, "On SIGTERM/SIGINT: after the batch being scored is done, keep answering "

@@ -19,6 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.logprobs import sequence_logprobs
+from common.pack_choice import choose_packed
 from common.packing import forward_tokens, padding_share, row_groups
 from common.wire.protocol import RolloutBatch, ScoredBatch, encode_scored
 
@@ -162,10 +163,11 @@ class Scorer:
     """Bounded input queue -> worker thread (frozen model) -> bounded output queue."""
 
     def __init__(self, model: torch.nn.Module, metrics: ServerMetrics, max_queue: int, max_output_queue: int,
-                 score_token_budget: int, chunk_tokens: int, padding_free: bool = False) -> None:
+                 score_token_budget: int, chunk_tokens: int, padding_free: bool | str = False) -> None:
         self.model = model.eval()
         self.metrics = metrics
-        self.padding_free = metrics.padding_free = padding_free  # resolved by the app (common/packing.py)
+        self.setting = padding_free  # true / false / auto: chosen per scoring call (common/pack_choice.py)
+        metrics.padding_free = str(padding_free).lower() == "true"
         self.max_queue, self.max_output_queue = max_queue, max_output_queue
         self.budget, self.chunk_tokens = score_token_budget, chunk_tokens
         self.inq: deque[RolloutBatch] = deque()
@@ -311,10 +313,13 @@ class Scorer:
         grouped by length and trimmed to their own longest (common/packing.py row_groups)."""
         logps = torch.zeros(ids.shape[0], int(cl.max()), dtype=torch.float32)
         computed = 0
-        for rows in row_groups(pl + cl, self.budget, self.padding_free):
+        packed = choose_packed(self.setting, self.model, pl, cl, max(1, self.budget // int((pl + cl).max())),
+                               self.budget)
+        self.metrics.padding_free = packed  # the last call's choice
+        for rows in row_groups(pl + cl, self.budget, packed):
             p, c = pl[rows], cl[rows]
             lp, _ = sequence_logprobs(self.model, ids[rows, :int((p + c).max())], p, c, chunk_tokens=self.chunk_tokens,
-                                      temperature=temperature, padding_free=self.padding_free)
+                                      temperature=temperature, padding_free=packed)
             logps[rows, :lp.shape[1]] = lp.float().cpu()
-            computed += forward_tokens(p, c, self.padding_free)[0]
+            computed += forward_tokens(p, c, packed)[0]
         return logps, computed

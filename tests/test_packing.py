@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common.logprobs import head_calls, sequence_logprobs
-from common.packing import check_packed_attention, forward_tokens, pack_rows, resolve_padding_free, row_groups
+from common.pack_choice import choose_packed, work
+from common.packing import check_packed_attention, forward_tokens, pack_rows, row_groups
 
 PROMPT_LENS = [3, 9, 1, 5, 2]
 COMPLETION_LENS = [6, 2, 11, 1, 8]
@@ -133,10 +134,10 @@ def test_row_groups_and_token_counts():
 def test_padding_free_knob(tiny):
     from common.config import GRPOConfig
     from ref_server.config import ServerConfig
-    assert resolve_padding_free("auto", tiny) is True  # CPU: measured faster (docs/benchmarks.md)
-    assert resolve_padding_free(True, tiny) is True and resolve_padding_free("false", tiny) is False
+    pl, cl = torch.tensor(PROMPT_LENS), torch.tensor(COMPLETION_LENS)
+    assert choose_packed(True, tiny, pl, cl, 5) is True and choose_packed("false", tiny, pl, cl, 5) is False
     with pytest.raises(ValueError, match="padding_free"):
-        resolve_padding_free("sometimes", tiny)
+        choose_packed("sometimes", tiny, pl, cl, 5)
     with pytest.raises(ValueError, match="padding_free"):
         GRPOConfig(padding_free="sometimes").validate()
     with pytest.raises(ValueError, match="padding_free"):
@@ -149,3 +150,65 @@ def test_padding_free_knob(tiny):
             check_packed_attention(tiny)
     finally:
         tiny.config._attn_implementation = impl
+
+
+@pytest.mark.parametrize("kernel", ["segments", "rows", "flex"])
+def test_packed_attention_kernels_equal_padded_without_a_pack_wide_mask(qwen_shaped, kernel, monkeypatch):
+    """The packed kernels (common/packed_attention.py: per-row sdpa and one padded call over the pack's rows, CPU's;
+    flex_attention's block mask, CUDA's, here un-compiled) give the padded logprobs, and no attention call spans
+    the pack: the longest query any attention call sees is one row (the dense-mask path attended over all
+    sum(lens) tokens at once)."""
+    from common import packed_attention
+    model = qwen_shaped
+    monkeypatch.setattr(packed_attention, "FORCE_KERNEL", kernel)
+    ids, pl, cl = rows(model.config.vocab_size)
+    widest = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **k: widest.append(q.shape[-2]) or real_sdpa(q, *a, **k))
+    with torch.no_grad():
+        want, _ = sequence_logprobs(model, ids, pl, cl)
+        widest.clear()
+        got, _ = sequence_logprobs(model, ids, pl, cl, padding_free=True)
+    assert model.config._attn_implementation == packed_attention.PACKED_SDPA
+    assert float((got - want).abs().max()) <= 2e-5
+    if kernel != "flex":
+        assert widest and max(widest) <= int((pl + cl).max())
+    else:
+        assert not widest  # flex_attention, no sdpa call at all
+
+
+def test_auto_packs_ragged_rows_and_pads_uniform_ones(tiny, qwen_shaped):
+    """auto (common/pack_choice.py): ragged rows pack (padding saved > the per-row attention calls), equal-length
+    rows pad (nothing to save); the ranks' summed estimates decide alike (reduce)."""
+    ragged_p, ragged_c = torch.full((32,), 30), torch.tensor([4, 32] * 16)
+    even_p, even_c = torch.full((32,), 30), torch.full((32,), 16)
+    for model in (tiny, qwen_shaped):
+        assert choose_packed("auto", model, ragged_p, ragged_c, 32) is True
+        assert choose_packed("auto", model, even_p, even_c, 32) is False
+        packed, padded = work(model, even_p, even_c, 32, 4096)
+        assert packed > padded  # the same tokens plus the per-row calls
+    seen = []
+    assert choose_packed("auto", tiny, even_p, even_c, 32, reduce=lambda t: seen.append(t) or t.mul_(0).add_(
+        torch.tensor([1.0, 2.0], dtype=torch.float64))) is True  # the other ranks' work tipped it
+    assert len(seen) == 1
+
+
+def test_packed_sdpa_is_sdpa_outside_packed_forwards():
+    """The model switched to packed_sdpa (on its first packed forward) generates and scores padded rows exactly as
+    with sdpa: the HF engine generates with the same model its logprob pass packs."""
+    from common import packed_attention
+    from common.modeling import load_model, resolve_model_path
+    model = load_model(resolve_model_path("tiny"), device="cpu", dtype="float32")
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    att = (ids != 0).long()
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            return out, model(input_ids=ids, attention_mask=att).logits
+    want = run()
+    packed_attention.install(model)
+    assert model.config._attn_implementation == packed_attention.PACKED_SDPA
+    got = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

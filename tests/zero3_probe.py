@@ -34,8 +34,8 @@ def main() -> None:
     model, steps, *over = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     cfg = GRPOConfig(model=model, zero_stage=3, max_new_tokens=64, logp_chunk_tokens=8, num_pre_Q=4, lr=1e-3,
                      dist_timeout=60, output_dir="/nonexistent-not-written")
-    for a, v in zip(over[::2], over[1::2]):  # int knobs (micro_batch_size may default to None: unset)
-        setattr(cfg, a.lstrip("-"), int(v))
+    for a, v in zip(over[::2], over[1::2]):  # int knobs (micro_batch_size may default to None: unset), else str
+        setattr(cfg, a.lstrip("-"), int(v) if v.lstrip("-").isdigit() else v)
     deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
     engine, _, _ = build_engine(cfg, deepspeed, model, on_gpu)
     vocab = engine.module.config.vocab_size

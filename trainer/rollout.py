@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from common.logprobs import forward_calls, sequence_logprobs
-from common.packing import resolve_padding_free
+from common.pack_choice import choose_packed
 from common.prompts import SYSTEM_PROMPT
 from common.wire.protocol import RolloutBatch
 from trainer.data import Example, build_prompt
-from trainer.dist.comm import all_reduce_int
+from trainer.dist.comm import all_reduce, all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
 from trainer.prompt_formats import resolve_format
@@ -104,7 +104,12 @@ def policy_logps(batches: list[RolloutBatch], engine: GenEngine, cfg, synced: bo
     n = all_reduce_int(len(batches), "max") if synced else len(batches)
     if n == 0:  # every batch has the engine's own logprobs (vLLM): no forward, and no HF model to ask
         return
-    packed = resolve_padding_free(cfg.padding_free, engine.model)  # packed sequences per group (common/packing.py)
+    mine = list(batches)  # auto: one choice for all groups (summed over synced ranks)
+    packed = choose_packed(cfg.padding_free, engine.model,
+                           torch.cat([b.prompt_lens for b in mine]) if mine else torch.ones(1, dtype=torch.long),
+                           torch.cat([b.completion_lens for b in mine]) if mine else torch.ones(1, dtype=torch.long),
+                           max([b.num_rows for b in mine], default=1), cfg.pack_tokens,
+                           all_reduce if synced else None)
     for i in range(n):
         b = batches[i] if i < len(batches) else None
         ids, plens, clens = (b.input_ids, b.prompt_lens, b.completion_lens) if b is not None else \

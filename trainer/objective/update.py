@@ -21,7 +21,8 @@ import torch
 
 from common.config import GRPOConfig
 from common.logprobs import forward_calls, sequence_logprobs
-from common.packing import forward_tokens, padding_share, resolve_padding_free
+from common.pack_choice import choose_packed
+from common.packing import forward_tokens, padding_share
 from common.wire.protocol import ProtocolError, ScoredBatch
 from trainer.dist import comm
 from trainer.dist.engine_call import engine_forward
@@ -160,7 +161,9 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
     device = mask.device
     gen = b.gen_logps.to(device) if (cfg.compute_gen_logps and b.gen_logps is not None) else None
     ref = b.ref_logps.to(device) if cfg.beta > 0 else None
-    packed = resolve_padding_free(cfg.padding_free, engine.module)  # the same on every rank (config + device)
+    packed = choose_packed(cfg.padding_free, engine.module, b.prompt_lens, b.completion_lens,  # auto: the ranks'
+                           cfg.micro_batch_size or b.num_rows, cfg.pack_tokens,           # summed estimates,
+                           comm.all_reduce if torch.distributed.is_initialized() else None)  # one choice
     micros = microbatch.split(b, mask, adv, gen, ref, cfg.micro_batch_size or b.num_rows, cfg.aggregation,
                               by_length=not packed)
     if len(micros) != micro_batches_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches

@@ -1,0 +1,162 @@
+"""Attention confined to each packed row WITHOUT an N x N mask over the whole pack (issue 45).
+
+transformers builds, for a packed sequence (position_ids restarting at 0, attention_mask None), a dense
+block-diagonal N x N mask for sdpa/eager: attention over the whole pack, N^2 work where the rows cost sum(l_i^2)
+(32 rows of ~45 tokens: 32x the attention of the padded batch). Instead, a model on sdpa is switched (once, in
+place) to the attention implementation `packed_sdpa` registered here:
+
+    no `pack_lens` kwarg   exactly transformers' sdpa (generation, padded forwards: the same masks, the same calls)
+    `pack_lens` given      the packed forward of common/logprobs.py: no mask is built (the model gets a mask mapping
+                           of None, so create_causal_mask never runs) and attention runs per row:
+        segments  (CPU)    one causal sdpa call per row (sum l_i^2 work, torch's fused CPU kernel), GQA in-kernel
+        rows      (CPU)    the pack's q/k/v gathered into (rows, longest) and ONE masked sdpa call: the padded
+                           batch's attention (rows x longest^2) without its per-row calls; the linear layers and
+                           the head still see only real tokens. Chosen per pack when cheaper than segments
+                           (many short rows: the per-call cost, SEGMENT_CALL_FLOPS, dominates)
+        flex      (CUDA)   flex_attention with a block mask of the rows (block-sparse: blocks of other rows skipped)
+
+flash_attention_2/3 models need none of this: transformers calls the varlen kernel with cu_seqlens from the
+restarting position_ids (modeling_flash_attention_utils), and `packed_kernel` says `native`. Under gradient
+checkpointing the layers' recompute reads the same config and gets the same kwargs, so it runs the same kernel.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+PACKED_SDPA = "packed_sdpa"
+NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
+KERNELS = ("segments", "rows", "flex")
+# one per-row attention call (forward + backward) on CPU, in multiply-adds of the same time: ~40 us at ~25 GFLOP/s
+SEGMENT_CALL_FLOPS = 1.0e6
+FORCE_KERNEL: str | None = None  # tests: run the CUDA kernel (flex) on CPU, where flex_attention runs un-compiled
+_compiled_flex = None
+
+
+def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                pack_lens=None, pack_kernel="segments", pack_block_mask=None, pack_rows=None, **kwargs):
+    """transformers' sdpa, or (pack_lens given) attention within each of the rows packed along the sequence."""
+    if pack_lens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError("a packed forward takes one packed sequence and no attention mask")
+    drop = dropout if module.training else 0.0
+    gqa = query.shape[1] != key.shape[1]
+    if pack_kernel == "flex":
+        out = _flex()(query, key, value, block_mask=pack_block_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if pack_kernel == "rows" and (sliding_window is None or max(pack_lens) <= sliding_window):
+        return _rows_attention(query, key, value, pack_rows, drop, scaling, gqa), None
+    outs, s = [], 0
+    for n in pack_lens:
+        q, k, v = query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n]
+        if sliding_window is not None and n > sliding_window:  # a band of the last sliding_window keys
+            i = torch.arange(n, device=query.device)
+            band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=band, dropout_p=drop, scale=scaling, enable_gqa=gqa))
+        else:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=drop, scale=scaling, enable_gqa=gqa))
+        s += n
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _rows_attention(query, key, value, rows, drop, scaling, gqa):
+    """(1, H, N, D) packed -> (B, H, longest, D) rows through one masked sdpa call -> (1, N, H, D) packed."""
+    index, mask, real = rows  # (B, longest) packed position of each row's column, (B, 1, L, L) mask, (N,) flat
+    B, L = index.shape
+
+    def to_rows(x):
+        return x[0][:, index.reshape(-1)].reshape(x.shape[1], B, L, x.shape[-1]).transpose(0, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(to_rows(query), to_rows(key), to_rows(value),
+                                                           attn_mask=mask, dropout_p=drop, scale=scaling,
+                                                           enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(B * L, out.shape[1], out.shape[-1])[real][None]
+
+
+def _rows_plan(lens: list[int], device: torch.device):
+    lt = torch.tensor(lens, device=device)
+    L = int(lt.max())
+    col = torch.arange(L, device=device)
+    valid = col[None, :] < lt[:, None]
+    index = torch.where(valid, (torch.cumsum(lt, 0) - lt)[:, None] + col[None, :], 0)
+    mask = (col[None, :] <= col[:, None])[None] & valid[:, None, :]  # causal, keys of the row only
+    return index, mask[:, None], valid.reshape(-1).nonzero().squeeze(1)
+
+
+def cpu_kernel(lens: list[int], pair_flops: float, layers: int = 1) -> tuple[str, float]:
+    """The cheaper CPU kernel for a pack of these row lengths and its attention work (per_pair: multiply-adds
+    per (query, key) pair over all layers): per-row calls, or one padded call."""
+    segments = sum(n * n for n in lens) * pair_flops + len(lens) * layers * SEGMENT_CALL_FLOPS
+    rows = len(lens) * max(lens) ** 2 * pair_flops + layers * SEGMENT_CALL_FLOPS
+    return ("segments", segments) if segments <= rows else ("rows", rows)
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)  # unpacked calls: sdpa's own masks
+
+
+def _flex():
+    """flex_attention: compiled on CUDA (the block-sparse kernel), as is on CPU (its reference implementation,
+    for tests of this path)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if not torch.cuda.is_available():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+def packed_kernel(model: torch.nn.Module) -> str | None:
+    """How a packed forward of this model confines attention: native (flash varlen), segments (CPU), flex
+    (CUDA), or None: its attention implementation has no packed kernel here (eager: transformers' dense mask)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl in NATIVE_VARLEN:
+        return "native"
+    if impl not in ("sdpa", PACKED_SDPA):
+        return None
+    if FORCE_KERNEL is not None:
+        return FORCE_KERNEL
+    return "segments" if next(model.parameters()).device.type == "cpu" else "flex"
+
+
+def install(model: torch.nn.Module) -> None:
+    """Switch an sdpa model to packed_sdpa (identical outside packed forwards); idempotent."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.config._attn_implementation = PACKED_SDPA
+
+
+def packed_call_kwargs(model: torch.nn.Module, lens: list[int], device: torch.device) -> dict:
+    """Extra arguments of the body's packed forward: none for flash varlen and eager (transformers' own handling),
+    else no mask and the rows' lengths (and flex's block mask, built once per forward, not per layer)."""
+    kernel = packed_kernel(model)
+    if kernel in ("native", None):
+        return {}
+    install(model)
+    if kernel == "segments" and FORCE_KERNEL is None:
+        c = model.config
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kernel = cpu_kernel(lens, 4 * c.num_attention_heads * hd)[0]
+    kw: dict = {"attention_mask": defaultdict(lambda: None), "pack_lens": tuple(lens), "pack_kernel": kernel}
+    if kernel == "rows":
+        kw["pack_rows"] = _rows_plan(lens, device)
+    if kernel == "flex":
+        kw["pack_block_mask"] = _block_mask(lens, device)
+    return kw
+
+
+def _block_mask(lens: list[int], device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+
+    def same_row_causal(b, h, q, k):
+        return (seg[q] == seg[k]) & (k <= q)
+    n = int(sum(lens))
+    return create_block_mask(same_row_causal, 1, None, n, n, device=device)
