@@ -71,7 +71,8 @@ class BatchSource:
         # lockstep (ZeRO-3): ranks decide together to generate, and generate with synced_gpus (see _next_lockstep)
         self.lockstep = lockstep
         self.engine = HFEngine(model, tokenizer, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               gen_batch_size=cfg.gen_batch_size, synced_gpus=lockstep)
+                               gen_batch_size=cfg.gen_batch_size, synced_gpus=lockstep,
+                               seq_len=cfg.max_prompt_length + cfg.max_new_tokens)  # batches to its GPU's memory
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
         self.stall = StallReporter(producer_id, cfg.log_stall_every)  # says so when every group is skipped

@@ -19,6 +19,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
+from common.settings.gen_defaults import resolve_at_start
 from common.settings.knobs import to_dict
 from trainer import resume, run_data
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
@@ -157,6 +158,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
 
     deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
     setup_logging(f"rank{rank}")
+    cfg = resolve_at_start(cfg, log, f"rank{rank}", producer="rank", ranks=world)  # auto values, said
     torch.manual_seed(cfg.seed + rank)
     out = Path(cfg.output_dir)
     if nodes.is_node_leader():  # every host keeps its own run directory (no shared filesystem assumed)

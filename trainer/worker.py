@@ -17,6 +17,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer, resolve_model_path
+from common.settings.gen_defaults import resolve_at_start
 from common.weights.sync import WeightSync
 from common.wire.client import RefServerError
 from trainer import resume, run_data
@@ -38,6 +39,7 @@ log = logging.getLogger("trainer")
 def genonly(cfg: GRPOConfig) -> None:
     """Generate-only worker: produce and upload rollouts until stopped (SIGTERM/SIGINT end it cleanly)."""
     setup_logging(f"worker{cfg.worker_id}")
+    cfg = resolve_at_start(cfg, log, f"worker{cfg.worker_id}", producer="worker")  # its first lines say them
     stop = {"now": False}
 
     def on_signal(signum, _frame):

@@ -12,6 +12,7 @@ PLAN_WORKER_ARGS[], PLAN_DS[], PLAN_TRAIN_ARGS[]: micro_batch_size/gradient_chec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -22,8 +23,9 @@ import sys
 from pathlib import Path
 
 from common.placement.memory_report import Report, memory_report
-from common.placement.plan import Placed, Plan, describe, plan_placement
+from common.placement.plan import Placed, Plan, describe, flag_word, plan_placement
 from common.settings.cli import ArgumentParser
+from common.settings.gen_defaults import SHOWN, resolve_generation
 
 
 def detect_gpus() -> tuple[list[int], str]:
@@ -63,7 +65,9 @@ def worker_launch(w: Placed) -> tuple[str, list[str]]:
     arguments: what `launch.sh train` and `launch.sh workers` start it with, and what --print-plan shows."""
     env = f"CUDA_VISIBLE_DEVICES={w.cuda_visible_devices}" if w.cuda_visible_devices is not None else ""
     extra = [] if not w.gpus else ["--device", w.device]
-    if w.vllm_gpu_memory_utilization is not None:
+    for k, v in w.gen:  # the generation settings resolved for its device (common/settings/gen_defaults.py)
+        extra += [f"--{k}", flag_word(v)]
+    if not w.gen and w.vllm_gpu_memory_utilization is not None:
         extra += ["--vllm_gpu_memory_utilization", f"{w.vllm_gpu_memory_utilization:g}"]
     if w.waits_for_ranks:  # shares a GPU with the ranks: vLLM profiles once they are up (docs/gpus.md)
         extra += ["--wait_for_ranks", str(w.waits_for_ranks)]
@@ -79,15 +83,21 @@ def plan_line(w: Placed) -> str:
 
 def plan_for(cfg, gpus: list[int], **kwargs) -> Plan:
     """plan_placement for a run's config: its vLLM fraction (when the user set one), whether the workers run vLLM,
-    GPUs per worker (vllm_tensor_parallel_size)."""
-    from common.config import GRPOConfig
-
+    GPUs per worker (vllm_tensor_parallel_size); then each worker's generation settings resolved for its device
+    (Placed.gen: what it is started with, what --print-plan shows)."""
     user_fraction = cfg.vllm_gpu_memory_utilization
-    if user_fraction == GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default:
+    if user_fraction == "auto":
         user_fraction = None  # not set by the user: the plan may lower it on a shared GPU
     vllm = cfg.gen_backend == "vllm"
-    return plan_placement(gpus, vllm_workers=vllm, vllm_fraction=user_fraction,
+    plan = plan_placement(gpus, vllm_workers=vllm, vllm_fraction=user_fraction,
                           tp=cfg.vllm_tensor_parallel_size if vllm else 1, **kwargs)
+    ranks = plan.num_ranks or None  # a worker host: its ranks run elsewhere (unknown here)
+    placed = []
+    for w in plan.workers:
+        wcfg, _ = resolve_generation(cfg, cuda=bool(w.gpus), producer="worker", ranks=ranks,
+                                     workers=len(plan.workers), gpu_share=w.vllm_gpu_memory_utilization)
+        placed.append(dataclasses.replace(w, gen=tuple((k, getattr(wcfg, k)) for k in SHOWN)))
+    return dataclasses.replace(plan, workers=tuple(placed))
 
 
 def check_torch(plan: Plan, how: str) -> None:
@@ -171,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[launch] placement: {e}", file=sys.stderr)
         return 2
     announce(plan, how, None)
-    memory = memory_report(cfg, plan, a.ref_model, a.ref_dtype) if plan.gpus else Report()  # CPU: no estimate
+    # the ranks' own generation (HF, when no worker batch is there in time) as resolved on their device
+    rank_cfg, _ = resolve_generation(cfg, cuda=bool(plan.gpus), producer="rank", ranks=plan.num_ranks)
+    memory = memory_report(rank_cfg, plan, a.ref_model, a.ref_dtype) if plan.gpus else Report()  # CPU: no estimate
     for line in memory.lines:
         print(f"[launch] {line}", file=sys.stderr)
     if memory.refusal:

@@ -42,6 +42,9 @@ class Placed:
     vllm_gpu_memory_utilization: float | None = None  # set only for a vLLM worker on a shared GPU
     shares_gpu_with: tuple[str, ...] = ()
     waits_for_ranks: int = 0         # a vLLM worker sharing a GPU with the ranks: ranks to wait for (0 = none)
+    # a worker's generation settings as resolved for its device (common/settings/gen_defaults.py), given to it as
+    # flags; ((name, value), ...), empty until common/placement/cli.py's plan_for fills it
+    gen: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"gpus": list(self.gpus), "mode": self.mode, "num_ranks": self.num_ranks,
                 "deepspeed_args": self.deepspeed_args, "idle_gpus": list(self.idle_gpus), "notes": list(self.notes),
-                "processes": [dict(asdict(p), gpus=list(p.gpus), shares_gpu_with=list(p.shares_gpu_with))
-                              for p in self.processes]}
+                "processes": [dict(asdict(p), gpus=list(p.gpus), shares_gpu_with=list(p.shares_gpu_with),
+                                   gen=dict(p.gen)) for p in self.processes]}
 
 
 def describe(plan: dict) -> str:
@@ -97,6 +100,8 @@ def describe(plan: dict) -> str:
             extra.append(f"vllm_gpu_memory_utilization {p['vllm_gpu_memory_utilization']:g}")
         if p["shares_gpu_with"]:
             extra.append("shares with " + ", ".join(p["shares_gpu_with"]))
+        if p.get("gen"):
+            extra.append(" ".join(f"{k} {flag_word(v)}" for k, v in p["gen"].items()))
         if p.get("waits_for_ranks"):
             extra.append(f"builds its engine once the {p['waits_for_ranks']} rank(s) are ready")
         lines.append(f"  {p['name']:<11} {where:<14} " + "; ".join(extra))
@@ -104,6 +109,11 @@ def describe(plan: dict) -> str:
         lines.append(f"  idle GPUs: {plan['idle_gpus']}")
     lines += [f"  note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
+
+
+def flag_word(v) -> str:
+    """A flag value as the command line takes it (true/false, 0.9)."""
+    return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _cpu_plan(workers: int, ranks: int | None, ref_device: str, start_ref: bool, pinned: bool,

@@ -16,6 +16,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("generation", "Rollouts: group size, lengths, sampling and the engine of the genonly workers.", [
         "num_pre_Q", "Q_batch_size", "max_prompt_length", "max_new_tokens", "temperature", "top_p", "top_k",
         "gen_backend", "gen_batch_size", "compute_gen_logps", "worker_dtype", "vllm_dtype", "vllm_eager",
+        "vllm_enable_prefix_caching",
         "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_cpu_threads_bind",
         "vllm_tensor_parallel_size"]),
     ("tools", "Multi-turn rollouts: tools the model calls while it generates (docs/tools.md).", [
