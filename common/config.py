@@ -15,17 +15,17 @@ from common.settings.generation_options import GenerationOptions
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
 from common.settings.sections import SECTIONS
+from common.settings.start_options import StartOrder
 
 
 @dataclass
-class GRPOConfig(ModelLoading, GenerationOptions, ConfigChecks):
+class GRPOConfig(ModelLoading, GenerationOptions, StartOrder, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
-    validate() and the rules it checks: common/settings/checks.py."""
+    validate() and the rules it checks: common/settings/checks.py; more fields: the mixins of common/settings/."""
 
     ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/settings/trl_aliases.py)
     HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
-    # (model loading: common/settings/model_options.py; generation sizes: common/settings/generation_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "

@@ -110,7 +110,7 @@ def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
     if shutil.which("nvidia-smi") or torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    gpus, how = detect_gpus()
+    gpus, how, _ = detect_gpus()
     assert gpus == [] and "CUDA_VISIBLE_DEVICES=1" in how
 
 
@@ -177,7 +177,8 @@ def test_print_plan_gives_each_gpu_worker_cuda_graphs_and_prefix_caching(tmp_pat
     assert len(workers) == 2 and all(line.endswith(gen(32)) for line in workers), workers  # 256 seqs / 8
     assert "vllm_eager false vllm_enable_prefix_caching true Q_batch_size 32" in proc.stderr
     own = plan_of(tmp_path, 4, "--workers", "1", "--", "--gen_backend", "vllm", "--vllm_eager", "true",
-                  "--vllm_enable_prefix_caching", "false", "--Q_batch_size", "5", "--vllm_gpu_memory_utilization", "0.7")
+                  "--vllm_enable_prefix_caching", "false", "--Q_batch_size", "5",
+                  "--vllm_gpu_memory_utilization", "0.7")
     assert own.returncode == 0, own.stderr
     assert "--vllm_eager true --vllm_enable_prefix_caching false --Q_batch_size 5 --vllm_gpu_memory_utilization " \
            "0.7" in own.stdout

@@ -13,6 +13,7 @@ from trainer.engines.hf import HFEngine
 from trainer.objective.update import truncated_mask
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
+from trainer.start_order import WorkersStarting
 
 RANK_PRODUCER = "trainer-rank"  # producer_id prefix of the batches a rank generates itself (+ its rank)
 
@@ -78,6 +79,7 @@ class BatchSource:
         self.stall = StallReporter(producer_id, cfg.log_stall_every)  # says so when every group is skipped
         self.idle_since = time.time()
         self.rejected_in_a_row = 0  # reset by a usable batch; max_rejected_batches of them end the run
+        self.starting = WorkersStarting(cfg, client)  # workers on our GPU still starting: not generating meanwhile
         self.watchdog = None  # trainer/health.py Watchdog: told what we wait for (its stall diagnosis says it)
 
     def _doing(self, what: str) -> None:
@@ -179,6 +181,8 @@ class BatchSource:
 
     def _may_generate(self) -> bool:
         cfg = self.cfg
+        if cfg.num_gen_workers and self.starting.still_starting():
+            return False  # a vLLM worker on our GPU is profiling its memory: our allocations would break it
         return cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - self.idle_since > cfg.get_wait)
 
     def _generate(self, policy_version: int, info: dict, gen: RolloutStats) -> None:

@@ -40,7 +40,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("workers and sync", "The ref server, genonly workers and the policy weights they get.", [
         "ref_server", "ref_token", "ref_timeout", "num_gen_workers", "get_wait", "max_staleness", "sync_steps",
         "sync_delta", "sync_delta_max_share", "sync_dir", "worker_rounds", "worker_max_queued", "worker_id",
-        "device", "weight_fetch_retries", "wait_for_ranks", "wait_for_ranks_timeout"]),
+        "device", "weight_fetch_retries", "wait_for_ranks", "wait_for_ranks_timeout", "start_after",
+        "gen_wait_for_workers"]),
     ("health", "Stalls, dead peers and bad batches: found, named, stopped.", [
         "stall_warn", "stall_timeout", "max_rejected_batches", "dist_timeout", "heartbeat_s"]),
 ]
