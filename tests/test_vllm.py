@@ -55,6 +55,14 @@ def test_eos_and_truncation_rules(probe):
     assert probe["n_truncated"] > 0 and probe["n_stopped"] > 0  # both outcomes exercised
 
 
+def test_each_prompt_gets_its_own_token_budget_with_prefix_caching_on(probe):
+    """Issue 42: max_new_tokens as one budget per prompt (one SamplingParams each); prefix caching is the default
+    (and the logprobs still equal the trainer's after a weight sync: test_logprobs_equal_trainer_after_sync...)."""
+    short, long = probe["budget_lengths"][:2], probe["budget_lengths"][2:]
+    assert max(short) <= 3 < max(long) <= 7, probe["budget_lengths"]
+    assert probe["prefix_caching"] is True
+
+
 def test_a_model_vllm_cannot_serve_gets_a_clear_error(probe):
     assert "vLLM cannot serve model" in probe["bad_model_error"] and "gen_backend='hf'" in probe["bad_model_error"]
 
