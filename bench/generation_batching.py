@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--long-prompt-tokens", type=int, default=600, help="prompt length of the prefix-cache test")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--only", choices=("batched", "prefix"), default=None, help="measure one of the two")
     args = p.parse_args()
     if args.smoke:
         args.prompts, args.new_tokens, args.long_prompt_tokens, args.repeats = 4, 8, 64, 1
@@ -95,12 +96,16 @@ def main() -> None:
                                                         "vllm_gpu_memory_utilization")}
         on.generate(prompts_of(g, 2, 16), 2, max_new_tokens=4)  # warm-up
         step = cfg.Q_batch_size
-        r = take_turns("batched", {
+        r = {"step_per_call": 1.0, "prompt_per_call": 1.0} if args.only == "prefix" else take_turns("batched", {
             "step_per_call": lambda _: timed(on, prompts_of(g, step, 24), 8, args.new_tokens, step),
             "prompt_per_call": lambda _: timed(on, prompts_of(g, step, 24), 8, args.new_tokens, 1)}, args.repeats)
-        out["tok_s_step_per_call"], out["tok_s_prompt_per_call"] = round(r["step_per_call"], 1), \
-            round(r["prompt_per_call"], 1)
-        out["batched_speedup"] = round(r["step_per_call"] / r["prompt_per_call"], 2)
+        if args.only != "prefix":
+            out["tok_s_step_per_call"], out["tok_s_prompt_per_call"] = round(r["step_per_call"], 1), \
+                round(r["prompt_per_call"], 1)
+            out["batched_speedup"] = round(r["step_per_call"] / r["prompt_per_call"], 2)
+        if args.only == "batched":
+            print(json.dumps(out))
+            return
         off, _ = engine_for(path, args, vllm_enable_prefix_caching=False)
         off.generate(prompts_of(g, 2, 16), 2, max_new_tokens=4)
         long = args.long_prompt_tokens

