@@ -11,19 +11,21 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from common.settings.checks import LOSS_TYPES, ConfigChecks
+from common.settings.generation_options import GenerationOptions
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
 from common.settings.sections import SECTIONS
 from common.settings.spin import SpinLimits
+from common.settings.start_options import StartOrder
 from common.settings.tool_options import ToolOptions
 from common.settings.trl_options import TRLOptions
 
 
 @dataclass
-class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, SpinLimits, ConfigChecks):
+class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, StartOrder, SpinLimits, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
-    validate() and the rules it checks: common/settings/checks.py."""
+    validate() and the rules it checks: common/settings/checks.py; more fields: the mixins of common/settings/."""
 
     ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/settings/trl_aliases.py)
     HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
@@ -81,7 +83,6 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, SpinLimits, ConfigChecks
                                 "generates one itself (0 = wait for workers only).")
     # --- GRPO -----------------------------------------------------------------------
     num_pre_Q: int = knob(8, "Completions sampled per question (group size).")
-    Q_batch_size: int = knob(1, "Questions per generation round (one uploaded batch per question).")
     train_batch_groups: int = knob(1, "Scored batches (groups) concatenated into one training batch.")
     max_prompt_length: int = knob(512, "Prompts longer than this (tokens) are skipped and counted.")
     max_new_tokens: int = knob(512, "Maximum completion length.")
@@ -170,7 +171,6 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, SpinLimits, ConfigChecks
     num_completions_to_print: int | None = knob(None, "With log_completions: rows printed per logged step "
                                                       "(None = all, as TRL; 0 = none; the file gets all).")
     log_every: int = knob(1, "Write a metrics row every N steps.")
-    gen_batch_size: int = knob(64, "Max sequences generated in one HF generate call.")
     worker_rounds: int = knob(0, "genonly: stop after this many generation rounds (0 = run until stopped).")
     worker_max_queued: int = knob(8, "genonly: pause while the server already holds this many batches "
                                      "(queued + scored): rollouts stay fresh instead of piling up stale.")
@@ -214,11 +214,8 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, SpinLimits, ConfigChecks
                          "top_p/top_k: the checkpoint's generation_config (repetition_penalty, ...) is ignored.")
     vllm_dtype: str = knob("auto", "vLLM weights dtype: auto (the checkpoint's), bfloat16, float16 or float32 "
                                    "(float32 for exact logprob agreement with the trainer).")
-    vllm_eager: bool = knob(True, "vLLM enforce_eager: no graph capture/compilation (faster start; on CPU the "
-                                  "compiled mode was not faster in our measurements).")
     vllm_max_model_len: int | None = knob(None, "vLLM max model length (prompt + completion); default "
                                                 "max_prompt_length + max_new_tokens.")
-    vllm_gpu_memory_utilization: float = knob(0.5, "vLLM share of GPU memory for weights + KV cache (CUDA only).")
     vllm_tensor_parallel_size: int = knob(1, "TRL name: GPUs one vLLM worker spans (vLLM's tensor_parallel_size, "
                                              "for a model too big for one GPU). launch.sh's placement gives each "
                                              "worker this many GPUs of its own (docs/gpus.md).")

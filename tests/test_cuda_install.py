@@ -21,6 +21,8 @@ import check_cuda  # noqa: E402  (scripts/ is no package: setup.sh runs it as a 
 
 PIN = check_cuda.pinned(REPO / "constraints-cuda.txt", "torch")
 VLLM = check_cuda.pinned(REPO / "requirements-vllm-cuda.txt", "vllm")
+PIN12 = check_cuda.pinned(REPO / "constraints-cuda12.txt", "torch")
+VLLM12 = check_cuda.pinned(REPO / "requirements-vllm-cuda12.txt", "vllm")
 
 
 def fake_smi(tmp_path, driver: str | None, gpus: int = 2):
@@ -49,8 +51,8 @@ def test_constraints_pin_the_torch_of_a_known_cuda_version():
     assert check_cuda.PYPI_TORCH_CUDA[PIN] == "13.0"
 
 
-@pytest.mark.parametrize("driver", ["535.104.05", "570.133.20"])
-def test_a_driver_older_than_580_stops_setup_and_says_what_to_do(tmp_path, driver):
+@pytest.mark.parametrize("driver", ["535.104.05", "549.1"])
+def test_a_driver_older_than_550_stops_setup_and_says_what_to_do(tmp_path, driver):
     proc = check(fake_smi(tmp_path, driver))
     assert proc.returncode == 2, proc.stderr
     msg = proc.stderr.strip()
@@ -58,6 +60,26 @@ def test_a_driver_older_than_580_stops_setup_and_says_what_to_do(tmp_path, drive
     assert f"NVIDIA driver {driver} is too old for torch==2.14.0 (the torch vllm==0.33.0 requires)" in msg
     assert "CUDA 13.0" in msg and "driver >= 580" in msg and "Upgrade the driver" in msg
     assert 'GRPO_NO_VLLM=1 GRPO_TORCH="torch==2.10.0" bash scripts/setup.sh' in msg  # the CUDA 12 way, named
+    assert ">= 550 for the CUDA 12 set with vllm==0.19.1" in msg
+
+
+@pytest.mark.parametrize("driver", ["550.54.15", "570.133.20", "575.1"])
+def test_a_driver_of_550_to_579_gets_the_cuda_12_set_with_vllm(tmp_path, driver):
+    """Issue 42: the second pinned set, picked by the driver and named (stdout: what setup.sh reads)."""
+    proc = check(fake_smi(tmp_path, driver), "--print-set")
+    assert proc.returncode == 0 and proc.stdout == "cuda12\n", proc.stderr
+    assert f"NVIDIA driver {driver}: the cuda12 set (constraints-cuda12.txt + requirements-vllm-cuda12.txt): fits " \
+           "torch==2.10.0 (the torch vllm==0.19.1 requires), built for CUDA 12.8" in proc.stderr
+    assert check(fake_smi(tmp_path, driver), "--print-set", "--torch", "torch==2.14.0").returncode == 2  # CUDA 13
+    newest = check(fake_smi(tmp_path, "580.65.06"), "--print-set")
+    assert newest.stdout == "cuda\n" and "the cuda set (constraints-cuda.txt" in newest.stderr
+    asked = check(fake_smi(tmp_path, "580.65.06"), "--print-set", "--torch", "torch==2.10.0")
+    assert asked.returncode == 0 and asked.stdout == "cuda12\n"  # GRPO_TORCH naming the CUDA 12 torch picks its set
+
+
+def test_the_cuda_12_set_pins_the_torch_its_vllm_requires():
+    assert check_cuda.pinned(REPO / "constraints-cuda12.txt", "torch") == "2.10.0" == PIN12
+    assert VLLM12 == "0.19.1" and check_cuda.PYPI_TORCH_CUDA[PIN12] == "12.8"
 
 
 def test_a_driver_too_old_for_cuda_12_as_well_is_told_to_upgrade_only(tmp_path):
@@ -69,7 +91,8 @@ def test_a_driver_too_old_for_cuda_12_as_well_is_told_to_upgrade_only(tmp_path):
 def test_a_driver_of_580_or_newer_fits(tmp_path, driver):
     proc = check(fake_smi(tmp_path, driver))
     assert proc.returncode == 0, proc.stderr
-    assert f"NVIDIA driver {driver}: fits torch==2.14.0" in proc.stderr and "CUDA 13.0" in proc.stderr
+    assert f"NVIDIA driver {driver}: the cuda set" in proc.stderr and "fits torch==2.14.0" in proc.stderr \
+        and "CUDA 13.0" in proc.stderr
     have = metadata.version("torch")  # the venv running the check: a torch of another version gets replaced
     assert (f"torch {have} in this venv is replaced by torch==2.14.0" in proc.stderr) == (have.split("+")[0] != PIN)
 
@@ -120,20 +143,35 @@ def test_setup_checks_the_driver_first_then_installs_the_pinned_set(tmp_path):
     proc, calls = run_setup(tmp_path, "580.65.06")
     assert proc.returncode == 0, proc.stderr
     assert calls == ["pip install --upgrade pip setuptools wheel",
-                     "scripts/check_cuda.py",
+                     "scripts/check_cuda.py --print-set",
                      "pip install -c constraints-cuda.txt torch",  # the pinned torch at once: no newest first
                      "pip install -c constraints-cuda.txt -r requirements.txt -r requirements-vllm-cuda.txt",
                      "pip install -c constraints-cuda.txt --no-deps -e ."], proc.stderr
-    assert "NVIDIA driver 580.65.06: fits torch==2.14.0" in proc.stderr
+    assert "NVIDIA driver 580.65.06: the cuda set" in proc.stderr and "fits torch==2.14.0" in proc.stderr
+
+
+def test_setup_on_a_570_driver_installs_the_cuda_12_set_with_vllm(tmp_path):
+    proc, calls = run_setup(tmp_path, "570.133.20")
+    assert proc.returncode == 0, proc.stderr
+    assert calls == ["pip install --upgrade pip setuptools wheel",
+                     "scripts/check_cuda.py --print-set",
+                     "pip install -c constraints-cuda12.txt torch",
+                     f"pip install -c constraints-cuda12.txt -r {tmp_path}/venv/.requirements-cuda12.txt "
+                     "-r requirements-vllm-cuda12.txt",
+                     "pip install -c constraints-cuda12.txt --no-deps -e ."], proc.stderr
+    assert "[setup] CUDA set: cuda12 (constraints-cuda12.txt, requirements-vllm-cuda12.txt)" in proc.stderr
+    base = (tmp_path / "venv" / ".requirements-cuda12.txt").read_text()  # vllm 0.19.1's numba pin, not ours
+    assert "numba==" not in base and "numpy==" not in base and "transformers==" in base
 
 
 def test_setup_stops_before_any_torch_download_on_an_old_driver_or_another_torch(tmp_path):
     proc, calls = run_setup(tmp_path / "old", "535.104.05")
     assert proc.returncode == 2 and "NVIDIA driver 535.104.05 is too old" in proc.stderr
-    assert calls == ["pip install --upgrade pip setuptools wheel", "scripts/check_cuda.py"]
+    assert calls == ["pip install --upgrade pip setuptools wheel", "scripts/check_cuda.py --print-set"]
     proc, calls = run_setup(tmp_path / "other", "580.65.06", GRPO_TORCH="torch==2.13.0")
     assert proc.returncode == 2 and 'GRPO_TORCH="torch==2.13.0" conflicts with torch==2.14.0' in proc.stderr
-    assert calls == ["pip install --upgrade pip setuptools wheel", "scripts/check_cuda.py --torch torch==2.13.0"]
+    assert calls == ["pip install --upgrade pip setuptools wheel",
+                     "scripts/check_cuda.py --print-set --torch torch==2.13.0"]
     proc, calls = run_setup(tmp_path / "pinned", "580.65.06", GRPO_TORCH="torch==2.14.0")
     assert proc.returncode == 0 and "pip install -c constraints-cuda.txt torch==2.14.0" in calls, proc.stderr
 
@@ -178,6 +216,41 @@ def test_registry_the_cuda_set_resolves_around_the_pinned_torch(tmp_path):
     assert got["torch"]["version"] == PIN and got["vllm"]["version"] == VLLM
     assert f"torch=={PIN}" in [r.split(";")[0].replace(" ", "") for r in got["vllm"]["requires_dist"]]
     assert cuda_of(got["torch"]["requires_dist"]) == check_cuda.PYPI_TORCH_CUDA[PIN] == "13.0"
+
+
+@pytest.mark.registry
+def test_registry_the_cuda_12_set_resolves_and_its_vllm_has_the_api_the_engine_uses(tmp_path):
+    """The CUDA 12 set resolves as the CUDA 13 one does, and vllm 0.19.1's own source (its wheel, `pip download
+    --no-deps`) has what trainer/engines/vllm.py calls: LLM.collective_rpc, reset_prefix_cache, apply_model; the
+    worker's reload_weights(weights_iterator=...); ModelConfig logprobs_mode with processed_logprobs; CacheConfig
+    enable_prefix_caching; generation_config "vllm"; SamplingParams detokenize (docs/install.md lists them)."""
+    import zipfile
+    own = {re.split(r"\s*==", line)[0].lower() for line in
+           (REPO / "constraints-cuda12.txt").read_text().splitlines() if "==" in line and not line.startswith("#")}
+    base = tmp_path / "requirements.txt"  # as setup.sh installs it for this set: without the set's own pins
+    base.write_text("\n".join(line for line in (REPO / "requirements.txt").read_text().splitlines()
+                              if line.split("==")[0].strip().lower() not in own) + "\n")
+    got = pip_report(tmp_path, "-c", "constraints-cuda12.txt", "-r", str(base), "-r",
+                     "requirements-vllm-cuda12.txt", "torch")
+    assert got["torch"]["version"] == PIN12 and got["vllm"]["version"] == VLLM12
+    assert f"torch=={PIN12}" in [r.split(";")[0].replace(" ", "") for r in got["vllm"]["requires_dist"]]
+    assert cuda_of(got["torch"]["requires_dist"]) == check_cuda.PYPI_TORCH_CUDA[PIN12] == "12.8"
+    assert (got["numba"]["version"], got["numpy"]["version"]) == ("0.61.2", "2.2.6")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"vllm=={VLLM12}", "-d",
+                           str(tmp_path)], capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheel = zipfile.ZipFile(next(tmp_path.glob("vllm-*.whl")))
+    src = lambda path: wheel.read(path).decode()  # noqa: E731
+    llm = src("vllm/entrypoints/llm.py")
+    for fn in ("def collective_rpc(", "def reset_prefix_cache(", "def apply_model("):
+        assert fn in llm, fn
+    assert "def reload_weights(" in src("vllm/v1/worker/gpu_worker.py")
+    assert re.search(r"def reload_weights\(\s*self,\s*weights_iterator", src("vllm/v1/worker/gpu_model_runner.py"))
+    model = src("vllm/config/model.py")
+    assert "logprobs_mode: LogprobsMode" in model and '"processed_logprobs"' in model
+    assert 'generation_config: str = "auto"' in model
+    assert "enable_prefix_caching: bool" in src("vllm/config/cache.py")
+    assert "detokenize: bool" in src("vllm/sampling_params.py")
 
 
 def test_gpu_check_says_why_torch_sees_no_gpu(tmp_path, monkeypatch):

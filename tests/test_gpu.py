@@ -29,5 +29,5 @@ def test_gpu_check_tiny_runs_every_variant(tmp_path):
 
 def test_placement_sees_the_gpus_torch_sees():
     from common.placement.cli import detect_gpus
-    gpus, how = detect_gpus()
+    gpus, how, _ = detect_gpus()
     assert len(gpus) == torch.cuda.device_count(), how

@@ -16,6 +16,12 @@ from common.placement.plan import plan_placement
 
 
 # ------------------------------------------------------------------------------------- launch.sh's side
+def gen(q: int, frac: float = 0.9, eager: str = "false") -> str:
+    """A worker's generation flags as resolved for its device (common/settings/gen_defaults.py)."""
+    return (f" --vllm_eager {eager} --vllm_enable_prefix_caching true --Q_batch_size {q} "
+            f"--vllm_gpu_memory_utilization {frac:g}")
+
+
 def fake_smi(tmp_path, n: int):
     d = tmp_path / f"bin{n}"
     d.mkdir(exist_ok=True)
@@ -40,7 +46,7 @@ def test_launch_prints_the_plan_and_hands_it_to_each_process(tmp_path):
     proc = plan_of(tmp_path, 4, "--workers", "1", "--", "--model", "tiny", "--gen_backend", "vllm")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=3 --device cuda:0",
-                                        "worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0" + gen(6),
                                         "trainer: deepspeed --include localhost:0,1"]
     assert "placement: 4 GPU(s) [0, 1, 2, 3], each process on its own GPU" in proc.stderr
     assert not list(tmp_path.glob("runs")) and not (REPO / "runs" / "placement.json").exists()  # nothing started
@@ -49,7 +55,7 @@ def test_launch_prints_the_plan_and_hands_it_to_each_process(tmp_path):
 def test_launch_with_one_gpu_shares_it_and_sets_vllms_fraction(tmp_path):
     proc = plan_of(tmp_path, 1, "--workers", "1", "--", "--gen_backend", "vllm")
     assert proc.returncode == 0, proc.stderr
-    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0 --vllm_gpu_memory_utilization 0.3" in proc.stdout
+    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0" + gen(3, 0.3) in proc.stdout
     assert "trainer: deepspeed --include localhost:0" in proc.stdout and "only 1 GPU" in proc.stderr
 
 
@@ -58,8 +64,8 @@ def test_launch_flags_reach_the_plan(tmp_path):
                    "--ref-device", "cuda:4")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=4 --device cuda:0",
-                                        "worker0: CUDA_VISIBLE_DEVICES=6 --device cuda:0",
-                                        "worker1: CUDA_VISIBLE_DEVICES=7 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=6 --device cuda:0" + gen(6),
+                                        "worker1: CUDA_VISIBLE_DEVICES=7 --device cuda:0" + gen(6),
                                         "trainer: deepspeed --include localhost:0,1,2,3"]
     too_many = plan_of(tmp_path, 2, "--workers", "1")
     assert too_many.returncode == 2 and "--share-gpu" in too_many.stderr and not too_many.stdout
@@ -104,7 +110,7 @@ def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
     if shutil.which("nvidia-smi") or torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    gpus, how = detect_gpus()
+    gpus, how, _ = detect_gpus()
     assert gpus == [] and "CUDA_VISIBLE_DEVICES=1" in how
 
 
@@ -119,18 +125,18 @@ def workers_plan_of(tmp_path, n: int, *args: str) -> subprocess.CompletedProcess
 
 
 @pytest.mark.parametrize("n,args,want", [
-    (4, ["--workers", "4"], ["worker0: CUDA_VISIBLE_DEVICES=3 --device cuda:0",
-                             "worker1: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
-                             "worker2: CUDA_VISIBLE_DEVICES=1 --device cuda:0",
-                             "worker3: CUDA_VISIBLE_DEVICES=0 --device cuda:0"]),
+    (4, ["--workers", "4"], ["worker0: CUDA_VISIBLE_DEVICES=3 --device cuda:0" + gen(3),
+                             "worker1: CUDA_VISIBLE_DEVICES=2 --device cuda:0" + gen(3),
+                             "worker2: CUDA_VISIBLE_DEVICES=1 --device cuda:0" + gen(3),
+                             "worker3: CUDA_VISIBLE_DEVICES=0 --device cuda:0" + gen(3)]),
     (8, ["--workers", "2", "--first-id", "3", "--", "--gen_backend", "vllm", "--vllm_tensor_parallel_size", "4"],
-     ["worker3: CUDA_VISIBLE_DEVICES=4,5,6,7 --device cuda:0",
-      "worker4: CUDA_VISIBLE_DEVICES=0,1,2,3 --device cuda:0"]),
-    (8, ["--workers", "2", "--worker-gpus", "2,5"], ["worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0",
-                                                     "worker1: CUDA_VISIBLE_DEVICES=5 --device cuda:0"]),
+     ["worker3: CUDA_VISIBLE_DEVICES=4,5,6,7 --device cuda:0" + gen(3),
+      "worker4: CUDA_VISIBLE_DEVICES=0,1,2,3 --device cuda:0" + gen(3)]),
+    (8, ["--workers", "2", "--worker-gpus", "2,5"], ["worker0: CUDA_VISIBLE_DEVICES=2 --device cuda:0" + gen(3),
+                                                     "worker1: CUDA_VISIBLE_DEVICES=5 --device cuda:0" + gen(3)]),
     (4, ["--workers", "2", "--share-gpu", "--worker-gpus", "1,1", "--", "--gen_backend", "vllm"],
-     ["worker0: CUDA_VISIBLE_DEVICES=1 --device cuda:0 --vllm_gpu_memory_utilization 0.15",
-      "worker1: CUDA_VISIBLE_DEVICES=1 --device cuda:0 --vllm_gpu_memory_utilization 0.15"]),
+     ["worker0: CUDA_VISIBLE_DEVICES=1 --device cuda:0" + gen(3, 0.15),
+      "worker1: CUDA_VISIBLE_DEVICES=1 --device cuda:0" + gen(3, 0.15) + " --start_after worker0"]),
 ])
 def test_launch_workers_prints_each_workers_own_gpus(tmp_path, n, args, want):
     """`./launch.sh workers --print-plan` on a worker host with 4 or 8 GPUs: one line per worker, in the format of
@@ -154,9 +160,27 @@ def test_launch_train_gives_a_tensor_parallel_worker_its_gpus(tmp_path):
     proc = plan_of(tmp_path, 8, "--workers", "2", "--", "--gen_backend", "vllm", "--vllm_tensor_parallel_size", "2")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["ref_server: CUDA_VISIBLE_DEVICES=7 --device cuda:0",
-                                        "worker0: CUDA_VISIBLE_DEVICES=5,6 --device cuda:0",
-                                        "worker1: CUDA_VISIBLE_DEVICES=3,4 --device cuda:0",
+                                        "worker0: CUDA_VISIBLE_DEVICES=5,6 --device cuda:0" + gen(6),
+                                        "worker1: CUDA_VISIBLE_DEVICES=3,4 --device cuda:0" + gen(6),
                                         "trainer: deepspeed --include localhost:0,1,2"]
     one = plan_of(tmp_path, 1, "--workers", "1", "--", "--gen_backend", "vllm")
-    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0 --vllm_gpu_memory_utilization 0.3 --wait_for_ranks 1" \
+    assert "worker0: CUDA_VISIBLE_DEVICES=0 --device cuda:0" + gen(3, 0.3) + " --wait_for_ranks 1" \
         in one.stdout.splitlines()
+
+
+def test_print_plan_gives_each_gpu_worker_cuda_graphs_and_prefix_caching(tmp_path):
+    """Issue 42: on 4 (fake) H100s every worker is started with CUDA graphs (vllm_eager false) and prefix caching,
+    a step's prompts per call, 0.9 of its own GPU; on CPU eager; what the user sets is kept."""
+    proc = plan_of(tmp_path, 4, "--workers", "2", "--", "--gen_backend", "vllm", "--train_batch_groups", "32")
+    assert proc.returncode == 0, proc.stderr
+    workers = [line for line in proc.stdout.splitlines() if line.startswith("worker")]
+    assert len(workers) == 2 and all(line.endswith(gen(32)) for line in workers), workers  # 256 seqs / 8
+    assert "vllm_eager false vllm_enable_prefix_caching true Q_batch_size 32" in proc.stderr
+    own = plan_of(tmp_path, 4, "--workers", "1", "--", "--gen_backend", "vllm", "--vllm_eager", "true",
+                  "--vllm_enable_prefix_caching", "false", "--Q_batch_size", "5",
+                  "--vllm_gpu_memory_utilization", "0.7")
+    assert own.returncode == 0, own.stderr
+    assert "--vllm_eager true --vllm_enable_prefix_caching false --Q_batch_size 5 --vllm_gpu_memory_utilization " \
+           "0.7" in own.stdout
+    cpu = plan_of(tmp_path, 0, "--workers", "1", "--", "--gen_backend", "vllm")
+    assert "worker0: (environment unchanged) " + gen(2, eager="true").strip() in cpu.stdout.splitlines()

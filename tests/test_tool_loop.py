@@ -57,7 +57,7 @@ def test_ids_are_the_engine_turns_plus_the_template_tool_suffix_never_retokenise
         assert s.logprobs.tolist() == pytest.approx(lp(len(first)) + [0.0] * len(suffix) + lp(len(final)))
         assert not s.truncated
     # turn 2 was generated from exactly prompt + turn 1 + suffix: one batched call for both rollouts, n=1
-    assert eng.calls == [(1, 200), (2, 200 - len(first) - len(suffix))]
+    assert eng.calls == [(1, 200), (2, [200 - len(first) - len(suffix)] * 2)]
     assert fb.started == [0, 1] and fb.ended == [0, 1]  # one episode per rollout, ended
     assert messages[0][0]["tool_calls"] == [{"type": "function", "function": {"name": "mul",
                                                                               "arguments": {"a": 12, "b": 34}}}]
@@ -91,9 +91,28 @@ def test_a_tool_turn_that_does_not_fit_ends_the_rollout_truncated(tok):
     # room for part of the last turn: cut there, truncated, never more than max_new_tokens in all
     budget = len(first) + len(suffix) + 3
     eng, (samples, _, _) = run(tok, fb, [first, final], max_new_tokens=budget)
-    assert eng.calls[-1][1] == 3
+    assert eng.calls[-1][1] == [3, 3]
     assert all(len(s.completion_ids) == budget and s.truncated for s in samples)
     assert samples[0].completion_ids.tolist()[-3:] == final[:3]
+
+
+def test_each_rollout_generates_its_next_turn_within_its_own_remaining_tokens(tok):
+    """Issue 42: a tool round's call gives each rollout its own budget (before: the longest remaining one for all,
+    so a rollout with a longer first turn generated past its end and was cut)."""
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    first, final = turns(tok)
+    longer = spelled(tok, "<think> apples and pears ") + first[len(spelled(tok, "<think> apples ")):]
+
+    class TwoLengths(ScriptEngine):
+        def turn(self, prompt, index):
+            return (longer if index % 2 else first) if len(self.calls) == 1 else super().turn(prompt, index)
+
+    eng = TwoLengths(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "mul", "content": "408"}])
+    samples, _, _ = tool_rollouts(eng, tok, fb, [prompt(tok, fb)], 2, max_new_tokens=200, max_iterations=None)
+    assert len(longer) > len(first)
+    assert eng.calls[1] == (2, [200 - len(first) - len(suffix), 200 - len(longer) - len(suffix)])
+    assert [s.completion_ids.tolist() for s in samples] == [first + suffix + final, longer + suffix + final]
 
 
 def test_iteration_limit_and_no_limit(tok):

@@ -55,6 +55,14 @@ def test_eos_and_truncation_rules(probe):
     assert probe["n_truncated"] > 0 and probe["n_stopped"] > 0  # both outcomes exercised
 
 
+def test_each_prompt_gets_its_own_token_budget_with_prefix_caching_on(probe):
+    """Issue 42: max_new_tokens as one budget per prompt (one SamplingParams each); prefix caching is the default
+    (and the logprobs still equal the trainer's after a weight sync: test_logprobs_equal_trainer_after_sync...)."""
+    short, long = probe["budget_lengths"][:2], probe["budget_lengths"][2:]
+    assert max(short) <= 3 < max(long) <= 7, probe["budget_lengths"]
+    assert probe["prefix_caching"] is True
+
+
 def test_a_model_vllm_cannot_serve_gets_a_clear_error(probe):
     assert "vLLM cannot serve model" in probe["bad_model_error"] and "gen_backend='hf'" in probe["bad_model_error"]
 
@@ -103,3 +111,30 @@ def test_engine_failure_mid_run_is_engine_died(tiny_model_dir):
         eng.generate([[1, 2]], 2, max_new_tokens=4)
     with pytest.raises(EngineDied, match="failed to load new weights"):
         eng.load_weights([])
+
+
+def test_a_groups_long_prompt_is_prefilled_once_before_its_samples(tiny_model_dir):
+    """Issue 42: with prefix caching, each long prompt (>= WARM_MIN_TOKENS) of a call with n > 1 is generated once
+    (1 token) first, so its n child requests reuse its KV blocks instead of prefilling it together; short prompts,
+    n = 1 and prefix caching off make no extra call."""
+    from common.modeling import load_tokenizer
+    from trainer.engines.vllm import WARM_MIN_TOKENS, VLLMEngine
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params, use_tqdm=False):
+            self.calls.append(([len(p["prompt_token_ids"]) for p in prompts], getattr(params, "n", None),
+                               getattr(params, "max_tokens", None)))
+            return []
+
+    tok, long, short = load_tokenizer(str(tiny_model_dir)), [5] * WARM_MIN_TOKENS, [5] * 8
+    w = WARM_MIN_TOKENS
+    for caching, n, prompts, want in [(True, 4, [long, short], [([w], 1, 1), ([w, 8], 4, 3)]),
+                                      (True, 1, [long], [([w], 1, 3)]), (True, 4, [short], [([8], 4, 3)]),
+                                      (False, 4, [long], [([w], 4, 3)])]:
+        llm = Recorder()
+        eng = VLLMEngine(llm, tok, [0], temperature=1.0, top_p=1.0, top_k=0, prefix_caching=caching)
+        eng.generate(prompts, n, max_new_tokens=3)
+        assert llm.calls == want, (caching, n)

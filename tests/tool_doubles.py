@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.engines.base import GenEngine, Sample, cut_at_eos
+from trainer.engines.base import GenEngine, Sample, budgets, cut_at_eos
 
 
 def spelled(tok, text: str) -> list[int]:
@@ -33,13 +33,16 @@ class ScriptEngine(GenEngine):
         self.calls.append((len(prompt_ids), max_new_tokens))
         self.last_prompts = [list(p) for p in prompt_ids] if len(self.calls) == 1 else self.last_prompts
         out = []
-        for p in prompt_ids:
+        for p, limit in zip(prompt_ids, budgets(max_new_tokens, len(prompt_ids))):
             for _ in range(n):
-                k = min(p.count(self.response_id), len(self.turns) - 1)
-                ids, trunc = cut_at_eos(torch.tensor(self.turns[k]), self.eos_ids, max_new_tokens)
+                ids, trunc = cut_at_eos(torch.tensor(self.turn(p, len(out))), self.eos_ids, limit)
                 lp = -(torch.arange(len(ids), dtype=torch.float32) + 1) / 100 if self.with_logprobs else None
                 out.append(Sample(list(p), ids, lp, trunc))
         return out
+
+    def turn(self, prompt: list[int], index: int) -> list[int]:
+        """The turn for this context (index: its place in the call)."""
+        return self.turns[min(prompt.count(self.response_id), len(self.turns) - 1)]
 
 
 # --- the tool runtime's face (trainer/tools): ToolCall, ToolResult, ToolBox ---------------------------------------

@@ -106,6 +106,12 @@ def main() -> None:
     res["eos_rules_ok"] = eos_rules_ok(samples, engine.eos_ids, 12)
     res["n_truncated"] = sum(s.truncated for s in samples)
     res["n_stopped"] = sum(not s.truncated for s in samples)
+    # one budget per prompt (tool rounds, issue 42): one rare stop id (the last of the vocabulary), so the samples
+    # run to their own budget (one stopping earlier is allowed; the test asks for the bounds)
+    engine.eos_ids = [engine.llm.llm_engine.model_config.get_vocab_size() - 1]
+    samples = engine.generate(prompts[:2], 2, max_new_tokens=[3, 7])
+    res["budget_lengths"] = [len(s.completion_ids) for s in samples]
+    res["prefix_caching"] = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     # a model vLLM cannot serve: a clear error naming it, not a crash deep inside vLLM
     bad = work / "bad_model"
     shutil.copytree(model_dir, bad, dirs_exist_ok=True)

@@ -13,6 +13,7 @@ from trainer.engines.hf import HFEngine
 from trainer.objective.update import truncated_mask
 from trainer.rollout import RolloutStats, generate_batches
 from trainer.stall import StallReporter
+from trainer.start_order import WorkersStarting
 
 RANK_PRODUCER = "trainer-rank"  # producer_id prefix of the batches a rank generates itself (+ its rank)
 
@@ -72,12 +73,14 @@ class BatchSource:
         self.lockstep = lockstep
         self.engine = HFEngine(model, tokenizer, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                gen_batch_size=cfg.gen_batch_size, synced_gpus=lockstep,
-                               extra=cfg.sampling_extras())
+                               extra=cfg.sampling_extras(),
+                               seq_len=cfg.max_prompt_length + cfg.max_new_tokens)  # batches to its GPU's memory
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
         self.stall = StallReporter.from_config(producer_id, cfg)  # says so when every group is skipped; exit 7
         self.idle_since = time.time()
         self.rejected_in_a_row = 0  # reset by a usable batch; max_rejected_batches of them end the run
+        self.starting = WorkersStarting(cfg, client)  # workers on our GPU still starting: not generating meanwhile
         self.watchdog = None  # trainer/health.py Watchdog: told what we wait for (its stall diagnosis says it)
 
     def _doing(self, what: str) -> None:
@@ -179,6 +182,8 @@ class BatchSource:
 
     def _may_generate(self) -> bool:
         cfg = self.cfg
+        if cfg.num_gen_workers and self.starting.still_starting():
+            return False  # a vLLM worker on our GPU is profiling its memory: our allocations would break it
         return cfg.num_gen_workers == 0 or (cfg.get_wait > 0 and time.time() - self.idle_since > cfg.get_wait)
 
     def _generate(self, policy_version: int, info: dict, gen: RolloutStats) -> None:

@@ -20,6 +20,7 @@ import torch
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.run_record import drop_incomplete
+from common.settings.gen_defaults import resolve_at_start
 from common.settings.knobs import to_dict
 from trainer import resume, run_data
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
@@ -158,6 +159,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
 
     deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
     setup_logging(f"rank{rank}")
+    cfg = resolve_at_start(cfg, log, f"rank{rank}", producer="rank", ranks=world)  # auto values, said
     torch.manual_seed(cfg.seed + rank)
     out = Path(cfg.output_dir)
     examples = run_data.train_examples(cfg)

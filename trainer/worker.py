@@ -17,6 +17,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer, resolve_model_path
+from common.settings.gen_defaults import resolve_at_start
 from common.weights.sync import WeightSync
 from common.wire.client import RefServerError
 from trainer import resume, run_data
@@ -29,6 +30,7 @@ from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.runtime import make_client, setup_logging
 from trainer.stall import StallReporter
+from trainer.start_order import started_workers
 from trainer.tools import ToolBox
 from trainer.tools.loop import add_tool_totals
 
@@ -38,6 +40,7 @@ log = logging.getLogger("trainer")
 def genonly(cfg: GRPOConfig) -> None:
     """Generate-only worker: produce and upload rollouts until stopped (SIGTERM/SIGINT end it cleanly)."""
     setup_logging(f"worker{cfg.worker_id}")
+    cfg = resolve_at_start(cfg, log, f"worker{cfg.worker_id}", producer="worker")  # its first lines say them
     stop = {"now": False}
 
     def on_signal(signum, _frame):
@@ -62,6 +65,8 @@ def genonly(cfg: GRPOConfig) -> None:
     toolbox = ToolBox.from_config(cfg, tok)  # None without tools; this worker's own tool process, closed at the end
     if cfg.wait_for_ranks:
         wait_for_ranks(client, cfg)
+    if cfg.start_after:  # earlier vLLM workers on this GPU: one profiling at a time
+        wait_for_workers(client, cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
     syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
@@ -158,5 +163,32 @@ def wait_for_ranks(client, cfg: GRPOConfig, poll: float = 0.5) -> None:
             log.error("worker%d: %d trainer rank(s) not ready after %.0f s (%s); this worker shares a GPU with them "
                       "and builds its engine only once they are (wait_for_ranks_timeout, docs/gpus.md)", cfg.worker_id,
                       n, cfg.wait_for_ranks_timeout, last)
+            raise SystemExit(1)
+        time.sleep(poll)
+
+
+def wait_for_workers(client, cfg: GRPOConfig, poll: float = 0.5) -> None:
+    """Block until the workers in cfg.start_after have their engines up (trainer/start_order.py); past
+    cfg.wait_for_ranks_timeout, exit non-zero naming the missing ones."""
+    names, t0, beat_at = sorted(cfg.start_after), time.monotonic(), 0.0
+    log.info("waiting for %s to start before this worker builds its engine: they share its GPU and vLLM profiles "
+             "one process at a time (start_after; at most %.0f s)", ", ".join(names), cfg.wait_for_ranks_timeout)
+    missing = names
+    while True:
+        try:
+            if time.monotonic() >= beat_at:
+                client.heartbeat(f"waiting for {', '.join(names)} to start (shares their GPU)")
+                beat_at = time.monotonic() + cfg.heartbeat_s
+            up = started_workers(client.status(timeout=10), fresh_s=2 * cfg.heartbeat_s + 5)
+            missing = [n for n in names if n not in up]
+            if not missing:
+                log.info("%s up after %.1f s: building the engine now", ", ".join(names), time.monotonic() - t0)
+                return
+        except RefServerError as e:  # the server answered /health already: a hiccup, keep asking
+            log.info("GET /status failed while waiting for workers: %s", e)
+        if time.monotonic() - t0 > cfg.wait_for_ranks_timeout:
+            log.error("worker%d: %s not up after %.0f s; this worker shares a GPU with them and builds its engine only "
+                      "once they are (start_after, wait_for_ranks_timeout, docs/gpus.md)", cfg.worker_id,
+                      ", ".join(missing), cfg.wait_for_ranks_timeout)
             raise SystemExit(1)
         time.sleep(poll)

@@ -12,6 +12,7 @@ PLAN_WORKER_ARGS[], PLAN_DS[], PLAN_TRAIN_ARGS[]: micro_batch_size/gradient_chec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -22,17 +23,62 @@ import sys
 from pathlib import Path
 
 from common.placement.memory_report import Report, memory_report
-from common.placement.plan import Placed, Plan, describe, plan_placement
+from common.placement.plan import Placed, Plan, describe, flag_word, plan_placement
 from common.settings.cli import ArgumentParser
+from common.settings.gen_defaults import SHOWN, resolve_generation
 
 
-def detect_gpus() -> tuple[list[int], str]:
-    """(physical GPU indices this launcher may use, how they were found). `nvidia-smi -L` when it is on PATH
-    (no CUDA initialised here), else torch; CUDA_VISIBLE_DEVICES, when set, narrows them to its indices."""
+def smi_uuids(text: str) -> tuple[list[int], dict[str, int]]:
+    """`nvidia-smi -L` -> (physical GPU indices, {GPU or MIG UUID: its GPU's index})."""
+    found, uuids, gpu = [], {}, None
+    for line in text.splitlines():
+        m = re.match(r"GPU (\d+):.*?(?:\(UUID: (GPU-[^)\s]+)\))?\s*$", line)
+        if m:
+            gpu = int(m.group(1))
+            found.append(gpu)
+            if m.group(2):
+                uuids[m.group(2)] = gpu
+            continue
+        m = re.match(r"\s+MIG .*\(UUID: (MIG-[^)\s]+)\)", line)
+        if m and gpu is not None:
+            uuids[m.group(1)] = gpu
+    return found, uuids
+
+
+def visible_gpus(visible: str, found: list[int], uuids: dict[str, int]) -> tuple[list[int], dict[int, str]]:
+    """CUDA_VISIBLE_DEVICES as indices (0,1), GPU UUIDs (GPU-8f2b..., a unique prefix is enough, as CUDA takes)
+    or MIG instances (MIG-..., MIG-GPU-<uuid>/gi/ci) -> (the plan's GPU numbers, {number: the name a process is
+    given}). A whole GPU named by UUID becomes its index; a MIG instance keeps its name (it is not a GPU index)
+    and gets a number of its own past the physical GPUs."""
+    out, names = [], {}
+    for i, v in enumerate(x.strip() for x in visible.split(",") if x.strip()):
+        if v.isdigit():
+            if int(v) in found:
+                out.append(int(v))
+            continue
+        hits = sorted({g for u, g in uuids.items() if u.startswith(v) and u.startswith("GPU-")}) if \
+            v.startswith("GPU-") else []
+        if v.startswith("GPU-") and len(hits) == 1:
+            out.append(hits[0])
+        elif v.startswith("MIG-") and (v in uuids or v[4:].split("/")[0] in uuids):
+            slot = max(found, default=-1) + 1 + i  # a number no physical GPU has
+            out.append(slot)
+            names[slot] = v
+        else:
+            raise ValueError(f"CUDA_VISIBLE_DEVICES names {v!r}, which `nvidia-smi -L` does not list (as a GPU index, "
+                             f"a GPU UUID or a MIG instance)" + (" unambiguously" if len(hits) > 1 else ""))
+    return out, names
+
+
+def detect_gpus() -> tuple[list[int], str, dict[int, str]]:
+    """(GPU numbers this launcher may use, how they were found, {number: CUDA_VISIBLE_DEVICES name} for MIG
+    instances). `nvidia-smi -L` when it is on PATH (no CUDA initialised here), else torch; CUDA_VISIBLE_DEVICES,
+    when set, narrows them (indices, GPU UUIDs or MIG instances: visible_gpus)."""
     smi = shutil.which("nvidia-smi")
+    uuids: dict[str, int] = {}
     if smi:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
-        found = [int(m.group(1)) for m in re.finditer(r"^GPU (\d+):", out.stdout, re.M)] if out.returncode == 0 else []
+        found, uuids = smi_uuids(out.stdout) if out.returncode == 0 else ([], {})
         how = f"nvidia-smi -L ({smi})" if out.returncode == 0 else \
             f"nvidia-smi -L failed (exit {out.returncode}: {out.stderr.strip()[:200]}), so no GPU is used"
     else:
@@ -40,15 +86,29 @@ def detect_gpus() -> tuple[list[int], str]:
         found, how = list(range(torch.cuda.device_count())), "torch.cuda.device_count() (no nvidia-smi on PATH)"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return found, how
+        return found, how, {}
     items = [v.strip() for v in visible.split(",") if v.strip()]
+    if smi:  # nvidia-smi lists physical GPUs (and their UUIDs): keep the visible ones
+        gpus, names = visible_gpus(visible, found, uuids)
+        return gpus, f"{how}, narrowed by CUDA_VISIBLE_DEVICES={visible}", names
     if not all(v.isdigit() for v in items):
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r}: the placement plan needs GPU indices (0,1,...), "
-                         f"not UUIDs or MIG names")
-    if smi:  # nvidia-smi lists physical GPUs: keep the visible ones
-        return [g for g in found if str(g) in items], f"{how}, narrowed by CUDA_VISIBLE_DEVICES={visible}"
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs by UUID or MIG instance: the placement plan "
+                         f"maps them with `nvidia-smi -L`, which is not on PATH")
     # torch counted the visible GPUs already: the first len(found) of them exist (none without CUDA)
-    return [int(v) for v in items][:len(found)], f"{how}, CUDA_VISIBLE_DEVICES={visible}"
+    return [int(v) for v in items][:len(found)], f"{how}, CUDA_VISIBLE_DEVICES={visible}", {}
+
+
+def named(plan: Plan, names: dict[int, str]) -> Plan:
+    """The plan with MIG instances given by name (CUDA_VISIBLE_DEVICES=MIG-...). DeepSpeed's --include takes GPU
+    indices only, so ranks on a MIG instance are refused (run them on whole GPUs, or only workers on this host)."""
+    if not names:
+        return plan
+    if plan.ranks and any(g in names for g in plan.ranks.gpus):
+        raise ValueError("the trainer ranks would run on MIG instances, which deepspeed --include cannot name: give "
+                         "the ranks whole GPUs (--rank-gpus), or run only workers here (launch.sh workers)")
+    fix = lambda p: p if p is None or not p.gpus else dataclasses.replace(  # noqa: E731
+        p, cuda_visible_devices=",".join(names.get(g, str(g)) for g in p.gpus))
+    return dataclasses.replace(plan, ref=fix(plan.ref), workers=tuple(fix(w) for w in plan.workers))
 
 
 def gpu_list(text: str) -> list[int]:
@@ -63,10 +123,14 @@ def worker_launch(w: Placed) -> tuple[str, list[str]]:
     arguments: what `launch.sh train` and `launch.sh workers` start it with, and what --print-plan shows."""
     env = f"CUDA_VISIBLE_DEVICES={w.cuda_visible_devices}" if w.cuda_visible_devices is not None else ""
     extra = [] if not w.gpus else ["--device", w.device]
-    if w.vllm_gpu_memory_utilization is not None:
+    for k, v in w.gen:  # the generation settings resolved for its device (common/settings/gen_defaults.py)
+        extra += [f"--{k}", flag_word(v)]
+    if not w.gen and w.vllm_gpu_memory_utilization is not None:
         extra += ["--vllm_gpu_memory_utilization", f"{w.vllm_gpu_memory_utilization:g}"]
     if w.waits_for_ranks:  # shares a GPU with the ranks: vLLM profiles once they are up (docs/gpus.md)
         extra += ["--wait_for_ranks", str(w.waits_for_ranks)]
+    if w.starts_after:  # shares a GPU with earlier vLLM workers: starts once they are up
+        extra += ["--start_after", ",".join(w.starts_after)]
     return env, extra
 
 
@@ -79,15 +143,21 @@ def plan_line(w: Placed) -> str:
 
 def plan_for(cfg, gpus: list[int], **kwargs) -> Plan:
     """plan_placement for a run's config: its vLLM fraction (when the user set one), whether the workers run vLLM,
-    GPUs per worker (vllm_tensor_parallel_size)."""
-    from common.config import GRPOConfig
-
+    GPUs per worker (vllm_tensor_parallel_size); then each worker's generation settings resolved for its device
+    (Placed.gen: what it is started with, what --print-plan shows)."""
     user_fraction = cfg.vllm_gpu_memory_utilization
-    if user_fraction == GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default:
+    if user_fraction == "auto":
         user_fraction = None  # not set by the user: the plan may lower it on a shared GPU
     vllm = cfg.gen_backend == "vllm"
-    return plan_placement(gpus, vllm_workers=vllm, vllm_fraction=user_fraction,
+    plan = plan_placement(gpus, vllm_workers=vllm, vllm_fraction=user_fraction,
                           tp=cfg.vllm_tensor_parallel_size if vllm else 1, **kwargs)
+    ranks = plan.num_ranks or None  # a worker host: its ranks run elsewhere (unknown here)
+    placed = []
+    for w in plan.workers:
+        wcfg, _ = resolve_generation(cfg, cuda=bool(w.gpus), producer="worker", ranks=ranks,
+                                     workers=len(plan.workers), gpu_share=w.vllm_gpu_memory_utilization)
+        placed.append(dataclasses.replace(w, gen=tuple((k, getattr(wcfg, k)) for k in SHOWN)))
+    return dataclasses.replace(plan, workers=tuple(placed))
 
 
 def check_torch(plan: Plan, how: str) -> None:
@@ -162,16 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.gpus is not None and a.gpus < 1:
             raise ValueError(f"--gpus {a.gpus}: a run needs at least one rank")
-        gpus, how = detect_gpus()
-        plan = plan_for(cfg, gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device, start_ref=not a.no_ref,
-                        worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus, share=a.share_gpu)
+        gpus, how, names = detect_gpus()
+        plan = named(plan_for(cfg, gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device,
+                              start_ref=not a.no_ref, worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus,
+                              share=a.share_gpu), names)
         if a.check_torch:
             check_torch(plan, how)
     except ValueError as e:
         print(f"[launch] placement: {e}", file=sys.stderr)
         return 2
     announce(plan, how, None)
-    memory = memory_report(cfg, plan, a.ref_model, a.ref_dtype) if plan.gpus else Report()  # CPU: no estimate
+    # the ranks' own generation (HF, when no worker batch is there in time) as resolved on their device
+    rank_cfg, _ = resolve_generation(cfg, cuda=bool(plan.gpus), producer="rank", ranks=plan.num_ranks)
+    memory = memory_report(rank_cfg, plan, a.ref_model, a.ref_dtype) if plan.gpus else Report()  # CPU: no estimate
     for line in memory.lines:
         print(f"[launch] {line}", file=sys.stderr)
     if memory.refusal:
@@ -180,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         write_plan(plan, how, a.json)
     print(shell_vars(plan, cfg.cli_args() + cfg.reward_model_server_args()))  # the ref server holds the reward models
-    print(f"PLAN_TRAIN_ARGS=({' '.join(shlex.quote(x) for x in memory.trainer_args)})")  # values picked to fit
+    train_args = memory.trainer_args + (["--gen_wait_for_workers", ",".join(plan.ranks_wait_for)]
+                                        if plan.ranks_wait_for else [])  # not generating while they start
+    print(f"PLAN_TRAIN_ARGS=({' '.join(shlex.quote(x) for x in train_args)})")  # values picked to fit
     return 0
 
 

@@ -106,7 +106,8 @@ def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict
     for w in plan.workers:
         g = w.gpus[0]
         if cfg.gen_backend == "vllm":
-            frac = w.vllm_gpu_memory_utilization or cfg.vllm_gpu_memory_utilization
+            frac = dict(w.gen).get("vllm_gpu_memory_utilization") or w.vllm_gpu_memory_utilization or \
+                cfg.vllm_gpu_memory_utilization
             weights = shape.params() * _dtype_bytes(cfg.vllm_dtype)
             total = mem[g] if mem and g in mem else None
             said = (f"vLLM reserves {frac:g} x the GPU" + (f" = {gib(frac * total)} GiB (weights {gib(weights)}, "
@@ -118,8 +119,9 @@ def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict
                 short.append(w.name)
             others.setdefault(g, []).append((w.name, need, said))
         else:
+            q = dict(w.gen).get("Q_batch_size", cfg.Q_batch_size)  # the worker's own round (its HF engine caps it)
             parts = with_context(hf_worker_parts(shape, _dtype_bytes(cfg.worker_dtype),
-                                                 min(cfg.gen_batch_size, cfg.Q_batch_size * cfg.num_pre_Q), seq), True)
+                                                 min(cfg.gen_batch_size, q * cfg.num_pre_Q), seq), True)
             others.setdefault(g, []).append((w.name, sum(parts.values()), describe_parts(parts)))
     return others, short
 

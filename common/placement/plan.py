@@ -20,7 +20,9 @@ it under "placement" in GET /status). The rules:
   the vLLM workers there, or the user's own value when they set one and it fits.
 - A vLLM worker on a GPU the ranks also use waits for the ranks to be ready before it builds its engine
   (`waits_for_ranks`, the worker's --wait_for_ranks): vLLM's memory profiling fails when another process frees
-  GPU memory meanwhile, which a rank does while it initialises (docs/gpus.md). On GPUs of its own nothing waits.
+  GPU memory meanwhile, which a rank does while it initialises (docs/gpus.md); and the ranks do not generate for
+  themselves until it is up (`ranks_wait_for`, their --gen_wait_for_workers). vLLM workers sharing a GPU start one
+  after the other (`starts_after`, --start_after). On GPUs of its own nothing waits.
 Each process sees only its GPUs (CUDA_VISIBLE_DEVICES), so inside it its first GPU is cuda:0.
 """
 from __future__ import annotations
@@ -42,6 +44,10 @@ class Placed:
     vllm_gpu_memory_utilization: float | None = None  # set only for a vLLM worker on a shared GPU
     shares_gpu_with: tuple[str, ...] = ()
     waits_for_ranks: int = 0         # a vLLM worker sharing a GPU with the ranks: ranks to wait for (0 = none)
+    # a worker's generation settings as resolved for its device (common/settings/gen_defaults.py), given to it as
+    # flags; ((name, value), ...), empty until common/placement/cli.py's plan_for fills it
+    gen: tuple[tuple[str, object], ...] = ()
+    starts_after: tuple[str, ...] = ()  # a vLLM worker: earlier vLLM workers on its GPU(s), up before it starts
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,11 @@ class Plan:
         return ["--include", "localhost:" + ",".join(map(str, self.ranks.gpus))]
 
     @property
+    def ranks_wait_for(self) -> tuple[str, ...]:
+        """Workers on the ranks' GPUs: the ranks do not generate for themselves while these are starting."""
+        return tuple(w.name for w in self.workers if w.waits_for_ranks)
+
+    @property
     def idle_gpus(self) -> tuple[int, ...]:
         used = {g for p in self.processes for g in p.gpus}
         return tuple(g for g in self.gpus if g not in used)
@@ -75,8 +86,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"gpus": list(self.gpus), "mode": self.mode, "num_ranks": self.num_ranks,
                 "deepspeed_args": self.deepspeed_args, "idle_gpus": list(self.idle_gpus), "notes": list(self.notes),
-                "processes": [dict(asdict(p), gpus=list(p.gpus), shares_gpu_with=list(p.shares_gpu_with))
-                              for p in self.processes]}
+                "processes": [dict(asdict(p), gpus=list(p.gpus), shares_gpu_with=list(p.shares_gpu_with),
+                                   gen=dict(p.gen), starts_after=list(p.starts_after)) for p in self.processes]}
 
 
 def describe(plan: dict) -> str:
@@ -97,13 +108,22 @@ def describe(plan: dict) -> str:
             extra.append(f"vllm_gpu_memory_utilization {p['vllm_gpu_memory_utilization']:g}")
         if p["shares_gpu_with"]:
             extra.append("shares with " + ", ".join(p["shares_gpu_with"]))
+        if p.get("gen"):
+            extra.append(" ".join(f"{k} {flag_word(v)}" for k, v in p["gen"].items()))
         if p.get("waits_for_ranks"):
             extra.append(f"builds its engine once the {p['waits_for_ranks']} rank(s) are ready")
+        if p.get("starts_after"):
+            extra.append(f"starts after {', '.join(p['starts_after'])} (same GPU)")
         lines.append(f"  {p['name']:<11} {where:<14} " + "; ".join(extra))
     if plan["idle_gpus"]:
         lines.append(f"  idle GPUs: {plan['idle_gpus']}")
     lines += [f"  note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
+
+
+def flag_word(v) -> str:
+    """A flag value as the command line takes it (true/false, 0.9)."""
+    return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _cpu_plan(workers: int, ranks: int | None, ref_device: str, start_ref: bool, pinned: bool,
@@ -248,8 +268,10 @@ def _assemble(gpus, mode, start_ref, ref_g, work_g, rank_g, notes, vllm_workers,
     num_ranks = len(rank_g or ())
     # vLLM profiles its GPUs' free memory at start: where the ranks initialise on one of them, it waits for them
     waits = lambda gs: num_ranks if vllm_workers and any("ranks" in users[g] for g in gs) else 0
-    workers = tuple(Placed(name, gs, "cuda:0", ",".join(map(str, gs)), fraction(gs), others(name, gs), waits(gs))
-                    for name, gs in work_g)
+    # vLLM workers sharing a GPU start one after the other: each one's profiling must not overlap another's start
+    after = lambda i, gs: tuple(n for n, hs in work_g[:i] if vllm_workers and set(hs) & set(gs))
+    workers = tuple(Placed(name, gs, "cuda:0", ",".join(map(str, gs)), fraction(gs), others(name, gs), waits(gs),
+                           starts_after=after(i, gs)) for i, (name, gs) in enumerate(work_g))
     ranks = None if rank_g is None else Placed("ranks", tuple(rank_g), "cuda", None, None, others("ranks", rank_g))
     shared = [g for g in gpus if len(users.get(g, [])) > 1]
     if shared:

@@ -38,7 +38,8 @@ class ConfigChecks(RewardSources, RewardModels):
         self.resolve_warmup()  # against the final all_steps (every source merged); num_train_epochs: at train time
         checks = self.trl_checks() + [
             (self.num_pre_Q >= 2, "num_pre_Q must be >= 2 (a group needs a spread)"),
-            (self.Q_batch_size >= 1, "Q_batch_size must be >= 1"),
+            (self.Q_batch_size == "auto" or self.Q_batch_size >= 1, "Q_batch_size must be >= 1 (or auto)"),
+            (self.gen_batch_size == "auto" or self.gen_batch_size >= 1, "gen_batch_size must be >= 1 (or auto)"),
             (self.advantage_mode in ("grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"),
              f"unknown advantage_mode {self.advantage_mode!r}"),
             (self.aggregation in ("seq_mean", "token_mean", "dr_grpo", "dapo", "luspo"),
@@ -79,7 +80,8 @@ class ConfigChecks(RewardSources, RewardModels):
             (self.vllm_dtype in ("auto", "bfloat16", "float16", "float32"),
              f"unknown vllm_dtype {self.vllm_dtype!r}; use auto, bfloat16, float16 or float32"),
             (self.vllm_max_model_len is None or self.vllm_max_model_len >= 2, "vllm_max_model_len must be >= 2"),
-            (0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]"),
+            (self.vllm_gpu_memory_utilization == "auto" or 0 < self.vllm_gpu_memory_utilization <= 1,
+             "vllm_gpu_memory_utilization must be in (0, 1] (or auto)"),
             (self.vllm_kv_cache_gb > 0, "vllm_kv_cache_gb must be > 0"),
             (self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size must be >= 1 (GPUs per vLLM worker)"),
             (self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 (or null = off)"),

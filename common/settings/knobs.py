@@ -37,12 +37,17 @@ def knob(default: Any, help: str, **kw: Any) -> Any:
 
 
 def _base_type(tp: Any) -> Any:
-    """Optional[X] -> X; list -> list."""
+    """Optional[X] -> X; X | Literal["auto"] -> X; list -> list."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        args = [a for a in typing.get_args(tp) if a is not type(None) and typing.get_origin(a) is not typing.Literal]
         return args[0]
     return origin or tp
+
+
+def _words(tp: Any) -> tuple[str, ...]:
+    """The literal words a field takes besides its type: X | Literal["auto"] -> ("auto",)."""
+    return tuple(w for a in typing.get_args(tp) if typing.get_origin(a) is typing.Literal for w in typing.get_args(a))
 
 
 def parse_bool(s: str) -> bool:
@@ -74,6 +79,13 @@ def parse_dict(s: str) -> dict:
 def _converter(tp: Any, optional: bool):
     base = _base_type(tp)
     conv = {bool: parse_bool, int: int, float: float, str: str, list: _parse_list, dict: parse_dict}[base]
+    words = _words(tp)
+    if words:  # e.g. --Q_batch_size auto: resolved later (common/settings/gen_defaults.py)
+        typed = conv
+
+        def conv(s: str) -> Any:
+            return s.strip().lower() if s.strip().lower() in words else typed(s)
+        conv.__name__ = f"{base.__name__} or {' or '.join(words)}"  # argparse's "invalid ... value" names it
     if optional:
         return lambda s: None if s.strip().lower() in ("none", "null") else conv(s)
     return conv
@@ -114,7 +126,7 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
             optional = type(None) in typing.get_args(tp)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             g.add_argument(f"--{f.name}", dest=f.name, type=_converter(tp, optional), default=argparse.SUPPRESS,
-                           metavar=_base_type(tp).__name__.upper(),
+                           metavar="|".join((_base_type(tp).__name__.upper(), *_words(tp))),
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
     if _has_aliases(cls):
         text = ("TRL's names, mapped to ours (common/settings/trl_aliases.py; docs/trl.md); giving both names of one "
@@ -140,6 +152,8 @@ def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
     optional = type(None) in typing.get_args(tp)
     if value is None and optional:
         return None
+    if isinstance(value, str) and value in _words(tp):
+        return value
     base = _base_type(tp)
     if isinstance(value, dict) and dict in typing.get_args(tp):  # str | dict | None: environment_factory's object
         return value
@@ -150,7 +164,7 @@ def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
     if base in (bool, int, float, str, list, dict):
         ok = isinstance(value, base) and not (base is int and isinstance(value, bool))
         if not ok:
-            want = base.__name__ + (" or null" if optional else "")
+            want = base.__name__ + "".join(f" or {w!r}" for w in _words(tp)) + (" or null" if optional else "")
             raise ValueError(f"{source}: field {name!r} must be {want}, got {value!r} ({type(value).__name__})")
     return value
 

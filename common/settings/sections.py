@@ -18,6 +18,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "num_pre_Q", "Q_batch_size", "max_prompt_length", "max_new_tokens", "temperature", "top_p", "top_k",
         "min_p", "repetition_penalty", "generation_kwargs",
         "gen_backend", "gen_batch_size", "compute_gen_logps", "worker_dtype", "vllm_dtype", "vllm_eager",
+        "vllm_enable_prefix_caching",
         "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "vllm_cpu_threads_bind",
         "vllm_tensor_parallel_size"]),
     ("tools", "Multi-turn rollouts: tools the model calls while it generates (docs/tools.md).", [
@@ -42,7 +43,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("workers and sync", "The ref server, genonly workers and the policy weights they get.", [
         "ref_server", "ref_token", "ref_timeout", "num_gen_workers", "get_wait", "max_staleness", "sync_steps",
         "sync_delta", "sync_delta_max_share", "sync_dir", "worker_rounds", "worker_max_queued", "worker_id",
-        "device", "weight_fetch_retries", "wait_for_ranks", "wait_for_ranks_timeout"]),
+        "device", "weight_fetch_retries", "wait_for_ranks", "wait_for_ranks_timeout", "start_after",
+        "gen_wait_for_workers"]),
     ("health", "Stalls, dead peers and bad batches: found, named, stopped.", [
         "stall_warn", "stall_timeout", "max_rejected_batches", "max_skipped_prompts", "none_reward_groups",
         "dist_timeout", "heartbeat_s"]),

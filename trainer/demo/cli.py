@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from common.config import GRPOConfig
+    from common.settings.gen_defaults import on_cuda, resolve_generation
     from common.settings.knobs import load_config_or_exit
     from trainer.metrics import read_metrics
 
@@ -180,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
     cfg = load_config_or_exit(GRPOConfig, trainer_args + extra, prog="./launch.sh demo --")
     a.data = cfg.data
-    eval_bs = a.eval_batch_size or (a.own["eval_batch_size"] if a.tiny else cfg.gen_batch_size)
+    gen_bs = cfg.gen_batch_size if cfg.gen_batch_size != "auto" else \
+        resolve_generation(cfg, cuda=on_cuda(cfg.device))[0].gen_batch_size  # this device's, as the run's
+    eval_bs = a.eval_batch_size or (a.own["eval_batch_size"] if a.tiny else gen_bs)
     eval_limit = a.eval_limit or ((a.quick_sizes if a.quick else a.own)["eval_limit"] if a.tiny else cfg.eval_limit)
 
     log.banner(f"{'Tool use' if a.tools else 'R1'} in miniature: run dir {run_dir}")

@@ -155,12 +155,12 @@ def worker_plan(args: argparse.Namespace, cfg_args: list[str], extra: list[str])
     RUN_DIR/placement.json when the workers start."""
     from common.config import GRPOConfig
     from common.settings.knobs import load_config
-    from common.placement.cli import announce, check_torch, detect_gpus, plan_for
+    from common.placement.cli import announce, check_torch, detect_gpus, named, plan_for
 
     cfg = load_config(GRPOConfig, [*cfg_args, *extra])
-    gpus, how = detect_gpus()
-    plan = plan_for(cfg, gpus, workers=args.workers, ranks=0, start_ref=False, worker_gpus=args.worker_gpus,
-                    share=args.share_gpu, first_worker=args.first_id)
+    gpus, how, names = detect_gpus()
+    plan = named(plan_for(cfg, gpus, workers=args.workers, ranks=0, start_ref=False, worker_gpus=args.worker_gpus,
+                          share=args.share_gpu, first_worker=args.first_id), names)
     if not args.print_plan:
         check_torch(plan, how)
     announce(plan, how, None if args.print_plan else str(Path(caller_path(args.run_dir)) / "placement.json"))

@@ -29,7 +29,9 @@ BACKENDS = ("hf", "vllm")
 
 
 def make_engine(cfg, model_path: str, *, model=None, tokenizer=None) -> GenEngine:
-    """The engine `cfg.gen_backend` names. HF can wrap a live model (trainer ranks); vLLM loads its own."""
+    """The engine `cfg.gen_backend` names. HF can wrap a live model (trainer ranks); vLLM loads its own.
+    Generation settings still `auto` (a cfg built in code) are resolved for the device by each engine's from_config,
+    as at a worker's start (common/settings/gen_defaults.py)."""
     if cfg.gen_backend == "hf":
         from trainer.engines.hf import HFEngine
         return HFEngine.from_config(cfg, model_path, model=model, tokenizer=tokenizer)

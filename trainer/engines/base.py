@@ -44,6 +44,15 @@ def cut_at_eos(ids: torch.Tensor, eos_ids: list[int], max_new_tokens: int) -> tu
     return ids, True
 
 
+def budgets(max_new_tokens: int | list[int], prompts: int) -> list[int]:
+    """One token budget per prompt, from one for all or a list (its length checked)."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * prompts
+    if len(max_new_tokens) != prompts:
+        raise ValueError(f"{len(max_new_tokens)} token budgets for {prompts} prompts")
+    return list(max_new_tokens)
+
+
 def ignored_generation_settings(generation_config) -> dict:
     """The checkpoint's sampling settings that we switch off (anything not neutral, except ours)."""
     if generation_config is None:
@@ -62,8 +71,10 @@ class GenEngine:
     """The face every engine shows the rest of the trainer."""
     eos_ids: list[int]
 
-    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int,
+    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int | list[int],
                  greedy: bool = False) -> list[Sample]:
+        """n samples per prompt, prompt-major. max_new_tokens: one budget for all, or one per prompt (tool rounds:
+        each rollout's own remaining tokens)."""
         raise NotImplementedError
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

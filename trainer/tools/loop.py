@@ -140,7 +140,8 @@ def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[i
             if not go:
                 break
             ctx = [rolls[i].prompt_ids + rolls[i].ids for i in active]
-            budget = max((max_new_tokens - len(rolls[i].ids) for i in active), default=1)
+            # each rollout its own remaining tokens: a short one is not generated past its end (and then cut)
+            budget = [max_new_tokens - len(rolls[i].ids) for i in active]
             outs = engine.generate(ctx, 1, max_new_tokens=budget, greedy=greedy)
             turns = list(zip(active, outs))
         for r, env_reward in zip(rolls, toolbox.episode_rewards(episodes)):  # TRL: read before the episodes end
