@@ -13,18 +13,19 @@ from typing import ClassVar
 from common.settings.checks import LOSS_TYPES, ConfigChecks
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
+from common.settings.save_options import Saving
 from common.settings.sections import SECTIONS
 
 
 @dataclass
-class GRPOConfig(ModelLoading, ConfigChecks):
+class GRPOConfig(ModelLoading, Saving, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
     validate() and the rules it checks: common/settings/checks.py."""
 
     ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/settings/trl_aliases.py)
     HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
-    # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/settings/model_options.py)
+    # (trust_remote_code, ..., model_init_kwargs: common/settings/model_options.py; save_strategy: save_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "
