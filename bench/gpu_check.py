@@ -112,11 +112,15 @@ def probes(model: Path, a, size: dict, clock: Clock, env: dict, work: Path) -> d
            "--seconds", str(seconds)]
     limit, t, err = clock.left() - TAIL_RESERVE_S, time.time(), ""
     if limit > 0:
-        try:
-            out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-            err = "" if out.returncode == 0 else f"exit {out.returncode}: {out.stderr[-1500:]}"
-        except subprocess.TimeoutExpired:
-            err = f"cut at the deadline after {time.time() - t:.0f} s"
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+            try:
+                proc.wait(timeout=limit)
+                log.seek(0)
+                err = "" if proc.returncode == 0 else f"exit {proc.returncode}: {log.read()[-1500:]}"
+            except subprocess.TimeoutExpired:
+                err = f"cut at the deadline after {time.time() - t:.0f} s"
+                stop(proc)
     else:
         err = "not started: no time left before the deadline"
     res = {}
@@ -127,6 +131,16 @@ def probes(model: Path, a, size: dict, clock: Clock, env: dict, work: Path) -> d
         if not f.is_file():
             write(work, f"probe-{what}", res[what])
     return res
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """TERM (the probe leaves through its `finally` blocks, releasing what it holds), KILL if it lingers."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def child_env(device: str) -> dict:

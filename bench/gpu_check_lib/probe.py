@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -155,6 +156,10 @@ def write(out: Path | None, name: str, doc: dict) -> None:
 
 
 def main() -> None:
+    # A cut (bench/gpu_check.py's deadline) sends TERM: leave through `finally` blocks, so a lock held at that moment
+    # is released (DeepSpeed's CPU init JIT-loads its shm op under torch's file baton, and a baton left behind by a
+    # killed process makes every later DeepSpeed CPU process on the machine wait for it forever).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

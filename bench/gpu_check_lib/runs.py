@@ -209,6 +209,7 @@ def run_variant(name: str, model: Path, work: Path, device: str, steps: int, max
     res["checkpoint_dirs"] = sorted(p.name for p in run.glob("*") if p.is_dir() and (
         p.name == "final" or p.name == "ds" or p.name.startswith("step_")))
     res["ok"] = proc.returncode == 0 and not cut and res["steps_done"] == steps
+    res["figures_complete"] = res["steps_done"] == steps  # a run cut while it shut down still measured every step
     if cut:
         res["error"] = f"cut at the deadline after {res['wall_s']} s ({res['steps_done']}/{steps} steps logged)"
     elif proc.returncode != 0:
