@@ -150,6 +150,10 @@ def child_env(device: str) -> dict:
     if device == "cpu":  # the CPU plan, even on a GPU machine; one thread per process on shared cores
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 2) - 1, 0)}")
+        # DeepSpeed's CPU comm JIT-builds its shm op; torch keys the build folder by Python and torch only, while
+        # the build line names this venv's include path: venvs sharing ~/.cache/torch_extensions rebuild it in turn
+        # (minutes on 2 cores), each under a lock the others wait on. One build folder per venv.
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     else:
         env.pop("DS_ACCELERATOR", None)
     return env
@@ -209,14 +213,16 @@ def main() -> int:
         runs.append(r)
         write(work, f"variant-{name}", r)
         say(f"{name}: {json.dumps({k: r.get(k) for k in SHOWN})}")
-    vllm_runs = [r for r in runs if r.get("gen_backend") == "vllm" and r.get("logp_mismatch_max") is not None]
+    # the trainer-vs-engine figure of the vLLM variant (an HF engine's where vLLM does not import: said which)
+    vllm_runs = [r for r in runs if r["variant"] == "zero2_vllm" and r.get("logp_mismatch_max") is not None]
     rel = results["update"].get("zero3_vs_zero2_rel_diff")
     summary = {
         "device": stack["device"], "deadline_s": clock.deadline, "wall_s": round(clock.elapsed(), 1),
         "install_s": stack["install_s"], "within_deadline": clock.elapsed() <= clock.deadline,
         "zero3_vs_zero2_rel_diff": rel, "zero3_vs_zero2_ok": rel is not None and rel <= 1e-3,
         "logp_mismatch_max": max((r["logp_mismatch_max"] for r in vllm_runs), default=None),
-        "logp_mismatch_max_note": None if vllm_runs else "no vLLM run finished a step: no trainer-vs-engine figure",
+        "logp_mismatch_engine": vllm_runs[0]["gen_backend"] if vllm_runs else None,
+        "logp_mismatch_max_note": None if vllm_runs else "no zero2_vllm step logged: no trainer-vs-engine figure",
         "hf_tokens_per_s": results["hf"].get("tokens_per_s"), "mfu": results["hf"].get("mfu"),
         "runs_ok": [r["variant"] for r in runs if r.get("ok")],
         "runs_cut": [r["variant"] for r in runs if r.get("cut")],
