@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_lib.cuda_why import nvidia_driver, why_no_cuda  # noqa: E402,F401  (tests/test_cuda_install.py)
-from gpu_check_lib.runs import VARIANTS, run_variant, stack_versions, start_vllm_import, vllm_imported  # noqa: E402,E501
+from gpu_check_lib.runs import STOP_GRACE_S, VARIANTS, run_variant, stack_versions, start_vllm_import, vllm_imported  # noqa: E402,E501
 
 SIZES = {  # the model of each device: Qwen2.5-0.5B's shape on a GPU; the same vocabulary, a tiny body on CPU
     "cuda": dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, dtype="bfloat16"),
@@ -110,7 +110,7 @@ def probes(model: Path, a, size: dict, clock: Clock, env: dict, work: Path) -> d
     cmd = [sys.executable, str(PROBE), str(model), "--device", a.device, "--out", str(work), "--lr", str(a.probe_lr),
            "--prompt", str(prompt), "--completion", str(completion), "--rows", str(rows), "--seq", str(seq),
            "--seconds", str(seconds)]
-    limit, t, err = clock.left() - TAIL_RESERVE_S, time.time(), ""
+    limit, t, err = clock.left() - TAIL_RESERVE_S - STOP_GRACE_S, time.time(), ""
     if limit > 0:
         with tempfile.TemporaryFile("w+") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -137,7 +137,7 @@ def stop(proc: subprocess.Popen) -> None:
     """TERM (the probe leaves through its `finally` blocks, releasing what it holds), KILL if it lingers."""
     proc.terminate()
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -208,8 +208,9 @@ def main() -> int:
     say(f"versions: {json.dumps(stack)}")
     runs = []
     for name in names:
-        r = run_variant(name, model, work, a.device, steps, size["max_new_tokens"], clock.left() - TAIL_RESERVE_S,
-                        env, stack["vllm"] is not None, checkpoint=name == "zero3_micro_packed")
+        limit = clock.left() - TAIL_RESERVE_S - STOP_GRACE_S  # what is left, less the time a cut takes
+        r = run_variant(name, model, work, a.device, steps, size["max_new_tokens"], limit, env,
+                        stack["vllm"] is not None, checkpoint=name == "zero3_micro_packed")
         runs.append(r)
         write(work, f"variant-{name}", r)
         say(f"{name}: {json.dumps({k: r.get(k) for k in SHOWN})}")

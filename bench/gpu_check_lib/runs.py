@@ -21,6 +21,7 @@ VARIANTS = {  # trainer flags of each run; the rank trains bf16 weights in all o
     "zero3_micro_packed": ["--zero_stage", "3", "--bf16", "true", "--micro_batch_size", "3", "--padding_free", "true"],
     "lora": ["--zero_stage", "2", "--bf16", "true", "--lora_r", "16", "--lora_alpha", "32"],
 }
+STOP_GRACE_S = 20.0  # a cut run's launch.sh gets this long to stop what it started (TERM), then KILL
 GEN_RE = re.compile(r"generated (\d+) tokens in ([\d.]+) s")
 EST_RE = re.compile(r"^\[launch\]\s{2,}(ref_server|worker\d+|ranks)\s+(.*)$", re.M)
 GIB_RE = re.compile(r"= ([\d.]+) GiB")
@@ -195,7 +196,7 @@ def run_variant(name: str, model: Path, work: Path, device: str, steps: int, max
             cut = True
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
