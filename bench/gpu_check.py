@@ -81,7 +81,10 @@ def install_wheels(wheels: Path, clock: Clock) -> float:
     cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-index", "--no-deps",
            "--upgrade", "--target", str(site), *whl]
     print(f"[gpu_check] installing {len(whl)} wheels offline into {site}", file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, timeout=max(clock.left(), 30))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(clock.left(), 30))
+    if out.returncode != 0:  # e.g. wheels gathered for another Python (gpu_check_wheels.py --python-version)
+        why = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        raise SystemExit(f"--wheels {wheels}: the offline install failed: {why}")
     return time.time() - t
 
 

@@ -134,6 +134,8 @@ def estimate(launch_err: str, model: Path, cmd: list[str], device: str) -> dict:
         from common.placement.memory_report import memory_report
         from common.settings.knobs import load_config
         cfg = load_config(GRPOConfig, cmd[cmd.index("--") + 1:], prog="trainer/main.py")
+        if not Path(cfg.ds_config).is_absolute():  # launch.sh runs from the checkout; this may not
+            cfg.ds_config = str(REPO / cfg.ds_config)
         rep = memory_report(cfg, plan_for(cfg, [0], workers=1, ranks=1))
         lines = [f"[launch] {ln}" for ln in rep.lines]
         source = ("launch.sh prints none without a GPU: common/placement/memory_report.py for a 1-GPU plan of the "
