@@ -206,7 +206,7 @@ def main() -> int:
     results = probes(model, a, size, clock, env, work)  # first: the figures a short window must not lose
     for what, r in results.items():
         say(f"probe {what}: {json.dumps(r)[:400]}")
-    stack.update(vllm_imported(vllm_check))
+    stack.update(vllm_imported(vllm_check, timeout=max(min(180.0, clock.left() - TAIL_RESERVE_S), 1.0)))
     write(work, "versions", stack)
     say(f"versions: {json.dumps(stack)}")
     runs = []
