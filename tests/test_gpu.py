@@ -1,4 +1,4 @@
-"""Tests that need CUDA: the GPU check's reduced form on the real GPU, and the placement plan from the real
+"""Tests that need CUDA: the GPU check (bench/gpu_check.py) on the real GPU, and the placement plan from the real
 nvidia-smi. Marked `gpu` (pytest -m gpu runs only these); skipped, with the reason, where CUDA is absent (CI).
 The full check (bench/gpu_check.py: ZeRO-2 + vLLM, ZeRO-3 micro-batches packed, LoRA on Qwen2.5-0.5B's shape, the
 update probe, the HF reference loop) runs here as on a lent GPU."""
