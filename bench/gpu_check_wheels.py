@@ -1,9 +1,9 @@
 """Gather, here, the wheels the GPU check (bench/gpu_check.py) needs on a bare GPU machine, and say the one command
 that installs them there and runs the check.
 
-The bare machine has torch, transformers, peft and accelerate (and what they pull in) but none of our other pins,
-and no internet. The wheels to carry are our runtime pins (requirements.txt minus test/lint tools and the parts
-the check does not use) with their dependency closure, minus the closure of the preinstalled four: shipping a
+The bare machine has torch, transformers, peft, accelerate, numba and tensorboard (and what they pull in) but none
+of our other pins, and no internet. The wheels to carry are our runtime pins (requirements.txt minus test/lint tools
+and the parts the check does not use) with their dependency closure, minus the closure of the preinstalled: shipping a
 package the machine already has would shadow its copy (the check puts ours first on PYTHONPATH). Closures come
 from the installed distributions' metadata in this venv (which holds exactly our pins), markers evaluated for the
 target (Linux x86_64, CPython 3.12), so the list is computed without network; only `gather` downloads.
@@ -38,10 +38,13 @@ REPO = Path(__file__).resolve().parent.parent
 WHEEL_DIR = ".whl"  # ignored by git; carried to the GPU machine with the checkout
 TARGET = ".whl/site"  # where the one command installs them there
 MAX_BYTES = 64 << 20
-PREINSTALLED = ["torch", "transformers", "peft", "accelerate"]
+# What the lent GPU machine's image holds (the device tool's KINDS.md list, read 2026-11-17): torch, transformers, peft,
+# accelerate, and the large ones our pins also pull (numba's llvmlite alone is 56 MiB; tensorboard brings grpcio,
+# protobuf and pillow). Shipping our copy of one would shadow it there (ours comes first on PYTHONPATH).
+PREINSTALLED = ["torch", "transformers", "peft", "accelerate", "numba", "tensorboard"]
 # Not shipped: test and lint tools, and what the check never imports (datasets/pyarrow: the check's data is the
-# built-in 'arith'; matplotlib: plots). tensorboard stays: trainer/metrics.py always writes TensorBoard events.
-NOT_SHIPPED = {"pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "datasets", "matplotlib"}
+# built-in 'arith'; matplotlib: plots; wandb, 20 MiB with its OpenTelemetry closure: the check reports to TensorBoard).
+NOT_SHIPPED = {"pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "datasets", "matplotlib", "wandb"}
 PYTHON = "3.12"
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64"]
 
@@ -99,12 +102,9 @@ def to_ship(requirements: str, requires=None, version=None, py: str = PYTHON) ->
 
 
 def install_and_run(check_args: list[str] | None = None, python: str = "python3") -> str:
-    """The one command for the GPU machine, run in the checkout's root after copying it (with .whl/) there."""
-    env = (f"PYTHONPATH=$PWD/{TARGET}:$PWD PATH=$PWD/{TARGET}/bin:$PATH GRPO_PYTHON={python} "
-           "TOKENIZERS_PARALLELISM=false")
-    run = " ".join([python, "bench/gpu_check.py", *map(shlex.quote, check_args or [])])
-    return (f"{python} -m pip install --no-index --no-deps --target {TARGET} {WHEEL_DIR}/*.whl && "
-            f"env {env} {run}")
+    """The one command for the GPU machine, run in the checkout's root (with .whl/ carried there): bench/gpu_check.py
+    installs the wheels offline into .whl/site itself (timed, within its deadline) and runs with them."""
+    return " ".join([python, "bench/gpu_check.py", "--wheels", WHEEL_DIR, *map(shlex.quote, check_args or [])])
 
 
 def _pip(*args: str) -> None:

@@ -14,6 +14,7 @@ from common.settings.checks import LOSS_TYPES, ConfigChecks
 from common.settings.generation_options import GenerationOptions
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
+from common.settings.save_options import Saving
 from common.settings.sections import SECTIONS
 from common.settings.spin import SpinLimits
 from common.settings.start_options import StartOrder
@@ -22,7 +23,8 @@ from common.settings.trl_options import TRLOptions
 
 
 @dataclass
-class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, StartOrder, SpinLimits, ConfigChecks):
+class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, StartOrder, SpinLimits, Saving,
+                 ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
     validate() and the rules it checks: common/settings/checks.py; more fields: the mixins of common/settings/."""
@@ -30,7 +32,8 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, Start
     ACCEPTS_TRL_NAMES: ClassVar[bool] = True  # TRL GRPOConfig names map onto ours (common/settings/trl_aliases.py)
     HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
     # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/settings/model_options.py;
-    # tools, environment_factory, max_tool_calling_iterations, tool_timeout, tool_output_chars: tool_options.py)
+    # tools, environment_factory, max_tool_calling_iterations, tool_timeout, tool_output_chars: tool_options.py;
+    # save_strategy: save_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "

@@ -319,3 +319,10 @@ def test_trainer_help_says_which_option_a_position_means():
     assert r.returncode == 0
     assert "./launch.sh train [launch.sh options] -- [these options]" in r.stdout
     assert "./launch.sh train --config F" in r.stdout and "dashes or underscores" in r.stdout
+
+
+def test_save_strategy_is_trls_steps_or_no():
+    assert GRPOConfig().validate().save_strategy == "steps"
+    assert load_config(GRPOConfig, ["--save_strategy", "no"]).save_strategy == "no"
+    with pytest.raises(ValueError, match="save_strategy 'epoch'"):
+        GRPOConfig(save_strategy="epoch").validate()

@@ -288,15 +288,16 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
                             **tools)  # tools: tool calls per completion
         bar.update(1)
-        if step % cfg.save_steps == 0 or step == cfg.all_steps:
+        if cfg.save_strategy == "steps" and (step % cfg.save_steps == 0 or step == cfg.all_steps):
             watchdog.activity = f"saving the checkpoint of step {step}"
             states: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(states, resume.capture(source.sampler))
             if nodes.is_node_leader():  # each host's own copy, before `latest` moves to this tag
                 resume.save_rank_states(out / "ds", f"step{step}", states)
             save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
-    watchdog.activity = "saving the final checkpoint"
-    save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype, final=True)
+    if cfg.save_strategy == "steps":  # "no": a run that keeps no weights (common/settings/save_options.py)
+        watchdog.activity = "saving the final checkpoint"
+        save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype, final=True)
     scorer.close()
     if toolbox is not None:
         toolbox.close()

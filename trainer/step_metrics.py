@@ -21,7 +21,7 @@ MEAN_KEYS = ["loss", "reward_mean", "reward_std", "correct_rate", "format_rate",
 SUM_KEYS = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropped_stale", "lost_batches",
             "sync_s", "sync_mb", "sync_mb_up_delta", "sync_mb_up_full", "sync_mb_down_delta", "sync_mb_down_full",
             "reward_timeouts", "batches_from_workers", "batches_from_ranks"]
-MAX_KEYS = ["staleness_max", "peak_mem_mb", "logp_mismatch_max"]
+MAX_KEYS = ["staleness_max", "peak_mem_mb", "peak_reserved_mb", "logp_mismatch_max"]
 
 
 def batch_metrics(b: ScoredBatch) -> dict:
@@ -73,10 +73,13 @@ def mem_keys(world: int) -> list[str]:
 
 
 def memory_row(rank: int, world: int) -> dict:
-    """Peak memory of this rank (peak RSS on CPU, max allocated on GPU) under its own key, summed over ranks."""
+    """Peak memory of this rank (peak RSS on CPU, max allocated on GPU) under its own key, summed over ranks; on GPU
+    also what the caching allocator reserved at most (peak_reserved_mb: what the GPU sees it hold, context aside)."""
     from trainer.lora.adapters import peak_memory_mb
     mb = peak_memory_mb()
-    return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb}
+    reserved = torch.cuda.max_memory_reserved() / 2**20 if torch.cuda.is_available() else 0.0
+    return {**{k: 0.0 for k in mem_keys(world)}, f"peak_mem_mb_rank{rank}": mb, "peak_mem_mb": mb,
+            "peak_reserved_mb": reserved}
 
 
 def reward_logged_metrics(batches: list[ScoredBatch], taken: dict) -> dict:

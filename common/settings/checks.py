@@ -8,6 +8,7 @@ from typing import TypeVar
 
 from common.settings.reward_models import RewardModels
 from common.settings.reward_sources import RewardSources
+from common.settings.save_options import SAVE_STRATEGIES
 from common.settings.tool_specs import tool_spec_errors
 
 # TRL loss_type -> (policy term, our aggregation). TRL's bnpo normalises by the local batch's tokens = token_mean.
@@ -62,6 +63,7 @@ class ConfigChecks(RewardSources, RewardModels):
         checks += [  # --- issue 11 ---
             (self.save_total_limit >= 0, "save_total_limit must be >= 0 (0 = keep every checkpoint)"),
             (self.save_steps >= 1, "save_steps must be >= 1"),
+            (self.save_strategy in SAVE_STRATEGIES, f"save_strategy {self.save_strategy!r}: one of {SAVE_STRATEGIES}"),
             (self.worker_dtype in ("auto", "bfloat16", "bf16", "float32", "fp32", "float16", "fp16"),
              f"unknown worker_dtype {self.worker_dtype!r}; use auto, bfloat16, float16 or float32"),
             (self.log_stall_every > 0, "log_stall_every must be > 0"),

@@ -36,8 +36,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("LoRA", "Adapters instead of full fine-tuning.", [
         "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"]),
     ("run, checkpoints, eval and logs", "How long, where things go, when to evaluate and log.", [
-        "all_steps", "num_train_epochs", "seed", "output_dir", "save_steps", "save_total_limit", "resume",
-        "eval_steps", "eval_before", "eval_limit", "eval_max_new_tokens", "log_every", "wandb", "report_to",
+        "all_steps", "num_train_epochs", "seed", "output_dir", "save_steps", "save_strategy", "save_total_limit",
+        "resume", "eval_steps", "eval_before", "eval_limit", "eval_max_new_tokens", "log_every", "wandb", "report_to",
         "wandb_project", "run_name",
         "log_completions", "log_completions_steps", "num_completions_to_print", "log_stall_every"]),
     ("workers and sync", "The ref server, genonly workers and the policy weights they get.", [

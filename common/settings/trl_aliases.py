@@ -125,7 +125,6 @@ REFUSED: dict[str, str] = {
     "cast_lm_head_to_fp32": "precision comes from bf16 / ds_config",
     "remove_unused_columns": "every dataset column always reaches TRL-style rewards (as TRL's False)",
     "eval_strategy": "evaluation runs every eval_steps steps (and eval_before)",
-    "save_strategy": "checkpoints are saved every save_steps steps and at the end",
     "logging_dir": "logs go to output_dir (metrics.jsonl, TensorBoard)",
     "gradient_checkpointing_kwargs": "gradient checkpointing takes no options here",
     "use_liger_kernel": "Liger kernels are not applied (the model's own modules run)",

@@ -43,6 +43,7 @@ REACH = {
     "loss_type": "vespo refused",
     "bf16": "the ranks' DeepSpeed precision; workers: worker_dtype",
     "output_dir": "",
+    "save_strategy": "steps and no; epoch and best refused (a run counts steps)",
     "chat_template_kwargs": "also our chat/messages formats",
     "max_tool_calling_iterations": "",
     "log_completions": "every trained completion to output_dir/completions.jsonl, a table printed",
