@@ -24,7 +24,8 @@ BENCHES = sorted((REPO / "bench").glob("*.py"))
 PYTHON = REPO / ".venv" / "bin" / "python"
 SMOKE_TIMEOUT = 300  # s; a smoke run takes seconds to ~a minute idle, 2-4x that on a loaded 2-core box
 # Rewritten with a --smoke size on another branch; skipped only while this checkout's copy has none.
-REWRITTEN_ELSEWHERE = {"gpu_check.py", "packing.py"}
+# benches whose --smoke run a test of their own makes and reads further: run once, there
+SMOKE_ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py"}
 SKIPPED = 77  # exit status of a smoke run this machine cannot host; its last stdout line says why
 
 
@@ -71,8 +72,10 @@ def test_bench_runs_at_smoke_size(bench: Path):
         assert help_run.returncode == 0, f"{bench.name} --help: rc {help_run.returncode}\n{help_run.stderr[-2000:]}"
         assert words(why) in words(help_run.stdout), f"{bench.name} --help does not say why it has no smoke run: {why}"
         pytest.skip(f"{bench.name}: {why}")
-    if bench.name in REWRITTEN_ELSEWHERE and "--smoke" not in source:
-        pytest.skip("rewritten on another branch")
+    if bench.name in SMOKE_ELSEWHERE:
+        test = REPO / SMOKE_ELSEWHERE[bench.name]
+        assert "--smoke" in source and "--smoke" in test.read_text(), f"{test} no longer runs {bench.name} --smoke"
+        pytest.skip(f"{bench.name} --smoke runs in {SMOKE_ELSEWHERE[bench.name]}")
     proc = run(bench, "--smoke", timeout=SMOKE_TIMEOUT)
     if proc.returncode == SKIPPED:
         pytest.skip(f"{bench.name}: {(proc.stdout.strip().splitlines() or ['exit 77'])[-1]}")
