@@ -25,6 +25,10 @@ if [[ " $* " == *" --fast "* ]] && [[ " $* " =~ \ -m\ |\ -m[^\ ]|\ --markexpr ]]
 fi
 bash scripts/setup.sh
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+# DeepSpeed JIT-builds its CPU shared-memory op (deepspeed_shm_comm) on every process's first init_distributed;
+# in the shared ~/.cache/torch_extensions two checkouts' venvs (other include paths) rebuild it in turn, each
+# build minutes of both cores with every rank waiting on its lock. One build per venv, kept in it:
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 # Two test files at a time (pytest-xdist; a file's tests stay together, so a module's shared run is made
 # once): an end-to-end test spends much of its time waiting on its processes, and one file at a time left
 # half of 2 cores idle (measured 102% CPU, 1113 s; two at a time 166%, 709 s). GRPO_TEST_WORKERS=0: one.
