@@ -40,9 +40,12 @@
 #   --master-port P    DeepSpeed rendezvous port (default: a free one)
 #   --keep-going       a genonly worker that exits does not end the run (a loud line; /status shows it exited);
 #                      by default it ends the run with its name, exit code and last log lines
+#   --skip-checks      start without the checks of `check` (a line says they were skipped): for a run whose
+#                      inputs were checked already, e.g. the test suite's end-to-end runs (~10 s each)
 # Options before `--` are launch.sh's (dashes or underscores); trainer options go after `--` (a trainer option
 # given before it is refused, naming where it goes). `--config F` is passed on as the trainer's --config.
-# Before anything starts, `train` runs the checks of `check` (trainer/check.py) and stops on a failure.
+# Before anything starts, `train` runs the checks of `check` (trainer/check.py) and stops on a failure
+# (unless --skip-checks).
 # Placement: every process gets its own GPU(s) (common/placement/plan.py): ref server on the highest GPU, workers below
 # it (vllm_tensor_parallel_size GPUs each), ranks from GPU 0; each sees only its GPUs (CUDA_VISIBLE_DEVICES). The
 # plan is printed at start, written to RUN_DIR/placement.json and shown by the ref server's /status. One GPU: all
@@ -93,7 +96,7 @@ esac
 
 RUN_DIR=""; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
 PORT=59875; TOKEN_FILE=""; MASTER_PORT=""; EXTRA=(); REF_DTYPE=auto; WORKER_DTYPE=""; PLAN_FLAGS=(); PRINT_PLAN=""
-KEEP_GOING=""
+KEEP_GOING=""; SKIP_CHECKS=""
 from_caller() {  # a path the user typed, relative to where they ran us (we cd'ed to the repository)
   case "$1" in /*|"") printf '%s' "$1" ;; *) printf '%s' "$CALLER_DIR/$1" ;; esac
 }
@@ -122,6 +125,7 @@ while [ $# -gt 0 ]; do
     --token-file) TOKEN_FILE=$(from_caller "$2"); shift 2 ;;
     --master-port) MASTER_PORT=$2; shift 2 ;;
     --keep-going) KEEP_GOING=1; shift ;;
+    --skip-checks) SKIP_CHECKS=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) if "$PY" -c "import sys; from common.config import GRPOConfig as C; sys.exit(0 if sys.argv[1] in C.__dataclass_fields__ else 1)" "$(printf '%s' "${opt#--}" | tr - _)" 2>/dev/null; then
@@ -196,13 +200,18 @@ fi
 # only if they pass (the placement plan above was the first check).
 CHECK_ARGS=(--run-dir "$RUN_DIR" --port "$PORT"); [ -n "$REF_URL" ] && CHECK_ARGS+=(--ref-url "$REF_URL")
 if [ "$MODE" = check ]; then
+  [ -n "$SKIP_CHECKS" ] && { echo "[launch] --skip-checks is for train: check is the checks" >&2; exit 2; }
   exec "$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}"
 fi
-CHECK_LOG=$(mktemp)
-"$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}" | tee "$CHECK_LOG" | sed 's/^/[check] /' >&2 || {
-  fails=$(sed -n 's/^FAIL *//p' "$CHECK_LOG" | paste -sd ';' | cut -c1-400); rm -f "$CHECK_LOG"  # named on the last line
-  echo "[launch] a check failed ($fails): nothing was started" >&2; exit 2; }
-rm -f "$CHECK_LOG"
+if [ -n "$SKIP_CHECKS" ]; then  # asked for by name, never a default: a bad input then fails in the process that reads it
+  echo "[launch] --skip-checks: the checks of 'launch.sh check' were not run" >&2
+else
+  CHECK_LOG=$(mktemp)
+  "$PY" -m trainer.check "${CHECK_ARGS[@]}" -- "${CFG_ARGS[@]}" "${EXTRA[@]}" | tee "$CHECK_LOG" | sed 's/^/[check] /' >&2 || {
+    fails=$(sed -n 's/^FAIL *//p' "$CHECK_LOG" | paste -sd ';' | cut -c1-400); rm -f "$CHECK_LOG"  # named on the last line
+    echo "[launch] a check failed ($fails): nothing was started" >&2; exit 2; }
+  rm -f "$CHECK_LOG"
+fi
 mkdir -p "$RUN_DIR"
 rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide

@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=0.5, help="RSS sampling period (s)")
     ap.add_argument("--smoke", action="store_true",
                     help="the test suite's short run: a 2-layer, hidden-128 body (real vocabulary), 1 step of 2 "
-                         "prompts x 8 new tokens on the demo's arith data; its temporary run directory is removed")
+                         "prompts x 8 new tokens on the demo's arith data, launch.sh train --skip-checks --gpus 1; its "
+                         "temporary run directory is removed")
     ap.add_argument("trainer_args", nargs="*", help="extra trainer flags after --")
     a = ap.parse_args()
     if a.smoke:
@@ -96,7 +97,9 @@ def main() -> None:
     build_s = time.time() - t0
     scratch = None if a.run_dir else tempfile.mkdtemp(prefix="mem05b-")
     run = Path(a.run_dir or scratch) / "run"
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run), "--workers", "1", "--gpus", "2",
+    # --smoke: one rank and no launch.sh checks (neither is what is measured; a smoke run is mostly start-up)
+    cmd = ["bash", str(REPO / "launch.sh"), "train", *(["--skip-checks"] if a.smoke else []), "--run-dir", str(run),
+           "--workers", "1", "--gpus", "1" if a.smoke else "2",
            "--port", str(free_port()), "--ref-dtype", a.ref_dtype, "--worker-dtype", a.worker_dtype, "--",
            "--model", str(model), "--data", a.data, "--reward_fns", "toy_rewards:digit_fraction",
            "--train_zero_spread", "true", "--max_new_tokens", str(a.max_new_tokens), "--num_pre_Q",

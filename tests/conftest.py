@@ -140,6 +140,9 @@ def pytest_configure(config):
     # registered here, not in pyproject.toml: editing that file changes scripts/setup.sh's stamp (a venv reinstall)
     config.addinivalue_line("markers", "gpu: needs CUDA (tests/test_gpu.py); skipped, with the reason, where there "
                                        "is none (CI)")
+    config.addinivalue_line("markers", "multiproc: starts several real processes (deepspeed ranks, a vLLM engine, "
+                                       "launch.sh's run) without being an end-to-end `slow` test; in the full "
+                                       "suite, left out of ./run_tests.sh --fast")
     config.addinivalue_line("markers", "registry: asks the package registry (network, minutes); skipped unless "
                                        "selected with -m registry, so ./run_tests.sh and CI never run it")
 

@@ -94,3 +94,13 @@ def test_launch_train_config_errors_are_one_line(trainer_args, want, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and want in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_skip_checks_is_for_train_only(tmp_path):
+    """`launch.sh check --skip-checks` would check nothing: refused in one line (--skip-checks is train's option)."""
+    r = subprocess.run(["bash", str(REPO / "launch.sh"), "check", "--skip-checks", "--", "--model", "tiny"],
+                       cwd=tmp_path, env=subprocess_env(GRPO_PYTHON=sys.executable, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "--skip-checks is for train" in r.stderr.splitlines()[-1], r.stdout + r.stderr
+    assert "--skip-checks" in subprocess.run(["bash", str(REPO / "launch.sh"), "--help"], capture_output=True,
+                                             text=True, timeout=60).stdout

@@ -64,6 +64,7 @@ def test_pipeline_runs_and_exits_cleanly(launched_run):
     for name in ("ref_server.log", "worker0.log", "trainer.log"):
         assert (run_dir / name).is_file(), name
     assert "training done: 6 steps" in (run_dir / "trainer.log").read_text()
+    assert "[check]" in first.stderr and "--skip-checks" not in first.stderr  # the checks run unless skipped by name
     assert leftover_processes(f"127.0.0.1:{port}") == []  # server, worker and ranks all gone
     worker_log = (run_dir / "worker0.log").read_text()
     assert "uploaded" in worker_log and "Traceback" not in worker_log
@@ -142,11 +143,14 @@ def test_zero3_trains_and_saves(tiny_model_dir, tmp_path):
 def test_two_workers_follow_the_policy(tmp_path):
     """2 genonly workers with sync_steps 1: every batch trained on is within max_staleness."""
     run_dir = tmp_path / "run"
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "2", "--gpus", "2",
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir), "--workers", "2",
+           "--gpus", "2",
            "--port", str(find_free_port()), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "5",
            "--all_steps", "6", "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3"]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # --skip-checks (asked for: test_pipeline_runs_and_exits_cleanly's run has the checks) says so, runs none
+    assert "[launch] --skip-checks" in proc.stderr and "[check]" not in proc.stderr, proc.stderr[-3000:]
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] <= 2 for r in rows), [r["staleness_max"] for r in rows]

@@ -266,7 +266,8 @@ def run_processes(*markers: str) -> list[str]:
 
 def test_launch_sh_ctrl_c_stops_everything(tmp_path):
     run_dir, port, master = tmp_path / "run", find_free_port(), find_free_port()
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "1", "--gpus", "2",
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir), "--workers", "1",
+           "--gpus", "2",
            "--port", str(port), "--master-port", str(master), "--", *TOY, "--Q_batch_size", "2",
            "--all_steps", "1000", "--save_steps", "1000", "--get_wait", "3"]
     log = tmp_path / "launch.log"

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 
+import pytest
 from conftest import REPO, find_free_port, subprocess_env
 
 BASE = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--max_new_tokens", "8", "--num_pre_Q", "4",
@@ -84,6 +85,7 @@ def _rows(*answers: int) -> str:
     return "".join(f'{{"prompt": "{a // 2} + {a - a // 2} = ?", "ground_truth": "{a}"}}\n' for a in answers)
 
 
+@pytest.mark.slow  # a launch.sh train run
 def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path):
     """check scores whole groups of the first rows: it names the function, the row and ValueError. Past the rows
     check reads, training meets it: the run ends within 120 s, its last line naming the function and ValueError
@@ -127,8 +129,6 @@ def _stats(groups: int, components: dict, skipped_long: int = 0):
 
 
 def test_nothing_spins_and_none_is_shown_as_none(caplog):
-    import pytest
-
     from trainer.stall import NothingToTrain, StallReporter
     now = [0.0]
     # None (no reward applied) is None in the stall line, not 0 (before: `rewards seen {0: 84}`)
@@ -158,6 +158,7 @@ def test_nothing_spins_and_none_is_shown_as_none(caplog):
         rep.add(_stats(0, {}, skipped_long=1), produced=0)
 
 
+@pytest.mark.slow  # a launch.sh train run
 def test_output_dir_status_after_the_run_and_incomplete_checkpoints(tmp_path):
     """output_dir after -- (no --run-dir) is honoured, relative to the caller's folder, not the checkout; checkpoints
     an interrupted save left (a DeepSpeed tag newer than `latest`, an HF `.partial`) are removed; once the run is
@@ -179,6 +180,7 @@ def test_output_dir_status_after_the_run_and_incomplete_checkpoints(tmp_path):
     assert "Traceback" not in status.stderr and "ConnectionError" not in status.stdout + status.stderr
 
 
+@pytest.mark.slow  # a launch.sh train run
 def test_ctrl_c_prints_the_exact_resume_command(tmp_path):
     import signal
     args = [*BASE, "--all_steps", "50", "--save_steps", "1", "--get_wait", "2"]

@@ -34,7 +34,8 @@ def env() -> dict:
 
 
 def start_launch(run_dir: Path, port: int, workers: int, *trainer_args: str) -> subprocess.Popen:
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", str(workers),
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir),
+           "--workers", str(workers),
            "--gpus", "2", "--port", str(port), "--", *TOY, "--Q_batch_size", "1", "--heartbeat_s", "1",
            *trainer_args]
     return subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -50,7 +50,8 @@ def toy_args(model: Path) -> list[str]:
 
 
 def launch(run_dir: Path, model: Path, workers: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", str(workers),
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir),
+           "--workers", str(workers),
            "--gpus", "2", "--port", str(find_free_port()), "--", *toy_args(model), *LORA, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -28,11 +28,13 @@ def probe(tiny_model_dir, tmp_path_factory) -> dict:
     return res
 
 
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_samples_come_back_prompt_major_n_each(probe):
     assert probe["n_samples"] == 24 and probe["order_ok"]
     assert probe["distinct_completions"] >= 6  # the checkpoint's top_k=1 would make all 8 identical
 
 
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_checkpoint_generation_config_is_ignored_and_logged(probe):
     # greedy = plain argmax of the raw model (repetition_penalty 5, no_repeat_ngram_size 1 switched off)
     assert probe["greedy_ok"]
@@ -40,21 +42,25 @@ def test_checkpoint_generation_config_is_ignored_and_logged(probe):
     assert "repetition_penalty" in probe["log"]
 
 
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_engine_logprobs_are_the_raw_model_distribution(probe):
     assert probe["diff_base"] < 1e-5
 
 
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_logprobs_equal_trainer_after_sync_and_differ_before(probe):
     assert probe["synced_version"] == 1
     assert probe["diff_trained_before_sync"] > 1e-2
     assert probe["diff_trained_after_sync"] < 1e-5
 
 
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_eos_and_truncation_rules(probe):
     assert probe["eos_rules_ok"]
     assert probe["n_truncated"] > 0 and probe["n_stopped"] > 0  # both outcomes exercised
 
 
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_each_prompt_gets_its_own_token_budget_with_prefix_caching_on(probe):
     """Issue 42: max_new_tokens as one budget per prompt (one SamplingParams each); prefix caching is the default
     (and the logprobs still equal the trainer's after a weight sync: test_logprobs_equal_trainer_after_sync...)."""
@@ -63,6 +69,7 @@ def test_each_prompt_gets_its_own_token_budget_with_prefix_caching_on(probe):
     assert probe["prefix_caching"] is True
 
 
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_a_model_vllm_cannot_serve_gets_a_clear_error(probe):
     assert "vLLM cannot serve model" in probe["bad_model_error"] and "gen_backend='hf'" in probe["bad_model_error"]
 

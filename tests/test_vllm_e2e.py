@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 def test_launch_train_with_a_vllm_worker(tmp_path):
     run_dir, port = tmp_path / "run", find_free_port()
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "1", "--gpus", "2",
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir), "--workers", "1",
+           "--gpus", "2",
            "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "0", "--all_steps", "5",
            "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3",
            "--gen_backend", "vllm", "--vllm_dtype", "float32", "--vllm_importance_sampling_mode", "token_truncate",
@@ -54,7 +55,8 @@ def test_gspo_with_a_bf16_vllm_worker_learns_with_trainer_pi_old(tmp_path):
     engine's logprobs would have left inside it (the former π_old) is measured on the same batches; the IS
     correction (TRL's default sequence_mask, cap 3) logs its mean weight and masked share, next to the KL."""
     run_dir, port = tmp_path / "run", find_free_port()
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "1", "--gpus", "2",
+    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir), "--workers", "1",
+           "--gpus", "2",
            "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "0", "--all_steps", "20",
            "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "6e-3",
            "--gen_backend", "vllm", "--vllm_dtype", "bfloat16", "--importance_sampling_level", "sequence"]

@@ -22,7 +22,8 @@ from common.settings import trl_aliases
 
 FIELDS_FILE = Path(__file__).with_name("trl_fields.json")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
-BEGIN, END = "<!-- trl-fields:begin (python -m common.settings.trl_table --write) -->", "<!-- trl-fields:end -->"
+BEGIN = "<!-- trl-fields:begin (.venv/bin/python -m common.settings.trl_table --write) -->"
+END = "<!-- trl-fields:end -->"
 GROUPS = ("honoured as TRL does", "honoured with another default or reach", "refused by name", "unknown")
 
 # What a honoured name does differently from TRL beyond its default (the default is compared by the code).
