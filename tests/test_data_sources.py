@@ -140,9 +140,9 @@ def test_message_list_prompts_are_conversational_by_default(tmp_path):
     s = RewardScorer.from_config(load_config(GRPOConfig, ["--reward_fns", "trl_rewards:digit_reward"]))
     try:  # TRL-style rewards get message completions for a conversation, strings for a text prompt
         assert s.score_group(ex[0], ["12", "ab"]).components["digit_reward"] == [1.0, 0.0]
-        assert s._trl_kwargs(0, ex[0], ["12"], None)["completions"] == [[{"role": "assistant", "content": "12"}]]
+        assert s._trl_kwargs(ex[0], ["12"], None)["completions"] == [[{"role": "assistant", "content": "12"}]]
         text = load_examples(str(jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2", "ground_truth": "4"}])))[0]
-        assert s._trl_kwargs(0, text, ["12"], None)["completions"] == ["12"]
+        assert s._trl_kwargs(text, ["12"], None)["completions"] == ["12"]
     finally:
         s.close()
     jsonl(Path(f), [{"prompt": CONV, "ground_truth": "4"}, {"prompt": "2+2", "ground_truth": "4"}])

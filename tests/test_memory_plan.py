@@ -102,7 +102,8 @@ def test_print_plan_fits_a_7b_on_80gb_gpus_and_picks_the_micro_batch(tmp_path, q
     assert "memory estimate" in err and "7.62 B parameters" in err and "ZeRO-2 over 6 rank(s)" in err
     ranks = next(line for line in err.splitlines() if "(each rank)" in line)
     assert "GPU 0: 79.6 GiB: fits" in ranks and "weights 14.2" in ranks
-    assert "worker0    vLLM reserves 0.5 x the GPU = 39.8 GiB" in err and "ref_server weights 14.2" in err
+    # vllm_gpu_memory_utilization auto: 0.9 of a GPU of its own
+    assert "worker0    vLLM reserves 0.9 x the GPU = 71.7 GiB" in err and "ref_server weights 14.2" in err
     assert "would NOT fit" not in err
     # left unset: picked, and handed to the trainer (the whole batch of 8 rows would need 61 GiB of activations)
     assert "trainer: deepspeed --include localhost:0,1,2,3,4,5 --micro_batch_size 4 --gradient_checkpointing " \
@@ -115,7 +116,8 @@ def test_print_plan_fits_a_7b_on_80gb_gpus_and_picks_the_micro_batch(tmp_path, q
 
 
 def test_print_plan_on_24gb_gpus_says_what_would_not_fit_and_refuses(tmp_path, qwen7b):
-    proc = print_plan(tmp_path, 4, 24564, "--workers", "1", "--", "--model", str(qwen7b), "--gen_backend", "vllm")
+    proc = print_plan(tmp_path, 4, 24564, "--workers", "1", "--", "--model", str(qwen7b), "--gen_backend", "vllm",
+                      "--vllm_gpu_memory_utilization", "0.5")  # auto gives a GPU of its own 0.9: weights fit that
     assert proc.returncode == 2 and not proc.stdout
     ranks = next(line for line in proc.stderr.splitlines() if "(each rank)" in line)
     assert "GPU 0: 24.0 GiB: would NOT fit" in ranks

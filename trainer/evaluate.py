@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     a.split = _split(p, a.data, a.split)
     run_cfg = load_config(GRPOConfig, ["--config", a.config]) if a.config else GRPOConfig()
-    specs = a.reward_fns or run_cfg.reward_fns
+    specs = a.reward_fns or run_cfg.reward_specs()  # reward_fns null: the built-ins (or an environment's)
     path = resolve_model_path(a.model)
     cfg = GRPOConfig(model=path, gen_backend=a.gen_backend, vllm_dtype=a.vllm_dtype, max_new_tokens=a.max_new_tokens,
                      max_prompt_length=4096, device=a.device, prompt_format=a.prompt_format,
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     columns = ColumnSpec(a.prompt_column, a.answer_column, a.prompt_template, a.prompt_format)
     examples = load_examples(a.data, split=a.split or "test", limit=a.limit, columns=columns,
                              config=a.dataset_config)  # (a single file: the split is not read)
-    scorer = RewardScorer(specs, run_cfg.reward_weights if specs == run_cfg.reward_fns else None,
+    scorer = RewardScorer(specs, None if a.reward_fns else run_cfg.reward_weights,
                           run_cfg.reward_timeout, {"messages": True, "auto": None}.get(a.prompt_format, False))
     try:
         res = evaluate(model, tok, examples, system_prompt=a.system_prompt, max_new_tokens=a.max_new_tokens,

@@ -20,7 +20,7 @@ import torch
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.run_record import drop_incomplete
-from common.settings.gen_defaults import resolve_at_start
+from common.settings.gen_defaults import resolve_at_start, resolve_generation, unresolved
 from common.settings.knobs import to_dict
 from trainer import resume, run_data
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
@@ -92,6 +92,8 @@ def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scor
     eval_tool_calls_per_completion then says how much the model called them."""
     from trainer.engines.hf import HFEngine
     from trainer.evaluate import evaluate
+    if unresolved(cfg):  # a config built in code (runs resolve theirs at start: resolve_at_start)
+        cfg, _ = resolve_generation(cfg, cuda=torch.cuda.is_available(), producer="rank")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if lockstep:
         model = HFEngine(model, tok, eos_ids(tok, model, chat=cfg.prompt_format != "r1zero"), temperature=1.0,

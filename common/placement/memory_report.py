@@ -128,6 +128,9 @@ def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict
 
 def memory_report(cfg, plan: Plan, ref_model: str | None = None, ref_dtype: str = "auto") -> Report:
     """The estimate and verdict for `plan` (a GPU plan) and the GRPOConfig `cfg`."""
+    from common.settings.gen_defaults import resolve_generation, unresolved
+    if unresolved(cfg):  # as the ranks resolve theirs on a GPU (launch.sh passes a resolved cfg)
+        cfg, _ = resolve_generation(cfg, cuda=True, producer="rank", ranks=plan.num_ranks)
     rep = Report()
     try:
         shape = ModelShape.from_config(cfg.model)

@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 def rows_that_fit(model, rows: int, seq_len: int, share: float = 0.5) -> int:
     """At most `rows` sequences per generate call, fewer where their KV cache and logits would not fit in `share` of
     the GPU's free memory now (the rest: activations, the allocator's slack; a rank's training keeps its own).
-    On CPU: `rows` as given."""
-    p = next(model.parameters())
-    if p.device.type != "cuda":
+    On CPU (or with no model yet: a rank that only reads scored batches): `rows` as given."""
+    p = next(model.parameters()) if model is not None else None
+    if p is None or p.device.type != "cuda":
         return rows
     c = model.config
     heads = getattr(c, "num_attention_heads", 1)
