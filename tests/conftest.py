@@ -39,6 +39,20 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
+def user_env() -> dict:
+    """A user's shell: no PYTHONPATH and no GRPO_USER_DIR (launch.sh sets it from the folder it runs in)."""
+    env = subprocess_env()
+    for k in ("PYTHONPATH", "GRPO_USER_DIR"):  # common.user_code.USER_DIR_ENV
+        env.pop(k, None)
+    return env
+
+
+def launch_as_user(folder, mode: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    """`launch.sh MODE ARGS...` run from `folder` as a user runs it (user_env)."""
+    return subprocess.run(["bash", str(REPO / "launch.sh"), mode, *args], cwd=folder, env=user_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen

@@ -14,6 +14,7 @@ import time
 import pytest
 import requests
 from conftest import REPO, find_free_port, subprocess_env
+from conftest import launch_as_user as launch
 
 from trainer.dist.exits import mark_exited
 from trainer.dist.hosts import watch
@@ -31,18 +32,6 @@ def digits(completion, ground_truth):
 '''
 BASE = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--max_new_tokens", "8", "--num_pre_Q", "8",
         "--temperature", "1.0", "--save_steps", "100"]
-
-
-def user_env() -> dict:
-    env = subprocess_env()
-    for k in ("PYTHONPATH", "GRPO_USER_DIR"):
-        env.pop(k, None)
-    return env
-
-
-def launch(folder, mode: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "launch.sh"), mode, *args], cwd=folder, env=user_env(),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture

@@ -14,9 +14,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import REPO, find_free_port, subprocess_env
-
-from common.user_code import USER_DIR_ENV
+from conftest import REPO, find_free_port, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -55,13 +53,6 @@ def curriculum(completions, trainer_state, log_extra, log_metric, **kwargs):
     log_metric("curriculum/max_steps", trainer_state.max_steps)
     return [min(1.0, trainer_state.global_step / max(trainer_state.max_steps, 1))] * len(completions)
 '''
-
-
-def user_env() -> dict:
-    env = subprocess_env()
-    for k in ("PYTHONPATH", USER_DIR_ENV):
-        env.pop(k, None)
-    return env
 
 
 def train(user, name: str, extra: list[str]) -> tuple[list[dict], list[dict]]:

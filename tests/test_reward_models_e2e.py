@@ -15,20 +15,11 @@ import re
 import subprocess
 
 import pytest
-from conftest import REPO, find_free_port, subprocess_env
+from conftest import REPO, find_free_port, user_env
 from test_reward_models import build_rm, trl_score
-
-from common.user_code import USER_DIR_ENV
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [f"Say a number near {i}." for i in range(8)]
-
-
-def user_env() -> dict:
-    env = subprocess_env()
-    for k in ("PYTHONPATH", USER_DIR_ENV):
-        env.pop(k, None)
-    return env
 
 
 def launch(user, name: str, reward_fns: list[str]) -> subprocess.CompletedProcess:

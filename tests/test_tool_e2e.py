@@ -15,9 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, find_free_port, subprocess_env
-
-from common.user_code import USER_DIR_ENV
+from conftest import REPO, find_free_port, user_env
 
 REWARDS = '''
 def used_tools(prompts, completions, **kwargs):
@@ -29,13 +27,6 @@ def used_tools(prompts, completions, **kwargs):
         out.append(len(tools) / 3 + float(c[-1]["role"] == "assistant" and "5" in c[-1]["content"]))
     return out
 '''
-
-
-def user_env() -> dict:
-    env = subprocess_env()
-    for k in ("PYTHONPATH", USER_DIR_ENV):
-        env.pop(k, None)
-    return env
 
 
 @pytest.fixture(scope="module")

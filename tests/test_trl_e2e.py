@@ -9,25 +9,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from conftest import REPO, find_free_port, subprocess_env
+from conftest import REPO, find_free_port
+from conftest import launch_as_user as launch
 
 TRL_DEFAULTS = str(REPO / "configs" / "trl_defaults.json")
 PROMPTS = [f"Write the number {n} in digits." for n in range(12)]
-
-
-def user_env() -> dict:
-    env = subprocess_env()
-    for k in ("PYTHONPATH", "GRPO_USER_DIR"):
-        env.pop(k, None)
-    return env
-
-
-def launch(folder, mode: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "launch.sh"), mode, *args], cwd=folder, env=user_env(),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
