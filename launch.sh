@@ -78,6 +78,8 @@ else
   bash scripts/setup.sh
   PY="$ROOT/.venv/bin/python"
   export PATH="$ROOT/.venv/bin:$PATH"
+  # DeepSpeed's JIT-built ops (the CPU shm op) in this venv: one build per venv, no lock shared with other checkouts
+  export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
 fi
 export TOKENIZERS_PARALLELISM=false
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
