@@ -171,3 +171,20 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("registry"):
                 item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _sys_path_restored():
+    """sys.path as it was before each test. In-process loads of a user folder (tools, rewards) put that folder on
+    the path, as they do in the product's one-run processes; left there it would shadow modules in later tests on
+    the same worker, and spawned processes inherit it. A folder of the checkout put there fails the test: bench/
+    on the path made `ref_server` bench/ref_server.py for test_nodes.py's spawned ranks (CI, stop 47)."""
+    before = list(sys.path)
+    yield
+    if sys.path != before:
+        added = [p for p in sys.path if p not in before]
+        sys.path[:] = before
+        ours = [p for p in added if Path(p).resolve().is_relative_to(REPO)]
+        if ours:
+            pytest.fail(f"the test left {ours} on sys.path: a folder of the checkout shadows the packages; "
+                        "use monkeypatch.syspath_prepend")
