@@ -123,7 +123,10 @@ while [ $# -gt 0 ]; do
     --worker-gpus|--rank-gpus) PLAN_FLAGS+=("$1" "$2"); shift 2 ;;
     --share-gpu) PLAN_FLAGS+=(--share-gpu); shift ;;
     --print-plan) PRINT_PLAN=1; shift ;;
-    --port) PORT=$2; shift 2 ;;
+    --port) PORT=$2; shift 2
+      if ! [[ "$PORT" =~ ^[0-9]+$ ]] || (( 10#$PORT < 1 || 10#$PORT > 65535 )); then  # 0: a port nobody else learns
+        echo "[launch] --port '$PORT': give the ref server a port number from 1 to 65535" >&2; exit 2
+      fi ;;
     --token-file) TOKEN_FILE=$(from_caller "$2"); shift 2 ;;
     --master-port) MASTER_PORT=$2; shift 2 ;;
     --keep-going) KEEP_GOING=1; shift ;;

@@ -96,6 +96,17 @@ def test_launch_train_config_errors_are_one_line(trainer_args, want, tmp_path):
     assert len(lines) == 1 and want in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("port", ["0", "70000", "abc"])
+def test_a_port_the_clients_cannot_reach_is_refused(tmp_path, port):
+    """`--port 0` passed the port check ("0 is free") and then launch.sh waited for http://127.0.0.1:0/health
+    until its 300 tries ran out: the server binds a random port nobody else learns. Refused before anything runs."""
+    r = subprocess.run(["bash", str(REPO / "launch.sh"), "train", "--port", port, "--", "--model", "tiny"],
+                       cwd=tmp_path, env=subprocess_env(GRPO_PYTHON=sys.executable, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and f"--port '{port}'" in r.stderr.splitlines()[-1], r.stdout + r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_skip_checks_is_for_train_only(tmp_path):
     """`launch.sh check --skip-checks` would check nothing: refused in one line (--skip-checks is train's option)."""
     r = subprocess.run(["bash", str(REPO / "launch.sh"), "check", "--skip-checks", "--", "--model", "tiny"],
