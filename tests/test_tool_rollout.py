@@ -84,7 +84,7 @@ def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_pr
     fb.observe = lambda kw: f" (the board says {kw['ground_truth']})"  # what reset() returns
     first, final = turns(tok)
     engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
-    scorer = RewardScorer(["trl_rewards:tool_turns"], timeout=0)
+    scorer = RewardScorer(["trl_rewards:tool_turns", "trl_rewards:prompt_said"], timeout=0)
     prompt = [{"role": "user", "content": "What is 12 * 34?"}]
     exs = [Example(prompt=prompt, ground_truth="408", columns={"ground_truth": "408"})]
     try:
@@ -96,6 +96,7 @@ def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_pr
         text = tok.decode(b.input_ids[i, :int(b.prompt_lens[i])])
         assert text.endswith("What is 12 * 34? (the board says 408)<|im_end|>\n<|im_start|>assistant\n")
     assert engine.calls[0] == (3, 300)  # one prompt per rollout, n=1
+    assert b.extra["logged"]["prompt_said"] == ["What is 12 * 34? (the board says 408)"] * 3  # TRL's rewards' prompts
 
 
 def test_tool_statistics_are_checked_like_the_other_per_completion_lists():

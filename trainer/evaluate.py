@@ -28,7 +28,7 @@ from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
 from trainer.rewards.builtin import reward_correct, reward_format
 from trainer.rewards.scoring import RewardScorer
-from trainer.rollout import encode_prompts, sample_groups
+from trainer.rollout import encode_prompts, sample_groups, started_prompts
 from trainer.tools import ToolBox
 
 log = logging.getLogger("trainer")
@@ -89,7 +89,8 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
                 try:
                     score = scorer.score_group(ex, [text], [ids], conv,
                                                [stats[k].get("env_rewards")] if stats is not None else None,
-                                               [stats[k].get("environment")] if stats is not None else None)
+                                               [stats[k].get("environment")] if stats is not None else None,
+                                               started_prompts([ex], stats[k:k + 1] if stats is not None else None))
                 except RuntimeError as e:  # e.g. a TRL reward reading a column the held-out rows lack: eval
                     # must not end the run; counted (eval_reward_errors) and said, once per eval
                     if not reward_errors:

@@ -150,6 +150,15 @@ def reset_kwargs(ex: Example) -> dict:
     return dict(ex.columns) if ex.reset_prompt else {"prompt": ex.prompt, **ex.columns}
 
 
+def started_prompts(examples: list[Example], tool_stats: list | None) -> list | None:
+    """Per rollout, its prompt as the rollout started: reset()'s text appended where an environment returned one
+    (what TRL's rewards get as `prompts`); None when no rollout had one."""
+    if tool_stats is None or not any("observation" in s for s in tool_stats):
+        return None
+    return [ex.prompt if "observation" not in s else with_observation(ex, str(s["observation"])).prompt
+            for ex, s in zip(examples, tool_stats)]
+
+
 def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[int]]], n: int, max_new_tokens: int, *,
                   toolbox=None, max_iterations: int | None = None, greedy: bool = False,
                   system_prompt: str | None = None, prompt_format: str = "auto", template_kwargs: dict | None = None,
@@ -204,13 +213,15 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
     env_rewards = [s.get("env_rewards") for s in tool_stats] if tool_stats is not None else None
     envs = [s.get("environment") for s in tool_stats] if tool_stats is not None else None  # TRL's `environments`
+    seen = started_prompts([ex for ex, _ in kept for _ in range(q)], tool_stats)
     # TRL's trainer_state: the policy version that sampled these rollouts, the run's length, the passes over the data
     scorer.set_state(policy_version, cfg.all_steps, epoch)
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
                                  [s.completion_ids.tolist() for s in group],
                                  messages[g * q:(g + 1) * q] if messages is not None else None,
                                  env_rewards[g * q:(g + 1) * q] if env_rewards is not None else None,
-                                 envs[g * q:(g + 1) * q] if envs is not None else None)
+                                 envs[g * q:(g + 1) * q] if envs is not None else None,
+                                 seen[g * q:(g + 1) * q] if seen is not None else None)
               for g, ((ex, _), group) in enumerate(zip(kept, groups))]
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]  # NaN: unscorable (all None)
     penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,

@@ -154,7 +154,8 @@ class RewardScorer:
                            f"  completion: {_short(completion)}" + (f"\n{rest.rstrip()}" if rest.strip() else ""))
 
     def _trl_kwargs(self, example, completions: list[str], completion_ids: list | None,
-                    messages: list[list[dict]] | None = None, environments: list[dict] | None = None) -> dict:
+                    messages: list[list[dict]] | None = None, environments: list[dict] | None = None,
+                    prompts: list | None = None) -> dict:
         n = len(completions)
         # conversational None (prompt_format auto): as TRL, message completions for a message-list prompt
         conv = isinstance(example.prompt, list) if self.conversational is None else self.conversational
@@ -163,7 +164,7 @@ class RewardScorer:
         else:
             comps = [[{"role": "assistant", "content": c}] for c in completions] if conv else completions
         kwargs = {col: [v] * n for col, v in example.columns.items()}
-        kwargs.update(prompts=[example.prompt] * n, completions=comps)
+        kwargs.update(prompts=list(prompts) if prompts is not None else [example.prompt] * n, completions=comps)
         if completion_ids is not None:
             kwargs["completion_ids"] = completion_ids
         if self.wants_environments:  # copies on the wire, restored where the function is called (environments.py)
@@ -175,18 +176,20 @@ class RewardScorer:
 
     def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None,
                     messages: list[list[dict]] | None = None, env_rewards: list[dict | None] | None = None,
-                    environments: list[dict] | None = None) -> GroupScore:
+                    environments: list[dict] | None = None, prompts: list | None = None) -> GroupScore:
         """Rewards for the completions of one prompt (decoded text, special tokens stripped; TRL-style
         functions also get `completion_ids`, the sampled token ids, when given). `messages`: in a tool run, each
         completion as its list of messages (assistant turns with their tool_calls, tool turns): what TRL-style
         functions receive as `completions` for a conversational prompt; the text is then the whole completion's
         (tool turns included), for functions of our signature and plain-text prompts. `env_rewards`: per completion,
         {environment class name: its get_reward()} from the tool loop (None: no environment reward read).
-        `environments`: per completion, the copy of its episode's instance (when `wants_environments`)."""
+        `environments`: per completion, the copy of its episode's instance (when `wants_environments`).
+        `prompts`: per completion, the prompt as its rollout started (an environment's reset() text appended), what
+        TRL-style functions get as `prompts` (else the example's prompt)."""
         n = len(completions)
         comps: dict[str, list[float | None]] = {}
         score = GroupScore(rewards=[0.0] * n, components=comps)
-        kwargs = self._trl_kwargs(example, completions, completion_ids, messages, environments)
+        kwargs = self._trl_kwargs(example, completions, completion_ids, messages, environments, prompts)
         gathered = self._gather(example, completions, kwargs)
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             try:

@@ -132,6 +132,9 @@ def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[i
         else:
             first = engine.generate(prompt_ids, n, max_new_tokens=max_new_tokens, greedy=greedy)
         rolls = [Rollout(list(s.prompt_ids)) for s in first]
+        for r, o in zip(rolls, obs):  # TRL's rewards get the prompt reset() extended (grpo_trainer.py ~2398, ~2753)
+            if o is not None:
+                r.stats["observation"] = o
         turns = list(zip(range(len(rolls)), first))
         rounds = 0
         while True:
