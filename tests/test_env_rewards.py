@@ -255,3 +255,26 @@ def test_reset_gets_the_row_less_the_routing_column(user_dir):
             box.end_episodes([ep])
         finally:
             box.close()
+
+
+def test_launch_check_scores_environment_rewards_with_copies_and_refuses_in_one_line(user_dir, capsys):
+    """`launch.sh check`'s rewards line: rows reset, their instances copied as the tool loop copies them, a reward
+    naming `environments` scored on them; a class that cannot be copied, or no environment_factory: one FAIL line."""
+    from trainer.check import Checker, check_rewards
+
+    def check(**kw) -> list[str]:
+        c = Checker()
+        c.cfg = GRPOConfig(reward_fns=["trl_rewards:env_value"], num_pre_Q=2, reward_timeout=0, **kw).validate()
+        c.examples = [Example(prompt="p", ground_truth=None, columns={"start": s}) for s in (4, 7)]
+        c.run("rewards", lambda: check_rewards(c))
+        return capsys.readouterr().out.splitlines()
+
+    assert check(environment_factory=f"{MOD}.py:Counter")[0].startswith(
+        "ok   rewards  2 groups of 2 scored: env_value=4..7, Counter=None on all 4")
+    out = check(environment_factory=f"{MOD}.py:Locked")
+    assert out[0].startswith("FAIL rewards  RuntimeError: reward function 'env_value' failed on row 0") and \
+        "environments[0]: Locked instances cannot be copied to the reward process (pickle: TypeError" in out[0]
+    out = check()
+    assert len(out) == 1 and out[0].startswith("FAIL rewards  ValueError: reward function 'env_value' takes "
+                                               "`environments` (TRL's environment instances), but no "
+                                               "environment_factory is configured")
