@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from common.user_code import load_object
+from trainer.rewards.environments import lost, snapshot  # imported before the limits are set, as the tools are
 from trainer.tools.types import one_line, truncate
 
 
@@ -129,8 +130,6 @@ class Worker:
 
     def snapshot(self, req: dict) -> dict:
         """TRL passes rewards the episode's instance (`environments`): a copy of it, pickled here."""
-        from trainer.rewards.environments import lost, snapshot
-
         env, spec = self.envs.get(req["episode"]), self.conf["envs"].get(req.get("env", ""), "")
         if env is None:
             return {"status": "ok", "content": lost(spec, "the rollout's environment is gone (the tool process "
