@@ -129,3 +129,152 @@ def test_async_rewards_are_gathered_and_one_that_raises_is_named(timeout):
             s.score_group(Example(prompt="p", ground_truth="1"), ["1"])
     finally:
         s.close()
+
+
+def _episode_copies(env: str, calls: dict | None = None) -> list[dict]:
+    """Three episodes of `env` (starts 1, 2, 3), the tool calls {episode: amount}, then TRL's `environments`
+    copies as the tool loop takes them (after the last turn, before the episodes end)."""
+    from trainer.tools import ToolBox
+    from trainer.tools.schemas import load_tools
+    from trainer.tools.types import ToolCall
+
+    box = ToolBox(load_tools([], env), env, timeout=5.0, output_chars=100)
+    try:
+        ids = box.start_episodes(3, [{"start": k} for k in (1, 2, 3)])
+        box.run([(ids[k], [ToolCall("add", {"amount": a})]) for k, a in (calls or {}).items()])
+        copies = box.episode_snapshots(ids)
+        box.end_episodes(ids)
+    finally:
+        box.close()
+    return copies
+
+
+@pytest.mark.parametrize("timeout", [0, 5])  # in this process, and in the reward worker process
+def test_environments_are_each_episodes_instance_as_it_ended(user_dir, timeout):
+    """TRL passes every reward `environments`: one instance per completion, in the state its episode left it (here
+    a copy from the tool executor); to a function that names it and to one that takes **kwargs."""
+    copies = _episode_copies(f"{MOD}.py:Counter", {0: 10})
+    s = RewardScorer(["trl_rewards:env_value", "trl_rewards:env_seen"], timeout=timeout, env_names=["Counter"],
+                     environments=True)
+    try:
+        assert s.wants_environments
+        sc = s.score_group(Example(prompt="p", ground_truth=None), ["a", "b", "c"],
+                           env_rewards=[{"Counter": 11.0}, {"Counter": 2.0}, {"Counter": 3.0}], environments=copies)
+    finally:
+        s.close()
+    assert sc.components["env_value"] == [11.0, 2.0, 3.0] == sc.components["Counter"]
+    assert sc.components["env_seen"] == [1.0, 1.0, 1.0] and sc.logged == {"env_class": ["Counter"] * 3}
+
+
+def test_a_lost_environment_is_not_applicable_for_that_completion(user_dir):
+    """An instance gone with a restarted tool process (or whose reset failed): the function is called on the other
+    completions, and says None for that one (as get_reward() does), never gets a None instance."""
+    from trainer.rewards.environments import lost
+
+    copies = _episode_copies(f"{MOD}.py:Counter", {2: 5})
+    copies[1] = lost(copies[1]["spec"], "the rollout's environment is gone")
+    s = RewardScorer(["trl_rewards:env_value"], timeout=0, environments=True)
+    sc = s.score_group(Example(prompt="p", ground_truth=None), ["a", "b", "c"], environments=copies)
+    assert sc.components["env_value"] == [1.0, None, 8.0] and sc.logged == {"env_class": ["Counter", None, "Counter"]}
+    every = [lost(c["spec"], "gone") for c in copies]
+    sc = s.score_group(Example(prompt="p", ground_truth=None), ["a", "b", "c"], environments=every)
+    assert sc.components["env_value"] == [None] * 3 and all(math.isnan(r) for r in sc.rewards)
+
+
+def test_environments_without_an_environment_factory_are_refused_in_one_line(user_dir):
+    """A reward that names `environments` cannot be honoured without environment instances: refused when the
+    scorer is built (launch.sh check, every producer's start), in one line; a **kwargs one runs without it."""
+    for make in (lambda: RewardScorer(["trl_rewards:env_value"], timeout=0),
+                 lambda: RewardScorer.from_config(GRPOConfig(reward_fns=["trl_rewards:env_value"]).validate())):
+        with pytest.raises(ValueError, match="'env_value' takes `environments`.*no environment_factory") as e:
+            make()
+        assert "\n" not in str(e.value)
+    s = RewardScorer(["trl_rewards:env_seen"], timeout=0)
+    assert not s.wants_environments
+    assert s.score_group(Example(prompt="p", ground_truth=None), ["a"]).components["env_seen"] == [-1.0]
+    cfg = GRPOConfig(reward_fns=["trl_rewards:env_seen"], environment_factory=f"{MOD}.py:Counter").validate()
+    assert RewardScorer.from_config(cfg).wants_environments  # TRL passes **kwargs functions `environments` too
+
+
+@pytest.mark.parametrize("timeout", [0, 5])
+def test_an_environment_that_cannot_be_copied(user_dir, timeout):
+    """A class whose instances cannot be pickled: a reward naming `environments` stops the run, naming the class and
+    why; one that only takes **kwargs is called without it."""
+    copies = _episode_copies(f"{MOD}.py:Locked")
+    assert all("cannot be copied" in c["error"] and not c["lost"] for c in copies)
+    ex = Example(prompt="p", ground_truth=None)
+    s = RewardScorer(["trl_rewards:env_seen"], timeout=timeout, environments=True)
+    try:
+        assert s.score_group(ex, ["a", "b", "c"], environments=copies).components["env_seen"] == [-1.0] * 3
+    finally:
+        s.close()
+    s = RewardScorer(["trl_rewards:env_value"], timeout=timeout, environments=True)
+    try:
+        with pytest.raises(RuntimeError, match=r"'env_value' failed on row .*environments\[0\]: Locked instances "
+                                               r"cannot be copied to the reward process \(pickle: TypeError"):
+            s.score_group(ex, ["a", "b", "c"], environments=copies)
+    finally:
+        s.close()
+
+
+def test_rows_without_a_prompt_get_it_from_reset(tmp_path):
+    """TRL 1.16 (grpo_trainer.py ~2330-2337, ~2372-2386): with an environment_factory a row may have no prompt: it
+    stands as an empty user message, reset() gets the row without it, and what reset() returns is the prompt."""
+    import json
+
+    from trainer.data import ColumnSpec, load_examples
+    from trainer.rollout import reset_kwargs, with_observation
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps({"environment": "maze", "level": 2}) + "\n")
+    with pytest.raises(ValueError, match="none of the known layouts"):  # without an environment: as before
+        load_examples(str(f))
+    ex, = load_examples(str(f), columns=ColumnSpec(environment=True))
+    assert ex.prompt == [{"role": "user", "content": ""}] and ex.reset_prompt and ex.ground_truth is None
+    assert ex.columns == {"environment": "maze", "level": 2} == reset_kwargs(ex)  # no stand-in `prompt` for reset
+    assert with_observation(ex, "Maze 2: go").prompt == [{"role": "user", "content": "Maze 2: go"}]
+    with pytest.raises(ValueError, match="no prompt column 'prompt'.*needs prompt_format auto") as e:
+        load_examples(str(f), columns=ColumnSpec(environment=True, prompt_format="r1zero"))
+    assert "\n" not in str(e.value)
+    f.write_text(json.dumps({"prompt": "Go.", "level": 2}) + "\n")
+    ex, = load_examples(str(f), columns=ColumnSpec(environment=True))
+    assert not ex.reset_prompt and reset_kwargs(ex) == {"prompt": "Go.", "level": 2}
+    assert ColumnSpec.from_config(GRPOConfig(environment_factory="x:Y")).environment
+
+
+def test_reset_gets_the_row_less_the_routing_column(user_dir):
+    """TRL: in the dict form `environment` routes the row and is not passed to reset(); one class gets the row."""
+    from trainer.tools import ToolBox
+    from trainer.tools.schemas import load_tools
+
+    for env, got in (({"e": f"{MOD}.py:Echo"}, "['level']"), (f"{MOD}.py:Echo", "['environment', 'level']")):
+        box = ToolBox(load_tools([], env), env, timeout=5.0, output_chars=100)
+        try:
+            ep, = box.start_episodes(1, [{"environment": "e", "level": 1}])
+            assert box.observations[ep] == got
+            box.end_episodes([ep])
+        finally:
+            box.close()
+
+
+def test_launch_check_scores_environment_rewards_with_copies_and_refuses_in_one_line(user_dir, capsys):
+    """`launch.sh check`'s rewards line: rows reset, their instances copied as the tool loop copies them, a reward
+    naming `environments` scored on them; a class that cannot be copied, or no environment_factory: one FAIL line."""
+    from trainer.check import Checker, check_rewards
+
+    def check(**kw) -> list[str]:
+        c = Checker()
+        c.cfg = GRPOConfig(reward_fns=["trl_rewards:env_value"], num_pre_Q=2, reward_timeout=0, **kw).validate()
+        c.examples = [Example(prompt="p", ground_truth=None, columns={"start": s}) for s in (4, 7)]
+        c.run("rewards", lambda: check_rewards(c))
+        return capsys.readouterr().out.splitlines()
+
+    assert check(environment_factory=f"{MOD}.py:Counter")[0].startswith(
+        "ok   rewards  2 groups of 2 scored: env_value=4..7, Counter=None on all 4")
+    out = check(environment_factory=f"{MOD}.py:Locked")
+    assert out[0].startswith("FAIL rewards  RuntimeError: reward function 'env_value' failed on row 0") and \
+        "environments[0]: Locked instances cannot be copied to the reward process (pickle: TypeError" in out[0]
+    out = check()
+    assert len(out) == 1 and out[0].startswith("FAIL rewards  ValueError: reward function 'env_value' takes "
+                                               "`environments` (TRL's environment instances), but no "
+                                               "environment_factory is configured")

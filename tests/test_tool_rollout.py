@@ -84,7 +84,7 @@ def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_pr
     fb.observe = lambda kw: f" (the board says {kw['ground_truth']})"  # what reset() returns
     first, final = turns(tok)
     engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
-    scorer = RewardScorer(["trl_rewards:tool_turns"], timeout=0)
+    scorer = RewardScorer(["trl_rewards:tool_turns", "trl_rewards:prompt_said"], timeout=0)
     prompt = [{"role": "user", "content": "What is 12 * 34?"}]
     exs = [Example(prompt=prompt, ground_truth="408", columns={"ground_truth": "408"})]
     try:
@@ -96,6 +96,7 @@ def test_an_environment_gets_the_row_at_reset_and_its_observation_extends_the_pr
         text = tok.decode(b.input_ids[i, :int(b.prompt_lens[i])])
         assert text.endswith("What is 12 * 34? (the board says 408)<|im_end|>\n<|im_start|>assistant\n")
     assert engine.calls[0] == (3, 300)  # one prompt per rollout, n=1
+    assert b.extra["logged"]["prompt_said"] == ["What is 12 * 34? (the board says 408)"] * 3  # TRL's rewards' prompts
 
 
 def test_tool_statistics_are_checked_like_the_other_per_completion_lists():
@@ -169,3 +170,24 @@ def test_eval_scores_the_environment_reward(tok):
                    progress=False, toolbox=fb, max_tool_calling_iterations=2, scorer=scorer)
     assert res["rewards"] == {"Env": [4.0, 2, 2]} and res["reward_total"] == 4.0
     assert all(live for _, live in fb.rewarded)
+
+
+def test_rewards_taking_environments_get_each_rollouts_copy_taken_before_its_end(tok):
+    """TRL's `environments`: the tool loop copies each rollout's instance after its last turn, before get_reward()
+    is read (TRL calls the reward functions first) and before the episode ends; each completion's reward gets its
+    own, in training and in eval."""
+    from trainer.evaluate import evaluate
+
+    fb = FakeToolBox({"mul": lambda a, b: a * b})
+    fb.reward = lambda ep: 0.0
+    first, final = turns(tok)
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    scorer = RewardScorer(["trl_rewards:env_value"], timeout=0, env_names=["Env"], environments=True)
+    exs = [Example(prompt="What is 12 * 34?", ground_truth="408")]
+    (b,), _ = generate_batches(engine, tok, exs, cfg(), scorer, toolbox=fb)
+    assert fb.copied == [(0, True, True), (1, True, True), (2, True, True)]
+    assert b.extra["components"]["env_value"] == [1.0, 2.0, 3.0] and b.extra["logged"]["env_class"] == ["Counter"] * 3
+    engine = ScriptEngine(tok, [first, final], tok.convert_tokens_to_ids("<tool_response>"))
+    res = evaluate(engine, tok, exs, max_new_tokens=300, progress=False, toolbox=fb, max_tool_calling_iterations=2,
+                   scorer=scorer)
+    assert res["rewards"]["env_value"][1] == 1 and fb.copied[0][1:] == (True, True)

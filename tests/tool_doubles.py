@@ -130,6 +130,20 @@ class FakeToolBox:
         self.rewarded += [(i, i not in self.ended) for i in ids]
         return [None if self.reward is None else {"Env": self.reward(i)} for i in ids]
 
+    def episode_snapshots(self, ids) -> list:
+        """TRL's `environments`: a copy of each episode's instance (a Counter at its episode id + 1); the order of
+        the calls (copied before get_reward() and the end) in `copied`."""
+        from tests.tools_user_code import Counter
+        from trainer.rewards.environments import snapshot
+
+        self.copied = [(i, not any(r == i for r, _ in self.rewarded), i not in self.ended) for i in ids]
+        out = []
+        for i in ids:
+            env = Counter()
+            env.value = i + 1
+            out.append(snapshot(env, "tests.tools_user_code:Counter"))
+        return out
+
     def end_episodes(self, ids) -> None:
         self.ended += list(ids)
 

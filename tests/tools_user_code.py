@@ -156,3 +156,20 @@ class OnlyReset:
 
     def get_reward(self) -> float:
         return float(self.id)
+
+
+class Echo:
+    """Says which keyword arguments reset() got (TRL passes the dataset row, less `environment` in the dict form)."""
+
+    def reset(self, **kwargs) -> str:
+        return repr(sorted(kwargs))
+
+
+class Locked(Counter):
+    """A Counter holding a lock: its instances cannot be pickled (no copy for TRL's `environments` keyword)."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.lock = threading.Lock()

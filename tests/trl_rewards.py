@@ -119,3 +119,22 @@ async def meet_b(prompts, completions, **kwargs):
 
 async def async_raises(prompts, completions, **kwargs):
     raise KeyError("async boom")
+
+
+def env_value(completions, environments, **kwargs):
+    """TRL's `environments`: each completion's episode instance, read as the episode left it."""
+    log_extra = kwargs["log_extra"]
+    log_extra("env_class", [type(e).__name__ for e in environments])
+    return [float(e.value) for e in environments]
+
+
+def env_seen(completions, **kwargs):
+    """Takes **kwargs: TRL passes it `environments` too (when the run has them); -1 without."""
+    envs = kwargs.get("environments")
+    return [-1.0] * len(completions) if envs is None else [float(e.value > 0) for e in envs]
+
+
+def prompt_said(prompts, completions, **kwargs):
+    """Logs the last prompt message each completion's reward got (TRL: reset()'s text appended)."""
+    kwargs["log_extra"]("prompt_said", [p[-1]["content"] for p in prompts])
+    return [0.0] * len(completions)

@@ -117,7 +117,7 @@ def check_data(c: Checker) -> str:
 def _as_generated(c: Checker) -> tuple[list, object]:
     """The first rows as rollouts start from them, and the tools (ToolBox.prompt_tools: a row -> its schemas):
     with environment_factory, each row's reset() text appended (trainer/rollout.py with_observation), as TRL does."""
-    from trainer.rollout import with_observation
+    from trainer.rollout import reset_kwargs, with_observation
     from trainer.tools import ToolBox
     try:
         box = ToolBox.from_config(c.cfg, c.tokenizer)
@@ -128,7 +128,7 @@ def _as_generated(c: Checker) -> tuple[list, object]:
     try:
         if not box.has_env:
             return c.examples, box.prompt_tools
-        ids = box.start_episodes(len(c.examples), [{"prompt": ex.prompt, **ex.columns} for ex in c.examples])
+        ids = box.start_episodes(len(c.examples), [reset_kwargs(ex) for ex in c.examples])
         obs = [box.observations.get(i) for i in ids]
         box.end_episodes(ids)
         return [ex if o is None else with_observation(ex, str(o)) for ex, o in zip(c.examples, obs)], box.prompt_tools
@@ -164,6 +164,7 @@ def check_rewards(c: Checker) -> str:
     scorer = RewardScorer.from_config(c.cfg, reward_models=False)  # as the workers build it, less the models
     values: dict[str, list] = {n: [] for n in scorer.names}
     try:
+        envs = _environment_copies(c) if scorer.wants_environments else [None] * len(c.examples)
         if not c.examples:
             return f"{', '.join(scorer.names)} imported (no data row to score a group)"
         for row, ex in enumerate(c.examples):
@@ -171,12 +172,28 @@ def check_rewards(c: Checker) -> str:
             completions = _group(ex, c.cfg.num_pre_Q)
             ids = ([c.tokenizer(x, add_special_tokens=False)["input_ids"] for x in completions]
                    if c.tokenizer is not None else None)
-            for name, vals in scorer.score_group(ex, completions, ids).components.items():
+            copies = None if envs[row] is None else [envs[row]] * len(completions)
+            for name, vals in scorer.score_group(ex, completions, ids, environments=copies).components.items():
                 values[name].extend(vals)
     finally:
         scorer.close()
     return f"{len(c.examples)} groups of {c.cfg.num_pre_Q} scored: " + ", ".join(
         f"{n}={_summary(v)}" for n, v in values.items())
+
+
+def _environment_copies(c: Checker) -> list[dict]:
+    """For rewards that take TRL's `environments`: each row's instance as its reset() leaves it, copied as the
+    tool loop copies it (trainer/rewards/environments.py): a class that cannot be copied fails here."""
+    from trainer.rollout import reset_kwargs
+    from trainer.tools import ToolBox
+    box = ToolBox.from_config(c.cfg, c.tokenizer)
+    try:
+        ids = box.start_episodes(len(c.examples), [reset_kwargs(ex) for ex in c.examples])
+        copies = box.episode_snapshots(ids)
+        box.end_episodes(ids)
+        return copies
+    finally:
+        box.close()
 
 
 def _group(ex, n: int) -> list[str]:

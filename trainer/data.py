@@ -50,12 +50,15 @@ class ColumnSpec:
     answer_column: str | None = None  # "a,b" = several columns, passed on as the JSON object {"a": .., "b": ..}
     prompt_template: str | None = None  # str.format over the row's columns, e.g. "Reach {target} with {nums}"
     prompt_format: str = "auto"
+    environment: bool = False  # environment_factory set: a row may have no prompt (TRL: reset() supplies it)
 
     @classmethod
     def from_config(cls, cfg) -> ColumnSpec:
-        return cls(cfg.prompt_column, cfg.answer_column, cfg.prompt_template, cfg.prompt_format)
+        return cls(cfg.prompt_column, cfg.answer_column, cfg.prompt_template, cfg.prompt_format,
+                   bool(cfg.environment_factory))
 
 
+RESET_PROMPT = {"role": "user", "content": ""}  # TRL's stand-in for a row without a prompt; reset() appends to it
 # Layouts found without configuration: (prompt column, answer column); the first that fits a row wins.
 _LAYOUTS = (("prompt", "ground_truth"), ("question", "answer"), ("problem", "solution"), (None, "nums,target"))
 
@@ -69,7 +72,8 @@ def _detect(row: dict, spec: ColumnSpec, where: str) -> tuple[str | None, str | 
         if (spec.prompt_column or pcol) in row or pcol is None:
             if all(c in row for c in acol.split(",")):
                 return spec.prompt_column or pcol, acol
-    if own_prompt is None or own_prompt in row:  # TRL's prompt-only data: judge or length rewards need no answer
+    if own_prompt is None or own_prompt in row or spec.environment:  # TRL's prompt-only data (judge or length
+        # rewards need no answer); with an environment also no prompt: reset() supplies it
         return own_prompt, None
     raise ValueError(f"{where}: row has none of the known layouts ('prompt' alone or with 'ground_truth', "
                      f"'question'+'answer', 'problem'+'solution', 'nums'+'target'); set prompt_column/answer_column "
@@ -109,6 +113,12 @@ def _prompt(row: dict, pcol: str | None, spec: ColumnSpec, where: str):
         except (KeyError, IndexError) as e:
             raise ValueError(f"{where}: prompt_template names a column the row lacks: {e} "
                              f"(keys: {sorted(row)[:10]})") from e
+    if pcol is not None and pcol not in row and spec.environment:  # TRL (grpo_trainer.py ~2330-2337)
+        if spec.prompt_format not in ("auto", "messages", "trl"):
+            raise ValueError(f"{where}: no prompt column {pcol!r}: an environment's reset() supplies the prompt then "
+                             f"(TRL), to an empty user message, which needs prompt_format auto, messages or trl, "
+                             f"not {spec.prompt_format!r}")
+        return [dict(RESET_PROMPT)]
     if pcol is None or pcol not in row:
         raise ValueError(f"{where}: no prompt column {pcol!r} (keys: {sorted(row)[:10]}); set prompt_column, "
                          f"or prompt_template to build the prompt from other columns")
@@ -134,7 +144,8 @@ def _row_to_example(row: Any, where: str, spec: ColumnSpec = ColumnSpec()) -> Ex
     if acol == "answer":
         meta = {"solution": row["answer"], **meta}  # GSM8K rows keep their worked solution
     columns = {k: v for k, v in row.items() if k != pcol}  # what TRL-style rewards receive as keywords
-    return Example(prompt=prompt, ground_truth=gt, meta=meta, columns=columns)
+    return Example(prompt=prompt, ground_truth=gt, meta=meta, columns=columns,
+                   reset_prompt=spec.environment and spec.prompt_template is None and pcol not in row)
 
 
 def _read_file(path: Path, limit: int | None, spec: ColumnSpec) -> list[Example]:

@@ -28,7 +28,7 @@ from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
 from trainer.rewards.builtin import reward_correct, reward_format
 from trainer.rewards.scoring import RewardScorer
-from trainer.rollout import encode_prompts, sample_groups
+from trainer.rollout import encode_prompts, sample_groups, started_prompts
 from trainer.tools import ToolBox
 
 log = logging.getLogger("trainer")
@@ -78,7 +78,8 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
         chunk = kept[c * batch_size:(c + 1) * batch_size]
         outs, messages, stats = sample_groups(engine, tokenizer, chunk, 1, max_new_tokens, toolbox=toolbox,
                                               max_iterations=max_tool_calling_iterations, greedy=True,
-                                              system_prompt=system_prompt, prompt_format=prompt_format)
+                                              system_prompt=system_prompt, prompt_format=prompt_format,
+                                              snapshots=getattr(scorer, "wants_environments", False))
         tool_calls += sum(int(s["calls"]) for s in stats or [])
         for k, ((ex, _), out) in enumerate(zip(chunk, outs)):
             text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)
@@ -87,7 +88,9 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
                 ids = [int(t) for t in out.completion_ids]  # plain ints: they go to the reward process as JSON
                 try:
                     score = scorer.score_group(ex, [text], [ids], conv,
-                                               [stats[k].get("env_rewards")] if stats is not None else None)
+                                               [stats[k].get("env_rewards")] if stats is not None else None,
+                                               [stats[k].get("environment")] if stats is not None else None,
+                                               started_prompts([ex], stats[k:k + 1] if stats is not None else None))
                 except RuntimeError as e:  # e.g. a TRL reward reading a column the held-out rows lack: eval
                     # must not end the run; counted (eval_reward_errors) and said, once per eval
                     if not reward_errors:

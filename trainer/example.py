@@ -11,3 +11,5 @@ class Example:
     meta: dict = field(default_factory=dict)  # the row's other columns (GSM8K: "solution" = the worked answer)
     columns: dict = field(default_factory=dict, compare=False)  # all columns but the prompt: TRL reward keywords
     index: int | None = None  # position in the loaded list, set by PromptSampler (batches log what they trained)
+    reset_prompt: bool = False  # no prompt column: an environment's reset() supplies it (TRL), appended to the empty
+    # user message that stands in for it; reset() is not passed that placeholder as `prompt`

@@ -144,14 +144,30 @@ def with_observation(ex: Example, observation: str) -> Example:
     return replace(ex, prompt=ex.prompt + observation)
 
 
+def reset_kwargs(ex: Example) -> dict:
+    """What an environment's reset() gets: the dataset row, as TRL passes it (grpo_trainer.py ~2376): its prompt
+    and every other column, less the prompt of a row that had none (TRL keeps its stand-in out of reset())."""
+    return dict(ex.columns) if ex.reset_prompt else {"prompt": ex.prompt, **ex.columns}
+
+
+def started_prompts(examples: list[Example], tool_stats: list | None) -> list | None:
+    """Per rollout, its prompt as the rollout started: reset()'s text appended where an environment returned one
+    (what TRL's rewards get as `prompts`); None when no rollout had one."""
+    if tool_stats is None or not any("observation" in s for s in tool_stats):
+        return None
+    return [ex.prompt if "observation" not in s else with_observation(ex, str(s["observation"])).prompt
+            for ex, s in zip(examples, tool_stats)]
+
+
 def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[int]]], n: int, max_new_tokens: int, *,
                   toolbox=None, max_iterations: int | None = None, greedy: bool = False,
-                  system_prompt: str | None = None, prompt_format: str = "auto", template_kwargs: dict | None = None
-                  ) -> tuple[list[Sample], list | None, list | None]:
+                  system_prompt: str | None = None, prompt_format: str = "auto", template_kwargs: dict | None = None,
+                  snapshots: bool = False) -> tuple[list[Sample], list | None, list | None]:
     """n completions per prompt (prompt-major): one engine call, or with a ToolBox the multi-turn tool loop
     (trainer/tools/loop.py); then also each completion's messages and tool statistics (else None, None).
     system_prompt / prompt_format: how the prompts were rendered (encode_prompts), for a prompt that an
-    environment's reset() extends."""
+    environment's reset() extends. snapshots: each rollout's stats["environment"] is a copy of its environment
+    instance after the episode (a reward takes TRL's `environments`; trainer/rewards/environments.py)."""
     prompts = [ids for _, ids in kept]
     if toolbox is None:
         return engine.generate(prompts, n, max_new_tokens=max_new_tokens, greedy=greedy), None, None
@@ -163,8 +179,8 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
     return tool_rollouts(engine, tokenizer, toolbox, prompts, n, max_new_tokens=max_new_tokens,
                          max_iterations=max_iterations, greedy=greedy,
-                         reset_kwargs=[{"prompt": ex.prompt, **ex.columns} for ex, _ in kept],
-                         with_observation=render)
+                         reset_kwargs=[reset_kwargs(ex) for ex, _ in kept],
+                         with_observation=render, snapshots=snapshots)
 
 
 def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg, scorer,
@@ -191,16 +207,21 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     samples, messages, tool_stats = sample_groups(
         engine, tokenizer, kept, cfg.num_pre_Q, cfg.max_new_tokens, toolbox=toolbox,
         max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
-        prompt_format=cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs)
+        prompt_format=cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs,
+        snapshots=getattr(scorer, "wants_environments", False))
     q = cfg.num_pre_Q
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
     env_rewards = [s.get("env_rewards") for s in tool_stats] if tool_stats is not None else None
+    envs = [s.get("environment") for s in tool_stats] if tool_stats is not None else None  # TRL's `environments`
+    seen = started_prompts([ex for ex, _ in kept for _ in range(q)], tool_stats)
     # TRL's trainer_state: the policy version that sampled these rollouts, the run's length, the passes over the data
     scorer.set_state(policy_version, cfg.all_steps, epoch)
     scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
                                  [s.completion_ids.tolist() for s in group],
                                  messages[g * q:(g + 1) * q] if messages is not None else None,
-                                 env_rewards[g * q:(g + 1) * q] if env_rewards is not None else None)
+                                 env_rewards[g * q:(g + 1) * q] if env_rewards is not None else None,
+                                 envs[g * q:(g + 1) * q] if envs is not None else None,
+                                 seen[g * q:(g + 1) * q] if seen is not None else None)
               for g, ((ex, _), group) in enumerate(zip(kept, groups))]
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]  # NaN: unscorable (all None)
     penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,

@@ -9,7 +9,8 @@ Two kinds of reward function, told apart by their signature:
           completion.
 None means "not applicable": skipped in the weighted sum (as TRL does) and in the per-function means; a completion
 for which every reward says None is NaN (TRL: unscorable; left out of its group's baseline, advantage 0).
-TRL's keywords: `trainer_state` (state.py), `log_extra`, `log_metric` (timeout.call_trl_fn); `async def` TRL-style
+TRL's keywords: `trainer_state` (state.py), `log_extra`, `log_metric` (timeout.call_trl_fn), `environments` (copies
+of the episodes' instances, environments.py); `async def` TRL-style
 rewards are gathered on one event loop in the reward worker (timeout.gather_trl_fns), under one timeout.
 Environment rewards (get_reward()) are named after their class, weight 1 (`env_names`; their values come with the
 rollouts).
@@ -23,6 +24,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from trainer.rewards.environments import takes_environments
 from trainer.rewards.models import reward_model_fns
 from trainer.rewards.registry import load_reward_fns, reward_name
 from trainer.rewards.state import TrainerState
@@ -73,7 +75,7 @@ class RewardScorer:
     """The run's reward functions, ready to score groups (one worker process when reward_timeout > 0)."""
 
     def __init__(self, specs, weights: list | None = None, timeout: float = 10.0, conversational: bool | None = None,
-                 env_names: list[str] | None = None, models: dict | None = None):
+                 env_names: list[str] | None = None, models: dict | None = None, environments: bool = False):
         specs = [s for s in specs.split(",") if s.strip()] if isinstance(specs, str) else list(specs or [])
         self.specs = [s.strip() for s in specs]
         # models: {index in specs: a reward model's TRL-style function (trainer/rewards/models.py)}, scored by the
@@ -106,6 +108,15 @@ class RewardScorer:
                 name, k = f"{base}#{k}", k + 1
             self.env_names.append(name)
             self.names.append(name)
+        # TRL's `environments` keyword (copies of the episodes' instances, environments.py): passed when the run has
+        # an environment_factory to the TRL-style functions that name it or take **kwargs; naming it without one
+        # cannot be honoured (TRL would not pass it either: the call would fail), so it is refused here, early.
+        takers = {n: takes_environments(fn) for n, fn, k in zip(self.names, self.fns, self.kinds) if k == "trl"}
+        named = [n for n, how in takers.items() if how == "named"]
+        if named and not environments:
+            raise ValueError(f"reward function {named[0]!r} takes `environments` (TRL's environment instances), but "
+                             f"no environment_factory is configured: set one, or drop the argument")
+        self.wants_environments = environments and any(takers.values())
         if not self.fns and not self.env_names:
             raise ValueError("no reward source: reward_fns is empty and no environment_factory class has get_reward()")
         self.timeout, self.conversational = timeout, conversational
@@ -122,7 +133,7 @@ class RewardScorer:
             keep = [i for i in range(len(specs)) if i not in {m["index"] for m in cfg.reward_models()}]
             specs, weights = [specs[i] for i in keep], [weights[i] for i in keep] if weights else weights
         return cls(specs, weights, cfg.reward_timeout, conversational, cfg.env_reward_names(),
-                   reward_model_fns(cfg) if reward_models else None)
+                   reward_model_fns(cfg) if reward_models else None, bool(cfg.environment_factory))
 
     def set_state(self, global_step: int, max_steps: int = 0, epoch: float = 0.0) -> None:
         """What TRL-style rewards get as trainer_state (trainer/rewards/state.py) for the groups scored next."""
@@ -143,7 +154,8 @@ class RewardScorer:
                            f"  completion: {_short(completion)}" + (f"\n{rest.rstrip()}" if rest.strip() else ""))
 
     def _trl_kwargs(self, example, completions: list[str], completion_ids: list | None,
-                    messages: list[list[dict]] | None = None) -> dict:
+                    messages: list[list[dict]] | None = None, environments: list[dict] | None = None,
+                    prompts: list | None = None) -> dict:
         n = len(completions)
         # conversational None (prompt_format auto): as TRL, message completions for a message-list prompt
         conv = isinstance(example.prompt, list) if self.conversational is None else self.conversational
@@ -152,24 +164,32 @@ class RewardScorer:
         else:
             comps = [[{"role": "assistant", "content": c}] for c in completions] if conv else completions
         kwargs = {col: [v] * n for col, v in example.columns.items()}
-        kwargs.update(prompts=[example.prompt] * n, completions=comps)
+        kwargs.update(prompts=list(prompts) if prompts is not None else [example.prompt] * n, completions=comps)
         if completion_ids is not None:
             kwargs["completion_ids"] = completion_ids
+        if self.wants_environments:  # copies on the wire, restored where the function is called (environments.py)
+            if environments is None or len(environments) != n:
+                raise RuntimeError("a reward takes `environments` but no copies of the episodes' environment "
+                                   "instances came with these completions (a producer that does not take them)")
+            kwargs["environments"] = environments
         return kwargs  # the reward worker passes each function the names it takes (timeout.accepted_kwargs)
 
     def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None,
-                    messages: list[list[dict]] | None = None, env_rewards: list[dict | None] | None = None
-                    ) -> GroupScore:
+                    messages: list[list[dict]] | None = None, env_rewards: list[dict | None] | None = None,
+                    environments: list[dict] | None = None, prompts: list | None = None) -> GroupScore:
         """Rewards for the completions of one prompt (decoded text, special tokens stripped; TRL-style
         functions also get `completion_ids`, the sampled token ids, when given). `messages`: in a tool run, each
         completion as its list of messages (assistant turns with their tool_calls, tool turns): what TRL-style
         functions receive as `completions` for a conversational prompt; the text is then the whole completion's
         (tool turns included), for functions of our signature and plain-text prompts. `env_rewards`: per completion,
-        {environment class name: its get_reward()} from the tool loop (None: no environment reward read)."""
+        {environment class name: its get_reward()} from the tool loop (None: no environment reward read).
+        `environments`: per completion, the copy of its episode's instance (when `wants_environments`).
+        `prompts`: per completion, the prompt as its rollout started (an environment's reset() text appended), what
+        TRL-style functions get as `prompts` (else the example's prompt)."""
         n = len(completions)
         comps: dict[str, list[float | None]] = {}
         score = GroupScore(rewards=[0.0] * n, components=comps)
-        kwargs = self._trl_kwargs(example, completions, completion_ids, messages)
+        kwargs = self._trl_kwargs(example, completions, completion_ids, messages, environments, prompts)
         gathered = self._gather(example, completions, kwargs)
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             try:

@@ -27,6 +27,7 @@ import time
 import traceback
 
 from trainer.child_pipe import ChildExited, JsonLineReader
+from trainer.rewards.environments import expand, prepare
 from trainer.rewards.state import TrainerState
 
 log = logging.getLogger("trainer")
@@ -66,16 +67,17 @@ def accepted_kwargs(fn, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def _trl_call(fn, kwargs: dict, state: dict | None) -> tuple[dict, dict]:
-    """The keyword arguments of one TRL-style call, and where what it logs goes. TRL passes every reward
-    `trainer_state`, `log_extra` and `log_metric` besides the columns: built here, in the process that calls it
-    (JSON cannot carry callables); what they log comes back with the values ({"extra": {column: [...]},
-    "metrics": {name: [...]}})."""
+def _trl_call(fn, kwargs: dict, state: dict | None) -> tuple[dict, dict, list[int] | None]:
+    """The keyword arguments of one TRL-style call, where what it logs goes, and the completions it is called on
+    (None: all; environments.prepare). TRL passes every reward `trainer_state`, `log_extra` and `log_metric`
+    besides the columns: built here, in the process that calls it (JSON cannot carry callables), as are the
+    `environments` copies; what they log comes back with the values ({"extra": {column: [...]}, "metrics": ...})."""
     logged: dict = {"extra": {}, "metrics": {}}
     kwargs = dict(kwargs, trainer_state=TrainerState(**(state or {})),
                   log_extra=lambda column, values: logged["extra"].setdefault(str(column), []).extend(values),
                   log_metric=lambda name, value: logged["metrics"].setdefault(str(name), []).append(float(value)))
-    return accepted_kwargs(fn, kwargs), logged
+    kwargs, keep = prepare(fn, kwargs)
+    return accepted_kwargs(fn, kwargs), logged, keep
 
 
 def _values(out) -> list:
@@ -85,20 +87,32 @@ def _values(out) -> list:
 
 
 def call_trl_fn(fn, kwargs: dict, state: dict | None = None) -> tuple[list, dict]:
-    """(one value per completion, what it logged)."""
-    call, logged = _trl_call(fn, kwargs, state)
-    return _values(awaited(fn(**call))), logged
+    """(one value per completion, what it logged); with `environments`, None for a completion whose instance was
+    lost (environments.py)."""
+    n = _count(kwargs)
+    call, logged, keep = _trl_call(fn, kwargs, state)
+    if keep == []:  # every instance of the group lost: nothing to call it on
+        return [None] * n, logged
+    return expand(_values(awaited(fn(**call))), logged, keep, n)
+
+
+async def _call_trl_async(fn, kwargs: dict, state: dict | None) -> tuple[list, dict]:
+    n = _count(kwargs)
+    call, logged, keep = _trl_call(fn, kwargs, state)
+    if keep == []:
+        return [None] * n, logged
+    return expand(_values(await awaited_async(fn(**call))), logged, keep, n)
+
+
+def _count(kwargs: dict) -> int:
+    return len(kwargs.get("environments") or [])
 
 
 def gather_trl_fns(fns: list, idxs: list[int], kwargs: dict, state: dict | None = None) -> list[tuple[list, dict]]:
     """The `async def` TRL-style rewards of a group, gathered on one event loop as TRL does (asyncio.gather):
     [(values, logged)] in order. The first that raised -> RewardCallError naming it."""
-    async def one(i: int):
-        call, logged = _trl_call(fns[i], kwargs, state)
-        return _values(await awaited_async(fns[i](**call))), logged
-
     async def every():
-        return await asyncio.gather(*(one(i) for i in idxs), return_exceptions=True)
+        return await asyncio.gather(*(_call_trl_async(fns[i], kwargs, state) for i in idxs), return_exceptions=True)
 
     out = asyncio.run(every())
     for i, r in zip(idxs, out):

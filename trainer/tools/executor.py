@@ -132,6 +132,10 @@ class ToolExecutor:
     def episode_reward(self, episode: int) -> tuple[str, float | str | None]:
         return self.request({"op": "reward", "episode": episode})
 
+    def snapshot(self, episode: int, env: str = "") -> tuple[str, dict | str | None]:
+        """A pickled copy of the episode's instance (trainer/rewards/environments.py), for rewards."""
+        return self.request({"op": "snapshot", "episode": episode, "env": env})
+
     def end_episode(self, episode: int) -> None:
         if self.alive():
             self.request({"op": "end", "episode": episode})

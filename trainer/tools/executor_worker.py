@@ -8,6 +8,7 @@ Requests and answers, one JSON object a line:
     {"op": "start", "episode": 3, "kwargs": {...}} -> {"status": "ok", "content": <reset()'s return, or null>}
     {"op": "call", "episode": 3, "name": "f", "arguments": {...}} -> {"status": "ok" | "error", "content": "..."}
     {"op": "reward", "episode": 3} -> {"status": "ok", "content": <get_reward()'s float>} (or "error")
+    {"op": "snapshot", "episode": 3, "env": ""} -> {"status": "ok", "content": {"spec", "pickle" | "error"}}
     {"op": "end", "episode": 3} -> {"status": "ok"}
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from common.user_code import load_object
+from trainer.rewards.environments import lost, snapshot  # imported before the limits are set, as the tools are
 from trainer.tools.types import one_line, truncate
 
 
@@ -126,6 +128,14 @@ class Worker:
         value = call_with_cpu_limit(env.get_reward, {}, self.conf["timeout"])
         return {"status": "ok", "content": None if value is None else float(value)}
 
+    def snapshot(self, req: dict) -> dict:
+        """TRL passes rewards the episode's instance (`environments`): a copy of it, pickled here."""
+        env, spec = self.envs.get(req["episode"]), self.conf["envs"].get(req.get("env", ""), "")
+        if env is None:
+            return {"status": "ok", "content": lost(spec, "the rollout's environment is gone (the tool process "
+                                                          "restarted after a tool call timed out or crashed)")}
+        return {"status": "ok", "content": snapshot(env, spec)}
+
     def end(self, req: dict) -> dict:
         env, name = self.envs.pop(req["episode"], None), self.env_of.pop(req["episode"], "")
         if env is not None:  # back to its pool: the next rollout's reset() starts it afresh
@@ -142,6 +152,8 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - said to the parent, which marks the episode or reward
                 what = "reset()" if op == "start" else "get_reward()"
                 return {"status": "error", "content": f"Error: {what} failed: {one_line(f'{type(e).__name__}: {e}')}"}
+        if op == "snapshot":
+            return self.snapshot(req)
         return self.call(req) if op == "call" else self.end(req)
 
 

@@ -110,7 +110,7 @@ def _count(r: Rollout, results) -> None:
 
 def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[int]], n: int, *,
                   max_new_tokens: int, max_iterations: int | None, greedy: bool = False,
-                  reset_kwargs: list[dict] | None = None, with_observation=None
+                  reset_kwargs: list[dict] | None = None, with_observation=None, snapshots: bool = False
                   ) -> tuple[list[Sample], list[list[dict]], list[dict]]:
     """n rollouts per prompt (prompt-major, as engine.generate orders them) -> one Sample per rollout (all turns'
     tokens, loss_mask False on tool tokens, logprobs 0 there when the engine gives them), its completion as a
@@ -118,7 +118,9 @@ def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[i
 
     reset_kwargs: one dict per prompt, what each rollout's environment reset() gets (TRL passes the dataset row).
     with_observation(prompt index, observation) -> prompt ids: as TRL, what an environment's reset() returns is
-    appended to the prompt's last message (prompt[-1]); the rollouts with one then start from their own prompt."""
+    appended to the prompt's last message (prompt[-1]); the rollouts with one then start from their own prompt.
+    snapshots: a reward takes TRL's `environments`: each rollout's stats["environment"] is a copy of its instance
+    after the last turn (ToolBox.episode_snapshots), taken before get_reward() as TRL calls the functions first."""
     synced = getattr(engine, "synced_gpus", False)
     episodes = toolbox.start_episodes(len(prompt_ids) * n,
                                       [kw for kw in reset_kwargs for _ in range(n)] if reset_kwargs else None)
@@ -130,6 +132,9 @@ def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[i
         else:
             first = engine.generate(prompt_ids, n, max_new_tokens=max_new_tokens, greedy=greedy)
         rolls = [Rollout(list(s.prompt_ids)) for s in first]
+        for r, o in zip(rolls, obs):  # TRL's rewards get the prompt reset() extended (grpo_trainer.py ~2398, ~2753)
+            if o is not None:
+                r.stats["observation"] = o
         turns = list(zip(range(len(rolls)), first))
         rounds = 0
         while True:
@@ -144,6 +149,8 @@ def tool_rollouts(engine: GenEngine, tokenizer, toolbox, prompt_ids: list[list[i
             budget = [max_new_tokens - len(rolls[i].ids) for i in active]
             outs = engine.generate(ctx, 1, max_new_tokens=budget, greedy=greedy)
             turns = list(zip(active, outs))
+        for r, snap in zip(rolls, toolbox.episode_snapshots(episodes) if snapshots else []):
+            r.stats["environment"] = snap  # rewards read it (trainer/rewards/environments.py), not metrics
         for r, env_reward in zip(rolls, toolbox.episode_rewards(episodes)):  # TRL: read before the episodes end
             r.stats["env_rewards"] = env_reward  # {class name: get_reward()} or None; rewards read it, not metrics
     finally:

@@ -121,7 +121,9 @@ class ToolBox:
         for k, ep in enumerate(ids):
             self.episodes[ep], self.observations[ep], self.episode_env[ep] = None, None, envs[k]
             if self.has_env:
-                status, content = self.executor.start_episode(ep, rows[k], envs[k])
+                # TRL: in the dict form `environment` is a routing column, not passed to reset()
+                row = {c: v for c, v in rows[k].items() if c != "environment"} if envs[k] else rows[k]
+                status, content = self.executor.start_episode(ep, row, envs[k])
                 if status == "ok":
                     self.observations[ep] = content
                 else:
@@ -144,6 +146,22 @@ class ToolBox:
             if status != "ok":
                 log.warning("tools: get_reward() of episode %d: %s", ep, one_line(str(value or status)))
             out.append({name: value if status == "ok" else None})
+        return out
+
+    def episode_snapshots(self, ids: list[int]) -> list[dict]:
+        """TRL's `environments` reward keyword: per episode a copy of its instance as the episode left it, on the
+        wire (trainer/rewards/environments.py): pickled, or why not ("lost": its reset failed, or the instance
+        is gone with a restarted tool process)."""
+        from trainer.rewards.environments import lost
+
+        out = []
+        for ep in ids:
+            env = self.episode_env.get(ep, "")
+            if self.episodes.get(ep):
+                out.append(lost(self.envs[env], f"its reset() failed: {self.episodes[ep]}"))
+                continue
+            status, content = self.executor.snapshot(ep, env)
+            out.append(content if status == "ok" else lost(self.envs[env], one_line(str(content or status))))
         return out
 
     def end_episodes(self, ids: list[int]) -> None:
