@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.config import GRPOConfig
-from trainer.data import Example
+from trainer.data.loading import Example
 from trainer.objective.grpo import group_advantages, has_spread
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import round_advantages

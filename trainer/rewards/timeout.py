@@ -26,8 +26,8 @@ import threading
 import time
 import traceback
 
-from trainer.child_pipe import ChildExited, JsonLineReader
 from trainer.rewards.state import TrainerState
+from trainer.run.child_pipe import ChildExited, JsonLineReader
 
 log = logging.getLogger("trainer")
 
