@@ -218,7 +218,7 @@ else
   rm -f "$CHECK_LOG"
 fi
 mkdir -p "$RUN_DIR"
-rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/health.py)
+rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/run/health.py)
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
   MASTER_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 fi
@@ -365,7 +365,7 @@ while kill -0 "$TRAINER" 2>/dev/null; do
     own=$(head -n 1 "$RUN_DIR/diagnosis.txt" 2>/dev/null || true); why=${own#"$name: "}
     [ -n "$why" ] || why=$(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300)
     echo "$name exited with code $code: $why (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
-    [ "$code" = 7 ] && [ -n "$own" ] && exit 7  # it said "nothing to train on" (trainer/stall.py): docs/hangs.md
+    [ "$code" = 7 ] && [ -n "$own" ] && exit 7  # it said "nothing to train on" (trainer/run/stall.py): docs/hangs.md
     exit 3
   done
   sleep 1

@@ -54,7 +54,7 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, Start
                                        "single-file data has none: eval never runs on training rows.")
     data_limit: int | None = knob(None, "Use at most this many training examples.")
     system_prompt: str | None = knob("default", "System prompt for the chat template; 'default' = the R1-style "
-                                                    "prompt in trainer/data.py; '' = no system message (a template "
+                                                    "prompt in common/prompts.py; '' = no system message (a template "
                                                     "with a default, like Qwen2.5's, still inserts its own); "
                                                     "'none' = no system turn at all (cut out of the template's "
                                                     "output; an error where the template does not allow it).")
@@ -196,7 +196,7 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, Start
                                       "through the chat template), messages (the row's prompt is a [{role, "
                                       "content}] conversation, templated as is), raw (the prompt string verbatim, "
                                       "already templated, e.g. ReasonRL), r1zero (plain-text R1-Zero template, "
-                                      "base models). See trainer/prompt_formats.py.")
+                                      "base models). See trainer/data/prompt_formats.py.")
     prompt_column: str | None = knob(None, "Dataset column holding the prompt (default: detected: prompt, "
                                            "question or problem).")
     answer_column: str | None = knob(None, "Dataset column(s) holding the answer (default: detected: "

@@ -184,7 +184,8 @@ def _sys_path_restored():
     if sys.path != before:
         added = [p for p in sys.path if p not in before]
         sys.path[:] = before
-        ours = [p for p in added if Path(p).resolve().is_relative_to(REPO)]
+        ours = [p for p in added if Path(p).resolve().is_relative_to(REPO)
+                and not Path(p).resolve().is_relative_to(REPO / ".venv")]  # e.g. setuptools' _vendor: not ours
         if ours:
             pytest.fail(f"the test left {ours} on sys.path: a folder of the checkout shadows the packages; "
                         "use monkeypatch.syspath_prepend")

@@ -15,7 +15,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer
-from trainer.data import load_examples
+from trainer.data.loading import load_examples
 from trainer.engine import build_engine, init_deepspeed
 from trainer.engines.hf import HFEngine
 from trainer.evaluate import evaluate

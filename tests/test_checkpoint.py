@@ -6,7 +6,7 @@ import json
 import torch
 
 from trainer.checkpoint import cast_state, prune_checkpoints, source_dtype
-from trainer.metrics import MetricsLogger
+from trainer.run.metrics import MetricsLogger
 
 
 def _make(out, names):

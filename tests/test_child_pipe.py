@@ -1,4 +1,4 @@
-"""The shared child-pipe reader (trainer/child_pipe.py): a deadline gives None and keeps what arrived, the end of
+"""The shared child-pipe reader (trainer/run/child_pipe.py): a deadline gives None and keeps what arrived, the end of
 the pipe raises ChildExited, lines that share one read or span two come out whole; and each caller maps a dead
 child its own way (the tool executor: "died"; the reward caller: RuntimeError)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from trainer.child_pipe import ChildExited, JsonLineReader
 from trainer.rewards.timeout import ProcessCaller
+from trainer.run.child_pipe import ChildExited, JsonLineReader
 from trainer.tools.executor import ToolExecutor
 
 

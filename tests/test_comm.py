@@ -17,7 +17,7 @@ from conftest import REPO, find_free_port
 from trainer.dist import comm
 from trainer.loop import _is_dist_error
 from trainer.objective.update import dapo_scales
-from trainer.step_metrics import reduce_metrics
+from trainer.run.step_metrics import reduce_metrics
 
 
 @pytest.fixture

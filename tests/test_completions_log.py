@@ -13,10 +13,10 @@ from conftest import find_free_port
 from common.config import GRPOConfig
 from common.modeling import load_model, load_tokenizer, resolve_model_path
 from common.wire.protocol import ScoredBatch
-from trainer.completions import COLUMNS, CompletionLog, completion_rows, table_text
-from trainer.data import load_examples
-from trainer.metrics import MetricsLogger
+from trainer.data.loading import load_examples
 from trainer.rewards.scoring import RewardScorer
+from trainer.run.completions import COLUMNS, CompletionLog, completion_rows, table_text
+from trainer.run.metrics import MetricsLogger
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.data import SYSTEM_PROMPT, Example, PromptSampler, build_prompt, load_examples
+from trainer.data.loading import SYSTEM_PROMPT, Example, PromptSampler, build_prompt, load_examples
 
 # The shared read-only GSM8K copy next to the repo (never copied into it).
 GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k"

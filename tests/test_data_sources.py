@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # trl_rewards, loaded 
 
 from common.config import GRPOConfig  # noqa: E402
 from common.settings.knobs import load_config  # noqa: E402
-from trainer import run_data  # noqa: E402
-from trainer.data import ColumnSpec, load_examples  # noqa: E402
+from trainer.data import run_data  # noqa: E402
+from trainer.data.loading import ColumnSpec, load_examples  # noqa: E402
 from trainer.rewards.builtin import reward_correct  # noqa: E402
 from trainer.rewards.scoring import RewardScorer  # noqa: E402
 
@@ -193,7 +193,7 @@ def test_dataset_config_picks_a_configuration_of_a_hub_id_from_the_offline_cache
     subprocess.run([sys.executable, "-c", prepare, str(folder)], env=env, cwd=tmp_path, check=True,
                    capture_output=True)
     (cache / "toyds").rename(cache / "someone___toyds")  # where datasets keeps the hub id someone/toyds
-    probe = ("import sys; from trainer.data import load_examples\n"
+    probe = ("import sys; from trainer.data.loading import load_examples\n"
              "for split, config in (('train', 'hard'), ('test', 'easy')):\n"
              "    print(split, config, [e.ground_truth for e in load_examples('someone/toyds', split, config=config)])")
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.config import GRPOConfig
-from trainer.data import Example
+from trainer.data.loading import Example
 from trainer.objective.grpo import group_advantages, has_spread
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import round_advantages
@@ -222,7 +222,7 @@ def test_rows_without_a_prompt_get_it_from_reset(tmp_path):
     stands as an empty user message, reset() gets the row without it, and what reset() returns is the prompt."""
     import json
 
-    from trainer.data import ColumnSpec, load_examples
+    from trainer.data.loading import ColumnSpec, load_examples
     from trainer.rollout import reset_kwargs, with_observation
 
     f = tmp_path / "rows.jsonl"

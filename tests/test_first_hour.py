@@ -118,7 +118,7 @@ def _stats(groups: int, components: dict, skipped_long: int = 0):
 
 
 def test_nothing_spins_and_none_is_shown_as_none(caplog):
-    from trainer.stall import NothingToTrain, StallReporter
+    from trainer.run.stall import NothingToTrain, StallReporter
     now = [0.0]
     # None (no reward applied) is None in the stall line, not 0 (before: `rewards seen {0: 84}`)
     rep = StallReporter("worker0", every=30.0, clock=lambda: now[0])

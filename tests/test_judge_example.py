@@ -76,7 +76,7 @@ def test_judge_scores_and_none_on_failure(judge):
 
 
 def test_judge_none_keeps_the_other_rewards(judge):
-    from trainer.example import Example
+    from trainer.data.example import Example
     from trainer.rewards.scoring import RewardScorer
 
     scorer = RewardScorer(["judge:judge", "format"], timeout=0, conversational=True)

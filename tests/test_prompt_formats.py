@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from common.modeling import load_tokenizer
-from trainer.data import ColumnSpec, load_examples
-from trainer.prompt_formats import R1ZERO_TEMPLATE
+from trainer.data.loading import ColumnSpec, load_examples
+from trainer.data.prompt_formats import R1ZERO_TEMPLATE
 from trainer.rewards.countdown import reward_countdown
 from trainer.rollout import encode_prompts
 

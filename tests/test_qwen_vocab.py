@@ -16,7 +16,7 @@ from conftest import start_ref_server
 from common.modeling import eos_ids, load_model, load_tokenizer
 from common.wire.client import RefClient
 from common.wire.protocol import RolloutBatch
-from trainer.data import build_prompt
+from trainer.data.loading import build_prompt
 from trainer.engines import cut_at_eos
 from trainer.rollout import encode_prompts, pack_rows
 

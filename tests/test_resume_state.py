@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer import resume
-from trainer.data import Example, PromptSampler
+from trainer.data.loading import Example, PromptSampler
 
 EXAMPLES = [Example(prompt=f"q{i}", ground_truth=str(i)) for i in range(23)]
 

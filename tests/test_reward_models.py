@@ -126,7 +126,7 @@ def test_reward_route_authenticated_and_named_failures(rm, tiny_model_dir):
 
 def test_scorer_routes_models_through_the_reward_path(rm):
     """A reward model is one more reward of the group: weighted, named, and a failure names it."""
-    from trainer.example import Example
+    from trainer.data.example import Example
     from trainer.rewards.scoring import RewardScorer
 
     calls = []

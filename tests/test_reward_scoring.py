@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trl_rewards, loaded by dotted path
 
-from trainer.data import Example  # noqa: E402
+from trainer.data.loading import Example  # noqa: E402
 from trainer.rewards.scoring import RewardScorer, reward_kind  # noqa: E402
 
 

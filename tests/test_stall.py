@@ -14,11 +14,11 @@ from common.modeling import eos_ids, load_model, load_tokenizer
 from common.wire.client import RefClient
 from common.wire.protocol import ScoredBatch
 from trainer.batches import is_stale
-from trainer.data import load_examples
+from trainer.data.loading import load_examples
 from trainer.engines.hf import HFEngine
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import RolloutStats, generate_batches
-from trainer.stall import StallReporter
+from trainer.run.stall import StallReporter
 
 
 def minus_two(completion: str, ground_truth: str) -> float:

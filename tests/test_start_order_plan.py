@@ -11,7 +11,7 @@ from conftest import REPO, subprocess_env
 
 from common.placement.cli import smi_uuids, visible_gpus
 from common.placement.plan import plan_placement
-from trainer.start_order import WorkersStarting, started_workers
+from trainer.run.start_order import WorkersStarting, started_workers
 
 SMI = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa0000-1111)
 GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb0000-2222)

@@ -156,7 +156,7 @@ def test_an_engine_without_logprobs_gives_none(tok):
 
 def test_tool_metrics_keys_per_completion():
     from common.wire.protocol import ScoredBatch
-    from trainer.step_metrics import batch_metrics
+    from trainer.run.step_metrics import batch_metrics
     from trainer.tools.loop import add_tool_totals, tool_metric_keys
 
     tools = stats_extra([{"calls": 2, "turns": 3, "failed": 1, "timed_out": 0, "malformed": 1, "seconds": 0.5,

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # trl_rewards, loaded 
 from common.config import GRPOConfig  # noqa: E402
 from tests.test_tool_loop import turns  # noqa: E402
 from tests.tool_doubles import FakeToolBox, ScriptEngine  # noqa: E402
-from trainer.data import Example  # noqa: E402
+from trainer.data.loading import Example  # noqa: E402
 from trainer.rewards.scoring import RewardScorer  # noqa: E402
 from trainer.rollout import encode_prompts, generate_batches  # noqa: E402
 from trainer.tools.loop import tool_suffix_ids  # noqa: E402
@@ -130,8 +130,8 @@ def test_an_environment_reward_is_read_before_the_episode_ends_and_scored(tok):
     """TRL: get_reward() of the rollout's environment is one more reward (named after the class, weight 1),
     read while the episode lives; with reward_fns [] it is the only reward. It reaches the batch's components
     (completions.jsonl's `rewards`, the reward/<name> metric)."""
-    from trainer.completions import completion_rows
-    from trainer.step_metrics import batch_metrics
+    from trainer.run.completions import completion_rows
+    from trainer.run.step_metrics import batch_metrics
 
     fb = FakeToolBox({"mul": lambda a, b: a * b})
     fb.reward = lambda ep: float(ep)  # episode k scores k

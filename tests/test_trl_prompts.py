@@ -12,7 +12,7 @@ import pytest
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer
 from common.settings.knobs import load_config
-from trainer.data import ColumnSpec, load_examples
+from trainer.data.loading import ColumnSpec, load_examples
 from trainer.rollout import encode_prompts
 
 TRL_DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "trl_defaults.json"

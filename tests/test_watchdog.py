@@ -1,4 +1,4 @@
-"""trainer/health.py Watchdog's peer check on real processes: a peer that exits (SIGKILL, left a zombie until
+"""trainer/run/health.py Watchdog's peer check on real processes: a peer that exits (SIGKILL, left a zombie until
 its parent reaps it) is named; one still running is not."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 from common.config import GRPOConfig
 from common.settings.knobs import load_config
-from trainer.health import Watchdog
+from trainer.run.health import Watchdog
 
 
 def test_peer_diagnosis_names_a_peer_that_dies_within_the_grace():

@@ -17,8 +17,8 @@ from common.modeling import load_model
 from common.settings.knobs import load_config
 from common.weights.blob import ParametersBody
 from common.wire.client import RefClient
-from trainer.health import EXIT_WEIGHTS_REFUSED, WeightsRefused
 from trainer.publish import Publisher
+from trainer.run.health import EXIT_WEIGHTS_REFUSED, WeightsRefused
 
 MIB = 1 << 20
 

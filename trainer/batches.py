@@ -12,8 +12,8 @@ from trainer.dist.comm import all_reduce_int
 from trainer.engines.hf import HFEngine
 from trainer.objective.update import truncated_mask
 from trainer.rollout import RolloutStats, generate_batches
-from trainer.stall import StallReporter
-from trainer.start_order import WorkersStarting
+from trainer.run.stall import StallReporter
+from trainer.run.start_order import WorkersStarting
 
 RANK_PRODUCER = "trainer-rank"  # producer_id prefix of the batches a rank generates itself (+ its rank)
 
@@ -81,7 +81,7 @@ class BatchSource:
         self.idle_since = time.time()
         self.rejected_in_a_row = 0  # reset by a usable batch; max_rejected_batches of them end the run
         self.starting = WorkersStarting(cfg, client)  # workers on our GPU still starting: not generating meanwhile
-        self.watchdog = None  # trainer/health.py Watchdog: told what we wait for (its stall diagnosis says it)
+        self.watchdog = None  # trainer/run/health.py Watchdog: told what we wait for (its stall diagnosis says it)
 
     def _doing(self, what: str) -> None:
         if self.watchdog is not None:

@@ -87,7 +87,7 @@ def check_model(c: Checker) -> str:
 
 
 def check_data(c: Checker) -> str:
-    from trainer import run_data
+    from trainer.data import run_data
     from trainer.rollout import encode_prompts
     cfg = c.cfg
     # as the ranks and workers load it: dataset_config, the prompt-only refusals, the eval rows' rule

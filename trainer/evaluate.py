@@ -22,7 +22,7 @@ from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
 from common.settings.cli import ArgumentParser
 from common.settings.knobs import load_config, parse_bool, parse_dict
-from trainer.data import ColumnSpec, Example, load_examples
+from trainer.data.loading import ColumnSpec, Example, load_examples
 from trainer.dist.comm import all_reduce_int
 from trainer.engines import GenEngine, make_engine
 from trainer.engines.hf import HFEngine
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--system-prompt", default="default", help="'default' (R1-style), '' (none) or a text.")
     p.add_argument("--prompt-format", default="auto",
-                   help="auto, chat, messages, raw, r1zero or trl (trainer/prompt_formats.py).")
+                   help="auto, chat, messages, raw, r1zero or trl (trainer/data/prompt_formats.py).")
     p.add_argument("--chat-template-kwargs", type=parse_dict, default=None, help="More chat template arguments (a "
                                                                                  "JSON object, e.g. Qwen3's "
                                                                                  "'{\"enable_thinking\": false}').")

@@ -4,7 +4,7 @@ A step is one optimizer update (trainer/objective/update.py): every mu-th step B
 hands over grad_accum training batches of scored groups -> train_update computes per-token logprobs
 (common/logprobs.py) and the GRPO loss (trainer/objective/grpo.py, off-policy weights from
 trainer/objective/offpolicy.py) -> DeepSpeed backward per batch + one update -> metrics reduced over ranks
-(trainer/step_metrics.py) -> rank 0 publishes the weights for the genonly workers (trainer/publish.py over
+(trainer/run/step_metrics.py) -> rank 0 publishes the weights for the genonly workers (trainer/publish.py over
 common/weights/sync.py).
 """
 from __future__ import annotations
@@ -22,14 +22,19 @@ from common.modeling import eos_ids, load_tokenizer, resolve_model_path
 from common.run_record import drop_incomplete
 from common.settings.gen_defaults import resolve_at_start, resolve_generation, unresolved
 from common.settings.knobs import to_dict
-from trainer import resume, run_data
+from trainer import resume
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype
-from trainer.completions import CompletionLog, completion_rows, gather_rows
+from trainer.data import run_data
 from trainer.dist import comm, nodes
 from trainer.engine import build_engine, init_deepspeed
 from trainer.evaluate import CORRECTNESS_REWARDS
-from trainer.health import (
+from trainer.objective.update import metric_keys, new_round, starts_round, train_update
+from trainer.publish import Publisher
+from trainer.rewards.scoring import RewardScorer
+from trainer.rollout import RolloutStats
+from trainer.run.completions import CompletionLog, completion_rows, gather_rows
+from trainer.run.health import (
     EXIT_PEER_GONE,
     EXIT_UNUSABLE_BATCHES,
     EXIT_WEIGHTS_REFUSED,
@@ -38,12 +43,7 @@ from trainer.health import (
     WeightsRefused,
     write_diagnosis,
 )
-from trainer.objective.update import metric_keys, new_round, starts_round, train_update
-from trainer.publish import Publisher
-from trainer.rewards.scoring import RewardScorer
-from trainer.rollout import RolloutStats
-from trainer.runtime import make_client, setup_logging
-from trainer.step_metrics import (
+from trainer.run.step_metrics import (
     MAX_KEYS,
     MEAN_KEYS,
     SUM_KEYS,
@@ -54,6 +54,7 @@ from trainer.step_metrics import (
     reduce_metrics,
     reward_logged_metrics,
 )
+from trainer.runtime import make_client, setup_logging
 from trainer.tools import ToolBox
 from trainer.tools.loop import add_tool_totals, tool_metric_keys
 
@@ -157,7 +158,7 @@ _is_dist_error = comm.is_dist_error  # gloo's and NCCL's words for a failed coll
 def _train(cfg: GRPOConfig, started: list) -> None:
     from tqdm import tqdm
 
-    from trainer.metrics import MetricsLogger
+    from trainer.run.metrics import MetricsLogger
 
     deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
     setup_logging(f"rank{rank}")

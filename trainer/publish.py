@@ -80,7 +80,7 @@ class Publisher:
             return self.syncer.publish(self.policy, version, dtype=self.dtype, weights=weights)
         except RefServerError as e:
             if e.status == 413:  # over its max_weights_mb; the next publish is a full copy again, as big: end the run
-                from trainer.health import WeightsRefused
+                from trainer.run.health import WeightsRefused
                 why = " ".join(e.message.split())  # the server's answer names the limit and the knob
                 raise WeightsRefused(f"rank 0: ref server {e.url} refused the weights of step {version}: {why}"
                                      + ("" if "max_weights_mb" in why else " (its --max_weights_mb)")) from None

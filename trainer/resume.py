@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.data import PromptSampler
+from trainer.data.loading import PromptSampler
 
 log = logging.getLogger("trainer")
 

@@ -18,11 +18,11 @@ from common.logprobs import forward_calls, sequence_logprobs
 from common.pack_choice import choose_packed
 from common.prompts import SYSTEM_PROMPT
 from common.wire.protocol import RolloutBatch
-from trainer.data import Example, build_prompt
+from trainer.data.loading import Example, build_prompt
+from trainer.data.prompt_formats import resolve_format
 from trainer.dist.comm import all_reduce, all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
-from trainer.prompt_formats import resolve_format
 from trainer.tools.loop import stats_extra, tool_rollouts
 
 
@@ -43,7 +43,7 @@ class RolloutStats:
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
                    prompt_format: str = "auto", tools=None, template_kwargs: dict | None = None
                    ) -> tuple[list[tuple[Example, list[int]]], int]:
-    """Build the prompt text (trainer/prompt_formats.py) and tokenise; prompts over max_prompt_length are
+    """Build the prompt text (trainer/data/prompt_formats.py) and tokenise; prompts over max_prompt_length are
     dropped and counted. system_prompt 'default' = the R1-style prompt for chat, none for messages. `tools`: the
     ToolBox's JSON schemas, rendered by the chat template (apply_chat_template(tools=...), as TRL does), or a
     function of the example's row giving them (ToolBox.prompt_tools: each row's environment has its own tools).
@@ -255,7 +255,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         if cfg.overlong_buffer > 0:
             extra["overlong_penalty"] = penalty.tolist()
         if tools is not None:
-            extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/step_metrics.py)
+            extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/run/step_metrics.py)
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,

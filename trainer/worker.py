@@ -20,17 +20,18 @@ from common.modeling import load_tokenizer, resolve_model_path
 from common.settings.gen_defaults import resolve_at_start
 from common.weights.sync import WeightSync
 from common.wire.client import RefServerError
-from trainer import resume, run_data
-from trainer.data import PromptSampler
+from trainer import resume
+from trainer.data import run_data
+from trainer.data.loading import PromptSampler
 from trainer.dist.nodes import host_label
 from trainer.engines import EngineDied, make_engine
-from trainer.health import Heartbeat
 from trainer.lora.sync import policy_loader
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
+from trainer.run.health import Heartbeat
+from trainer.run.stall import StallReporter
+from trainer.run.start_order import started_workers
 from trainer.runtime import make_client, setup_logging
-from trainer.stall import StallReporter
-from trainer.start_order import started_workers
 from trainer.tools import ToolBox
 from trainer.tools.loop import add_tool_totals
 
@@ -168,7 +169,7 @@ def wait_for_ranks(client, cfg: GRPOConfig, poll: float = 0.5) -> None:
 
 
 def wait_for_workers(client, cfg: GRPOConfig, poll: float = 0.5) -> None:
-    """Block until the workers in cfg.start_after have their engines up (trainer/start_order.py); past
+    """Block until the workers in cfg.start_after have their engines up (trainer/run/start_order.py); past
     cfg.wait_for_ranks_timeout, exit non-zero naming the missing ones."""
     names, t0, beat_at = sorted(cfg.start_after), time.monotonic(), 0.0
     log.info("waiting for %s to start before this worker builds its engine: they share its GPU and vLLM profiles "

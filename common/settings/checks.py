@@ -15,7 +15,7 @@ from common.settings.tool_specs import tool_spec_errors
 LOSS_TYPES = {"grpo": ("clip", "seq_mean"), "bnpo": ("clip", "token_mean"), "dr_grpo": ("clip", "dr_grpo"),
               "dapo": ("clip", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "seq_mean"),
               "luspo": ("clip", "luspo")}
-# Files `data` and `eval_data` may name (trainer/data_files.py reads them); such a file has no splits.
+# Files `data` and `eval_data` may name (trainer/data/files.py reads them); such a file has no splits.
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".csv", ".parquet")
 
 C = TypeVar("C", bound="ConfigChecks")

@@ -1,5 +1,5 @@
 """Limits that keep a producer (genonly worker, or a rank generating for itself) from spinning without a word:
-prompts that never fit, rewards that never apply (issue 41). trainer/stall.py enforces them; exit 7."""
+prompts that never fit, rewards that never apply (issue 41). trainer/run/stall.py enforces them; exit 7."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,5 +9,5 @@
     tool_sft.py     --tools: SFT traces with and without a calculator call, tokenised as the tool loop builds them
     tool_phases.py  --tools: SFT on them, evaluation with and without tools (tool_report.py: its table and summary keys)
 
-Nothing below the demo imports it: data loading reaches the synthetic task by name (trainer/data.py).
+Nothing below the demo imports it: data loading reaches the synthetic task by name (trainer/data/loading.py).
 """

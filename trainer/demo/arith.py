@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from trainer.example import Example
+from trainer.data.example import Example
 
 OPS = "+-*"
 HELD_OUT = 1000

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.config import GRPOConfig
     from common.settings.gen_defaults import on_cuda, resolve_generation
     from common.settings.knobs import load_config_or_exit
-    from trainer.metrics import read_metrics
+    from trainer.run.metrics import read_metrics
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:

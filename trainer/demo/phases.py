@@ -42,7 +42,7 @@ def run_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch_size:
     from dataclasses import replace
 
     from common.modeling import load_model, load_tokenizer
-    from trainer import run_data
+    from trainer.data import run_data
     from trainer.evaluate import evaluate
 
     # held-out rows chosen as the trainer chooses them (eval_data, else data's split; never the training rows)
@@ -97,7 +97,7 @@ def cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str,
     check["from"] every check["every"] steps on check["dev"] problems held out of the train split) or
     `a.sft_steps`; returns the saved model's directory. Sets a.sft_steps to the steps done."""
     from common.modeling import load_model, load_tokenizer
-    from trainer.data import load_examples
+    from trainer.data.loading import load_examples
     from trainer.demo.sft import sft
 
     t0 = time.time()

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from common.modeling import load_model, load_tokenizer
 from common.settings.cli import ArgumentParser
-from trainer.example import Example
+from trainer.data.example import Example
 from trainer.rollout import encode_prompts
 
 SHARED_HEAD_MIN = 32  # shorter shared prompt heads are not worth a second forward

@@ -15,7 +15,7 @@ def tool_cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device:
     """SFT on a mix of traces: with probability a.sft_tool_share the calculator trace, else the worked solution by
     itself (tool_sft.py); a.sft_steps steps. Returns the saved model's directory."""
     from common.modeling import load_model, load_tokenizer
-    from trainer.data import load_examples
+    from trainer.data.loading import load_examples
     from trainer.demo.sft import sft_pairs
     from trainer.demo.tool_sft import sft_pairs_for
     from trainer.tools import ToolBox
@@ -59,7 +59,7 @@ def run_tool_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch_
     from dataclasses import replace
 
     from common.modeling import load_model, load_tokenizer
-    from trainer import run_data
+    from trainer.data import run_data
     from trainer.evaluate import evaluate
     from trainer.tools import ToolBox
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import random
 
+from trainer.data.example import Example
 from trainer.demo.tool_task import TOOL, answer_text, own_solution, tool_call_message
-from trainer.example import Example
 from trainer.rollout import encode_prompts
 from trainer.tools.loop import tool_suffix_ids
 

@@ -21,7 +21,7 @@ import itertools
 import random
 import re
 
-from trainer.example import Example
+from trainer.data.example import Example
 
 HELD_OUT = 1000
 SPLIT_SEED = 4321  # fixed: the held-out set is the same for every run seed

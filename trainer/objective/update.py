@@ -91,7 +91,7 @@ def new_round(batches: list[ScoredBatch], cfg: GRPOConfig, device) -> Round:
         # after this sees only trained tokens through this mask: the policy term and its aggregations, the KL term,
         # pi_old and the IS weights (token and sequence level), the off-policy and entropy masks, the dapo_scales
         # token counts (all micro-batches, all ranks), micro-batch weights, and the loss_stats / mismatch / entropy
-        # metrics. Metrics that count ALL completion tokens (model + tool): completion_len (trainer/step_metrics.py)
+        # metrics. Metrics that count ALL completion tokens (model + tool): completion_len (trainer/run/step_metrics.py)
         # and tokens_per_s (trainer/loop.py), which measure what was generated and forwarded, not what trained.
         if b.loss_mask is not None:
             mask = mask & b.loss_mask.to(device=device, dtype=torch.bool)

@@ -12,7 +12,7 @@ MAX_NUMBER_DIGITS = 100  # longer "numbers" are unparseable: keeps Fraction math
 
 def need_ground_truth(ground_truth: str | None, reward: str) -> str:
     """The ground truth of a reward that compares against one; prompt-only rows (None) are refused by name. The run
-    refuses such data before it starts (trainer/run_data.py); this is the same line for direct callers."""
+    refuses such data before it starts (trainer/data/run_data.py); this is the same line for direct callers."""
     if ground_truth is None:
         raise ValueError(f"reward {reward!r} needs a ground truth, and this example has none (prompt-only data: no "
                          f"answer column); use rewards that need none, or set answer_column")

@@ -26,9 +26,9 @@ import threading
 import time
 import traceback
 
-from trainer.child_pipe import ChildExited, JsonLineReader
 from trainer.rewards.environments import expand, prepare
 from trainer.rewards.state import TrainerState
+from trainer.run.child_pipe import ChildExited, JsonLineReader
 
 log = logging.getLogger("trainer")
 

@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 
-from trainer.child_pipe import ChildExited, JsonLineReader
+from trainer.run.child_pipe import ChildExited, JsonLineReader
 from trainer.tools.types import ToolResult
 
 log = logging.getLogger("trainer")

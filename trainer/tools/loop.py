@@ -215,7 +215,7 @@ def tool_metrics(tools: dict, prefix: str = "tools/") -> dict:
 
 
 def tool_metric_keys(names: list[str]) -> list[str]:
-    """The tools/... keys of a run with these tools (averaged over ranks, trainer/step_metrics.py)."""
+    """The tools/... keys of a run with these tools (averaged over ranks, trainer/run/step_metrics.py)."""
     return ["tools/calls_per_completion", "tools/turns_per_completion", *(f"tools/{k}" for k in COUNTED),
             *(f"tools/{name}/calls" for name in names)]
 

@@ -1,5 +1,5 @@
 """What a training step logs: the trained batch's reward metrics, this rank's memory and model summary, and
-their reduction over ranks (means, sums, maxima) into the one row rank 0 writes (trainer/metrics.py)."""
+their reduction over ranks (means, sums, maxima) into the one row rank 0 writes (trainer/run/metrics.py)."""
 from __future__ import annotations
 
 import logging

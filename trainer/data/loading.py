@@ -1,6 +1,6 @@
 """Training/eval examples: loading (hub, local files and folders, synthetic), prompts, sharded sampling.
 
-File formats are trainer/data_files.py; which examples a run trains and evaluates on is trainer/run_data.py.
+File formats are trainer/data/files.py; which examples a run trains and evaluates on is trainer/data/run_data.py.
 Row layouts found without configuration (prompt_column/answer_column/prompt_template override them):
     GSM8K      {"question": ..., "answer": "... #### 72"}   ground truth = text after the last ####, commas removed
     ReasonRL   {"prompt": ..., "ground_truth": ...}         used as-is (a dict/list ground truth is JSON-encoded,
@@ -27,9 +27,9 @@ from typing import Any
 from common.prompts import SYSTEM_PROMPT  # re-exported: the R1-style prompt (simple_GRPO's wording)
 from common.settings.checks import DATA_FILE_SUFFIXES
 from common.user_code import user_dir
-from trainer.data_files import is_data_file, read_rows, split_file
-from trainer.example import Example  # re-exported: what a loader returns
-from trainer.prompt_formats import build_prompt, check_messages  # re-exported: prompt formats live there
+from trainer.data.example import Example  # re-exported: what a loader returns
+from trainer.data.files import is_data_file, read_rows, split_file
+from trainer.data.prompt_formats import build_prompt, check_messages  # re-exported: prompt formats live there
 from trainer.rewards.answers import last_boxed
 
 __all__ = ["Example", "ColumnSpec", "SYSTEM_PROMPT", "load_examples", "build_prompt", "PromptSampler"]
@@ -191,7 +191,7 @@ def load_examples(source: str, split: str = "train", limit: int | None = None,
 
     source: a SYNTHETIC_SOURCES name ("arith": the demo's task, trainer/demo/arith.py); an existing directory holding
     {split}.jsonl / .json / .csv / .parquet (with `config`: a dataset folder whose README.md lists `configs:`, read
-    by datasets.load_dataset); an existing data file (split ignored; trainer/data_files.py); otherwise a Hugging
+    by datasets.load_dataset); an existing data file (split ignored; trainer/data/files.py); otherwise a Hugging
     Face hub id loaded with datasets.load_dataset (needs internet or a warm HF cache; `config` names its
     configuration, "openai/gsm8k" gets "main" without one). `columns` maps the row layout (ColumnSpec).
     """

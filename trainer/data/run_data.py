@@ -10,8 +10,8 @@ Both are checked against the reward functions before anything runs: a built-in t
 from __future__ import annotations
 
 from common.settings.reward_models import reward_model_path
-from trainer.data import ColumnSpec, Example, load_examples
-from trainer.data_files import is_data_file
+from trainer.data.files import is_data_file
+from trainer.data.loading import ColumnSpec, Example, load_examples
 from trainer.rewards.registry import load_reward_fns, needs_ground_truth
 
 
