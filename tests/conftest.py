@@ -22,6 +22,12 @@ import pytest
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
+# The venv's bin/ first, as launch.sh does for its processes. torch JIT-builds DeepSpeed's CPU op
+# (deepspeed_shm_comm) with the first `ninja` on PATH: the venv's (1.13, which launch.sh's ranks find) and the
+# system's (1.11, which in-process and directly started ranks found) each take the other's .ninja_log entries
+# as stale, so every switch rebuilt the op: 3 builds of ~2 min on both cores in one suite run, ranks waiting on
+# its lock meanwhile (CI clone, 14:09-15:13 on 2026-11-27).
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 def find_free_port() -> int:
