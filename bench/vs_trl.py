@@ -143,17 +143,24 @@ def write_prompts(cfg, model_dir: str, path: Path) -> int:
 
 
 def role(cmd: str) -> str:
-    """Which part of a run a process is, from its command line."""
-    for key, name in (("trl_grpo.py", "trl"), ("ref_server", "ref server"), ("genonly", "worker"),
-                      ("EngineCore", "vllm engine core"), ("launch.sh", "launch.sh")):
-        if key in cmd:
-            return name
-    if "trainer/main.py" in cmd:
-        rank = [t for t in cmd.split() if t.startswith("--local_rank=")]
-        return f"rank {rank[0].split('=', 1)[1]}" if rank else "trainer/main.py"
+    """Which part of a run a process is, from its command line (the ranks' carry --ref_server URL: ranks first)."""
+    words = cmd.split()
+    rank = [w.split("=", 1)[1] for w in words if w.startswith("--local_rank=")]
+    if "trl_grpo.py" in cmd:
+        return "trl"
+    if rank:
+        return f"rank {rank[0]}"
+    if "genonly" in words:
+        return "worker"
     if "deepspeed" in cmd:
         return "deepspeed launcher"
-    return cmd.split(" ", 1)[0].rsplit("/", 1)[-1] or "?"
+    if "-m ref_server " in cmd + " ":
+        return "ref server"
+    if "launch.sh" in cmd:
+        return "launch.sh"
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]  # launch.sh's checks and placement plan: python -m <module>
+    return (words[0].rsplit("/", 1)[-1] if words else "") or "?"
 
 
 def by_role(per_process: list[dict]) -> dict:
@@ -216,7 +223,8 @@ def figures(r: dict, acc: float) -> dict:
                 spread_groups=r["spread_groups"], spread_groups_per_cpu_s=r["spread_groups"] / cpu, accuracy=acc,
                 reward_first_step=r["reward_first"], reward_last_step=r["reward_last"],
                 cpu_s_by_role=by_role(m.per_process),
-                per_process=[{k: p[k] for k in ("role", "pid", "cpu_s")} for p in m.per_process if p["cpu_s"] >= 0.1])
+                per_process=[{"role": p["role"], "pid": p["pid"], "cpu_s": p["cpu_s"], "cmd": p["cmd"][:160]}
+                             for p in m.per_process if p["cpu_s"] >= 0.1])
 
 
 def ratio(runs: dict, key: str) -> float | None:
