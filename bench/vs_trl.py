@@ -25,7 +25,7 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
    Printed: a table, the per-process CPU of our run, and a last JSON line with steps_per_cpu_s_ratio (ours / TRL),
    spread_groups_per_cpu_s_ratio (ours / TRL), accuracy_ours, accuracy_trl and the raw figures.
 
---smoke (the suite's size): SFT 10 steps, 3 GRPO steps each side, 20 held-out problems. The suite has no network,
+--smoke (the suite's size): SFT 4 steps, 3 GRPO steps each side, 20 held-out problems. The suite has no network,
 so --smoke never creates TRL's environment: it runs our side (SFT, `launch.sh train`, the evaluation, the
 measurement) and then the TRL side only where TRL's environment is already there; where it is not, it exits 77 (the
 suite's "skipped: this machine lacks ...") with the reason as its last line, after our side ran. Run the bench once
@@ -43,8 +43,8 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench"))  # vs_trl_lib
+sys.path.insert(0, str(REPO))  # before bench/: the project's packages (ref_server/), not bench's files of that name
 
 from vs_trl_lib import trl_env  # noqa: E402
 from vs_trl_lib.cpu_meter import run_measured  # noqa: E402
@@ -53,7 +53,7 @@ DEMO_CONFIG = REPO / "configs" / "demo.json"
 TRL_SCRIPT = REPO / "bench" / "vs_trl_lib" / "trl_grpo.py"
 DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo-vs-trl" / "venv"
 GROUPS_PER_TRL_STEP = 64 // 8  # per_device_train_batch_size / num_generations
-SMOKE = dict(steps=3, sft_steps=10, eval_limit=20)
+SMOKE = dict(steps=3, sft_steps=4, eval_limit=20)
 SKIPPED = 77  # tests/test_bench_smoke.py: a smoke run this machine cannot host
 
 
