@@ -278,6 +278,7 @@ def main(argv=None) -> int:
         r = run_trl(a, python, sft, prompts, a.run_dir / "trl")
         runs["trl"] = figures(r, evaluate(r["final"], cfg, a.eval_limit))
         loads["after_trl"] = load()
+        (a.run_dir / "result_trl.json").write_text(json.dumps(runs["trl"], indent=1) + "\n")  # kept if ours fails
     if a.only in ("both", "ours"):
         r = run_ours(a, sft, precision, a.run_dir / "ours")
         runs["ours"] = figures(r, evaluate(r["final"], cfg, a.eval_limit))
