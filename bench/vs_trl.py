@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from datetime import datetime
@@ -248,8 +249,13 @@ def table(runs: dict, acc_sft: float, n: int) -> None:
         say(f"CPU-s by process, {name}: " + ", ".join(f"{k} {v}" for k, v in f["cpu_s_by_role"].items()))
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: run_measured then stops the run's whole session
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     venv = Path(a.trl_venv).expanduser().resolve()
     if a.setup_trl:
         trl_env.ensure(venv, REPO, say)
