@@ -70,7 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--setup-trl", action="store_true", help="only create TRL's environment, then exit")
     p.add_argument("--run-dir", default=None, help="output folder (default runs/vs_trl-<timestamp>)")
     p.add_argument("--eval-limit", type=int, default=1000, help="held-out problems, greedy (default 1000)")
-    p.add_argument("--trl-threads", type=int, default=2, help="TRL's torch threads (default 2)")
+    p.add_argument("--trl-threads", type=int, default=2,
+                   help="TRL's torch threads (default 2, the issue's setting). On a busy shared box use 1: there a "
+                        "2-thread run's second OpenMP thread spins for a core (measured ~7x the CPU-s a step)")
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both",
                    help="run one side only (no ratios then; for profiling); default both")
     p.add_argument("--smoke", action="store_true", help="the suite's size (see below)")
