@@ -1,0 +1,312 @@
+"""Side by side with TRL 1.16's GRPOTrainer on the demo's work (issue 45): the same SFT checkpoint, the same arith
+prompts and rewards, N steps of 64 completions each, CPU-seconds over every process of each run.
+
+    .venv/bin/python bench/vs_trl.py --steps 500 --seed 0     # the issue's run (~15 min idle on 2 cores)
+    .venv/bin/python bench/vs_trl.py --smoke                  # a few steps each, 20 held-out problems
+
+1. The start model: the demo's cold-start SFT checkpoint, built as `./launch.sh demo` builds it (the tiny model of
+   common/tiny_model.py, then trainer/demo/phases.cold_start_sft with the demo's settings and --seed), or --sft DIR.
+2. TRL: bench/vs_trl_lib/trl_grpo.py in TRL's OWN virtual environment (--trl-venv; created on first use with
+   `trl==1.16.0` from the package registry and the project's CPU torch, transformers and accelerate at .venv's
+   versions; TRL is never a dependency of the project or of CI). GRPOConfig: per_device_train_batch_size 64,
+   num_generations 8, max_completion_length 32, temperature 1.0, beta 0.04, learning_rate 1e-4 constant,
+   loss_type grpo, scale_rewards group, epsilon 0.2, adam betas (0.9, 0.99), max_grad_norm 1.0, fp32, 2 torch
+   threads, no eval, no saving (the final model is saved once, for the evaluation below). Prompts: the train split
+   templated exactly as our trainer templates it (a JSONL file); rewards: the project's `correct` + `format`.
+3. Ours: `launch.sh train --workers 1` with configs/demo.json (2 CPU ranks, the ref server, one vLLM worker), the
+   demo's CPU precision (float32 where the CPU has no AVX-512 BF16, as `launch.sh demo`), --eval_steps 0 (no
+   in-training eval: TRL runs none either), only the final model saved.
+4. Measured per run: CPU-seconds over ALL its processes (bench/vs_trl_lib/cpu_meter.py: the process tree sampled
+   every 0.5 s, each process's user + system time; the larger of that sum and getrusage(RUSAGE_CHILDREN), each a
+   lower bound of the truth), wall, steps per CPU-s, groups with reward spread trained per CPU-s (ours: the groups
+   the ranks trained, logged per step - ours trains only groups with spread; TRL: 8 groups a step x (1 -
+   frac_reward_zero_std), from its per-step logs), held-out accuracy (greedy, the project's evaluation code,
+   trainer/demo/phases.run_eval, on both final models). The SFT model's accuracy is reported too.
+   Printed: a table, the per-process CPU of our run, and a last JSON line with steps_per_cpu_s_ratio (ours / TRL),
+   spread_groups_per_cpu_s_ratio (ours / TRL), accuracy_ours, accuracy_trl and the raw figures.
+
+--smoke (the suite's size): SFT 4 steps, 3 GRPO steps each side, 20 held-out problems. The suite has no network,
+so --smoke never creates TRL's environment: it runs our side (SFT, `launch.sh train`, the evaluation, the
+measurement) and then the TRL side only where TRL's environment is already there; where it is not, it exits 77 (the
+suite's "skipped: this machine lacks ...") with the reason as its last line, after our side ran. Run the bench once
+without --smoke (or with --setup-trl) on a machine that reaches the package registry to create it.
+The machine is shared: compare CPU-seconds, and note the load average printed at start and end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))  # vs_trl_lib
+sys.path.insert(0, str(REPO))  # before bench/: the project's packages (ref_server/), not bench's files of that name
+
+from vs_trl_lib import trl_env  # noqa: E402
+from vs_trl_lib.cpu_meter import run_measured  # noqa: E402
+
+DEMO_CONFIG = REPO / "configs" / "demo.json"
+TRL_SCRIPT = REPO / "bench" / "vs_trl_lib" / "trl_grpo.py"
+DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo-vs-trl" / "venv"
+GROUPS_PER_TRL_STEP = 64 // 8  # per_device_train_batch_size / num_generations
+SMOKE = dict(steps=3, sft_steps=4, eval_limit=20)
+SKIPPED = 77  # tests/test_bench_smoke.py: a smoke run this machine cannot host
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/vs_trl.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps of each run (default 500; 3 with --smoke)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, SFT and both GRPO runs (default 0)")
+    p.add_argument("--sft", default=None, help="start from this SFT checkpoint instead of building the demo's")
+    p.add_argument("--trl-venv", default=str(DEFAULT_VENV), help=f"TRL's virtual environment (default {DEFAULT_VENV}"
+                   "; created on first use)")
+    p.add_argument("--setup-trl", action="store_true", help="only create TRL's environment, then exit")
+    p.add_argument("--run-dir", default=None, help="output folder (default runs/vs_trl-<timestamp>)")
+    p.add_argument("--eval-limit", type=int, default=1000, help="held-out problems, greedy (default 1000)")
+    p.add_argument("--trl-threads", type=int, default=2,
+                   help="TRL's torch threads (default 2, the issue's setting). On a busy shared box use 1: there a "
+                        "2-thread run's second OpenMP thread spins for a core (measured ~7x the CPU-s a step)")
+    p.add_argument("--only", choices=("both", "ours", "trl"), default="both",
+                   help="run one side only (no ratios then; for profiling); default both")
+    p.add_argument("--smoke", action="store_true", help="the suite's size (see below)")
+    a = p.parse_args(argv)
+    if a.steps is None:
+        a.steps = SMOKE["steps"] if a.smoke else 500
+    if a.smoke:
+        a.eval_limit = SMOKE["eval_limit"]
+    if a.steps < 1 or a.eval_limit < 1:
+        p.error("--steps and --eval-limit must be >= 1")
+    a.run_dir = Path(a.run_dir or REPO / "runs" / f"vs_trl-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+    return a
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def sft_checkpoint(a, run_dir: Path) -> str:
+    """The demo's cold-start SFT checkpoint, built by the demo's own functions (trainer/demo) with its settings."""
+    import torch
+
+    from common.config import GRPOConfig
+    from common.settings.knobs import load_config_or_exit
+    from common.tiny_model import build_tiny_model
+    from trainer.demo.cli import DEFAULTS
+    from trainer.demo.cli import parse_args as demo_args
+    from trainer.demo.phases import Log, cold_start_sft
+
+    demo_argv = ["--run-dir", str(run_dir), "--seed", str(a.seed)]
+    if a.smoke:
+        demo_argv += ["--sft-steps", str(SMOKE["sft_steps"]), "--sft-target", "0"]
+    d, _ = demo_args(demo_argv)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    cfg = load_config_or_exit(GRPOConfig, ["--config", str(DEMO_CONFIG), "--seed", str(a.seed)],
+                              prog="bench/vs_trl.py")
+    log = Log(run_dir / "sft.log")
+    base = str(build_tiny_model(run_dir / "base", seed=a.seed))
+    return cold_start_sft(d, cfg, base, run_dir, log, "auto", DEFAULTS["eval_batch_size"],
+                          check={"from": DEFAULTS["sft_check_from"], "every": DEFAULTS["sft_check_every"],
+                                 "dev": DEFAULTS["sft_dev"]})
+
+
+def demo_cfg(a, precision: list[str]):
+    from common.config import GRPOConfig
+    from common.settings.knobs import load_config_or_exit
+    return load_config_or_exit(GRPOConfig, ["--config", str(DEMO_CONFIG), "--seed", str(a.seed), *precision],
+                               prog="bench/vs_trl.py")
+
+
+def write_prompts(cfg, model_dir: str, path: Path) -> int:
+    """The train split as our trainer templates it (trainer/rollout.encode_prompts): TRL takes text as it is."""
+    from common.modeling import load_tokenizer
+    from common.prompts import SYSTEM_PROMPT
+    from trainer.data import load_examples
+    from trainer.prompt_formats import build_prompt, resolve_format
+
+    tok = load_tokenizer(model_dir, cfg.load_options())
+    rows = []
+    for ex in load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit):
+        fmt = resolve_format(cfg.prompt_format, ex.prompt)
+        system = (SYSTEM_PROMPT if fmt == "chat" else None) if cfg.system_prompt == "default" else cfg.system_prompt
+        rows.append({"prompt": build_prompt(tok, ex.prompt, system, fmt, None, cfg.chat_template_kwargs),
+                     "ground_truth": ex.ground_truth})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)
+
+
+def role(cmd: str) -> str:
+    """Which part of a run a process is, from its command line (the ranks' carry --ref_server URL: ranks first)."""
+    words = cmd.split()
+    rank = [w.split("=", 1)[1] for w in words if w.startswith("--local_rank=")]
+    if "trl_grpo.py" in cmd:
+        return "trl"
+    if rank:
+        return f"rank {rank[0]}"
+    if "genonly" in words:
+        return "worker"
+    if "deepspeed" in cmd:
+        return "deepspeed launcher"
+    if "-m ref_server " in cmd + " ":
+        return "ref server"
+    if "launch.sh" in cmd:
+        return "launch.sh"
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]  # launch.sh's checks and placement plan: python -m <module>
+    return (words[0].rsplit("/", 1)[-1] if words else "") or "?"
+
+
+def by_role(per_process: list[dict]) -> dict:
+    out: dict = {}
+    for r in per_process:
+        out[r["role"]] = round(out.get(r["role"], 0.0) + r["cpu_s"], 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def run_trl(a, python: Path, sft: str, prompts: Path, out: Path) -> dict:
+    cmd = [str(python), str(TRL_SCRIPT), "--model", sft, "--data", str(prompts), "--out", str(out),
+           "--steps", str(a.steps), "--seed", str(a.seed), "--threads", str(a.trl_threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", PYTHONPATH="")
+    say(f"[vs_trl] TRL: {' '.join(cmd)}")
+    m = run_measured(cmd, env=env, cwd=str(out.parent), log_path=out.parent / "trl.log", label=role)
+    if m.rc != 0:
+        raise SystemExit(f"[vs_trl] the TRL run failed (exit {m.rc}); see {out.parent / 'trl.log'}")
+    logs = json.loads((out / "log_history.json").read_text())
+    steps = [r for r in logs if "frac_reward_zero_std" in r]
+    if len(steps) != a.steps:
+        raise SystemExit(f"[vs_trl] TRL logged {len(steps)} steps of {a.steps} (logging_steps 1): cannot count groups")
+    spread = sum(GROUPS_PER_TRL_STEP * (1.0 - r["frac_reward_zero_std"]) for r in steps)
+    return dict(measured=m, steps=len(steps), spread_groups=round(spread, 1), final=str(out / "final"),
+                reward_first=steps[0]["reward"], reward_last=steps[-1]["reward"])
+
+
+def run_ours(a, sft: str, precision: list[str], out: Path) -> dict:
+    from trainer.demo.phases import free_port
+    from trainer.metrics import read_metrics
+
+    cmd = [str(REPO / "launch.sh"), "train", "--run-dir", str(out), "--workers", "1", "--port", str(free_port()),
+           "--", "--config", str(DEMO_CONFIG), "--model", sft, "--seed", str(a.seed), "--all_steps", str(a.steps),
+           "--eval_before", "false", "--eval_steps", "0", "--save_steps", str(10 ** 9), *precision]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    say(f"[vs_trl] ours: {' '.join(cmd)}")
+    m = run_measured(cmd, env=env, cwd=str(REPO), log_path=out.parent / "ours.log", label=role)
+    if m.rc != 0:
+        raise SystemExit(f"[vs_trl] our run failed (exit {m.rc}); see {out.parent / 'ours.log'} and {out}/*.log")
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "batches_from_workers" in r]
+    if len(rows) != a.steps:
+        raise SystemExit(f"[vs_trl] our run logged {len(rows)} steps of {a.steps}: cannot count groups")
+    cfg = demo_cfg(a, precision)  # a training batch is train_batch_groups groups, each with reward spread
+    spread = cfg.train_batch_groups * sum(r["batches_from_workers"] + r["batches_from_ranks"] for r in rows)
+    return dict(measured=m, steps=len(rows), spread_groups=spread, final=str(out / "final"),
+                reward_first=rows[0]["reward_mean"], reward_last=rows[-1]["reward_mean"])
+
+
+def evaluate(model_dir: str, cfg, limit: int) -> float:
+    from trainer.demo.cli import DEFAULTS
+    from trainer.demo.phases import run_eval
+    return run_eval(model_dir, cfg.data, cfg.eval_split, limit, cfg, DEFAULTS["eval_batch_size"], "auto")["accuracy"]
+
+
+def figures(r: dict, acc: float) -> dict:
+    m = r["measured"]
+    cpu = max(m.cpu_s, m.rusage_children_cpu_s)
+    return dict(cpu_s=round(cpu, 1), cpu_s_sampled=m.cpu_s, cpu_s_rusage_children=m.rusage_children_cpu_s,
+                wall_s=m.wall_s, steps=r["steps"], steps_per_cpu_s=r["steps"] / cpu,
+                spread_groups=r["spread_groups"], spread_groups_per_cpu_s=r["spread_groups"] / cpu, accuracy=acc,
+                reward_first_step=r["reward_first"], reward_last_step=r["reward_last"],
+                cpu_s_by_role=by_role(m.per_process),
+                per_process=[{"role": p["role"], "pid": p["pid"], "cpu_s": p["cpu_s"], "cmd": p["cmd"][:160]}
+                             for p in m.per_process if p["cpu_s"] >= 0.1])
+
+
+def ratio(runs: dict, key: str) -> float | None:
+    """ours / TRL; None where TRL's figure is 0 (a smoke run's untrained model: no group with spread)."""
+    if "trl" not in runs or "ours" not in runs or not runs["trl"][key]:
+        return None
+    return runs["ours"][key] / runs["trl"][key]
+
+
+def table(runs: dict, acc_sft: float, n: int) -> None:
+    base = runs.get("trl")
+    say(f"\n{'run':<10}{'CPU-s':>9}{'wall s':>9}{'steps/CPU-s':>13}{'vs TRL':>8}{'spread groups/CPU-s':>21}"
+        f"{'vs TRL':>8}{f'accuracy ({n}, greedy)':>24}")
+    for name, f in runs.items():
+        r1, r2 = (f"{f[k] / base[k]:.2f}x" if base and base[k] else "-"
+                  for k in ("steps_per_cpu_s", "spread_groups_per_cpu_s"))
+        say(f"{name:<10}{f['cpu_s']:>9.1f}{f['wall_s']:>9.1f}{f['steps_per_cpu_s']:>13.4f}{r1:>8}"
+            f"{f['spread_groups_per_cpu_s']:>21.4f}{r2:>8}{100 * f['accuracy']:>23.1f}%")
+    say(f"{'SFT start':<10}{'':>78}{100 * acc_sft:>23.1f}%")
+    for name, f in runs.items():
+        say(f"CPU-s by process, {name}: " + ", ".join(f"{k} {v}" for k, v in f["cpu_s_by_role"].items()))
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: run_measured then stops the run's whole session
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    venv = Path(a.trl_venv).expanduser().resolve()
+    if a.setup_trl:
+        trl_env.ensure(venv, REPO, say)
+        return 0
+    want_trl = a.only in ("both", "trl")
+    python = None
+    if want_trl and not a.smoke:
+        python = trl_env.ensure(venv, REPO, say)  # first: a missing registry stops the bench before the long parts
+    elif want_trl and trl_env.ready(venv):
+        python = trl_env.python_of(venv)
+    a.run_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    say(f"[vs_trl] run dir {a.run_dir}; {a.steps} steps, seed {a.seed}; load average {load()}")
+    t0 = time.time()
+    sft = a.sft or sft_checkpoint(a, a.run_dir)
+    from trainer.demo.cli import cpu_precision_args
+    precision = cpu_precision_args(say)
+    cfg = demo_cfg(a, precision)
+    prompts = a.run_dir / "prompts.jsonl"
+    say(f"[vs_trl] SFT checkpoint {sft}; {write_prompts(cfg, sft, prompts)} train prompts -> {prompts}")
+    acc_sft = evaluate(sft, cfg, a.eval_limit)
+    say(f"[vs_trl] SFT start: held-out accuracy {100 * acc_sft:.1f}% ({a.eval_limit} problems, greedy)")
+    runs: dict = {}
+    loads = {"start": load()}
+    if want_trl and python is not None:
+        r = run_trl(a, python, sft, prompts, a.run_dir / "trl")
+        runs["trl"] = figures(r, evaluate(r["final"], cfg, a.eval_limit))
+        loads["after_trl"] = load()
+        (a.run_dir / "result_trl.json").write_text(json.dumps(runs["trl"], indent=1) + "\n")  # kept if ours fails
+    if a.only in ("both", "ours"):
+        r = run_ours(a, sft, precision, a.run_dir / "ours")
+        runs["ours"] = figures(r, evaluate(r["final"], cfg, a.eval_limit))
+        loads["after_ours"] = load()
+    table(runs, acc_sft, a.eval_limit)
+    result = dict(steps=a.steps, seed=a.seed, eval_limit=a.eval_limit, accuracy_sft=acc_sft, load_average=loads,
+                  wall_s=round(time.time() - t0, 1), run_dir=str(a.run_dir), runs=runs)
+    if "trl" in runs and "ours" in runs:
+        result = dict(steps_per_cpu_s_ratio=ratio(runs, "steps_per_cpu_s"),
+                      spread_groups_per_cpu_s_ratio=ratio(runs, "spread_groups_per_cpu_s"),
+                      accuracy_ours=runs["ours"]["accuracy"], accuracy_trl=runs["trl"]["accuracy"], **result)
+    (a.run_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    if want_trl and python is None:  # --smoke without TRL's environment: our side ran; TRL's cannot here
+        say(json.dumps(result))
+        say(f"skipped the TRL side: no TRL environment at {venv} and --smoke never creates one (it needs the package "
+            f"registry); `bench/vs_trl.py --setup-trl` creates it")
+        return SKIPPED
+    say(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

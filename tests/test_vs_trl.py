@@ -1,0 +1,48 @@
+"""bench/vs_trl.py's parts that run without TRL (issue 45): the TRL side's GRPOConfig holds the issue's settings, and
+the CPU meter counts every process of a run, one that left the process tree included. The whole bench runs in
+tests/test_bench_smoke.py (our side; TRL's only where its own environment exists)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+TRL_SCRIPT = REPO / "bench" / "vs_trl_lib" / "trl_grpo.py"
+
+
+def test_trl_side_config_is_the_issues(tmp_path):
+    """`--print-config` needs no TRL: the project's Python prints the GRPOConfig kwargs the TRL run uses."""
+    out = subprocess.run([sys.executable, str(TRL_SCRIPT), "--model", "m", "--data", "d", "--out", str(tmp_path),
+                          "--steps", "7", "--seed", "3", "--print-config"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    kw = json.loads(out.stdout.strip().splitlines()[-1])
+    want = dict(max_steps=7, seed=3, per_device_train_batch_size=64, num_generations=8, max_completion_length=32,
+                temperature=1.0, beta=0.04, learning_rate=1e-4, lr_scheduler_type="constant", loss_type="grpo",
+                scale_rewards="group", epsilon=0.2, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, bf16=False,
+                fp16=False, eval_strategy="no", save_strategy="no", logging_steps=1)
+    assert {k: kw.get(k) for k in want} == want
+    assert kw["model_init_kwargs"] == {"dtype": "float32"}
+
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+
+
+def test_cpu_meter_counts_children_and_an_orphan_that_left_the_tree(tmp_path, monkeypatch):
+    """A child burns 1 CPU-s and is waited; a grandchild burns 1.5 CPU-s after its parent exited without waiting
+    for it (re-parented out of the tree: getrusage(RUSAGE_CHILDREN) never counts it). The sampled sum holds both."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from vs_trl_lib.cpu_meter import run_measured
+
+    done = tmp_path / "orphan_done"
+    orphan = (f"import os, time\nif os.fork():\n    time.sleep(0.5)\n    os._exit(0)\n{BURN.format(s=1.5)}"
+              f"open({str(done)!r}, 'w').close()\ntime.sleep(1.0)\n")
+    script = (f"import os, subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {BURN.format(s=1.0)!r}])\n"
+              f"subprocess.run([sys.executable, '-c', {orphan!r}])\nt = time.time()\n"
+              f"while not os.path.exists({str(done)!r}) and time.time() - t < 60: time.sleep(0.05)\n")
+    m = run_measured([sys.executable, "-c", script], env={}, cwd=str(tmp_path), log_path=tmp_path / "log",
+                     interval=0.1)
+    assert m.rc == 0 and done.exists(), (tmp_path / "log").read_text()
+    assert m.cpu_s >= 2.2, m  # 1.0 + 1.5, less what a sample interval may miss
+    assert m.rusage_children_cpu_s < 2.0, m  # the cross-check misses the orphan: why the meter samples
