@@ -121,8 +121,8 @@ def genonly(cfg: GRPOConfig) -> None:
         gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds
         resume.write_json(state_path, resume.capture(sampler))
         if rounds % 10 == 0:
-            log.info("round %d: %d batches uploaded, %d groups skipped (no spread), %.1f completions/s", rounds,
-                     uploaded, st.skipped_no_spread, st.completions / max(st.seconds, 1e-9))
+            log.info("round %d: %d batches uploaded, %d groups skipped (no spread) so far; %.1f completions/s this "
+                     "round", rounds, uploaded, skipped, st.completions / max(st.seconds, 1e-9))
     scorer.close()
     if toolbox is not None:
         toolbox.close()
