@@ -131,8 +131,8 @@ def write_prompts(cfg, model_dir: str, path: Path) -> int:
     """The train split as our trainer templates it (trainer/rollout.encode_prompts): TRL takes text as it is."""
     from common.modeling import load_tokenizer
     from common.prompts import SYSTEM_PROMPT
-    from trainer.data import load_examples
-    from trainer.prompt_formats import build_prompt, resolve_format
+    from trainer.data.loading import load_examples
+    from trainer.data.prompt_formats import build_prompt, resolve_format
 
     tok = load_tokenizer(model_dir, cfg.load_options())
     rows = []
@@ -193,7 +193,7 @@ def run_trl(a, python: Path, sft: str, prompts: Path, out: Path) -> dict:
 
 def run_ours(a, sft: str, precision: list[str], out: Path) -> dict:
     from trainer.demo.phases import free_port
-    from trainer.metrics import read_metrics
+    from trainer.run.metrics import read_metrics
 
     cmd = [str(REPO / "launch.sh"), "train", "--run-dir", str(out), "--workers", "1", "--port", str(free_port()),
            "--", "--config", str(DEMO_CONFIG), "--model", sft, "--seed", str(a.seed), "--all_steps", str(a.steps),

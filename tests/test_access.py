@@ -206,6 +206,16 @@ def test_no_unpickling_in_non_test_code():
                     if mod in ("numpy", "np") and not any(k.arg == "allow_pickle" for k in node.keywords):
                         continue  # np.load refuses pickles by default
                     hits.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    # One exemption, by name: TRL's `environments` reward keyword (issue 39) copies a user's environment instance
+    # from the producer's tool executor child to its reward worker child through their local pipes; the class is the
+    # user's own code, already imported in both. Nothing from the network reaches it: neither the ref server nor the
+    # wire protocol imports that module (checked here).
+    exempt = "trainer/rewards/environments.py"
+    for path in files:
+        rel = str(path.relative_to(REPO))
+        if rel.startswith(("ref_server/", "common/wire/")):
+            assert "rewards.environments" not in path.read_text(), rel
+    hits = [h for h in hits if not h.startswith(exempt + ":") or "pickle.loads(base64.b64decode(entry" not in h]
     assert not hits, "deserialisation of arbitrary objects in product code:\n" + "\n".join(hits)
 
 
