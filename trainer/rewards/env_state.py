@@ -87,8 +87,8 @@ def _container(value, path: str, depth: int, seen: set):
     if t is dict:
         if all(type(k) is str for k in value) and not (len(value) == 1 and next(iter(value)).startswith("$")):
             return {k: encode(v, f"{path}[{k!r}]", depth, seen) for k, v in value.items()}
-        return {"$dict": [[encode(k, f"{path} (a key)", depth, seen), encode(v, f"{path}[{k!r}]", depth, seen)]
-                          for k, v in value.items()]}
+        return {"$dict": [[encode(k, f"{path}.keys()[{i}]", depth, seen), encode(v, f"{path}[{k!r}]", depth, seen)]
+                          for i, (k, v) in enumerate(value.items())]}
     items = [encode(v, f"{path}[{i}]", depth, seen) for i, v in enumerate(value)]
     return items if t is list else {f"${t.__name__}": items}
 
