@@ -4,6 +4,7 @@ all-None completions (NaN, out of the group's baseline, advantage 0; checked aga
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ MOD = "env_rewards_user"  # a name no other test module uses (sys.modules caches
 @pytest.fixture()
 def user_dir(tmp_path, monkeypatch):
     shutil.copy(HERE / "tools_user_code.py", tmp_path / f"{MOD}.py")
+    shutil.copy(HERE / "env_state_user.py", tmp_path / "env_state_user.py")
     monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
     return tmp_path
 
@@ -196,12 +198,62 @@ def test_environments_without_an_environment_factory_are_refused_in_one_line(use
     assert RewardScorer.from_config(cfg).wants_environments  # TRL passes **kwargs functions `environments` too
 
 
+@pytest.mark.parametrize("timeout", [0, 5])  # in this process, and in the reward worker process
+@pytest.mark.parametrize("cls", ["Rich", "Slotted", "Custom"])
+def test_environment_state_crosses_as_json(user_dir, timeout, cls):
+    """The copies are the instances' states as strict JSON, rebuilt in the reward's process from the class spec:
+    typical state (nested lists, dicts with non-str keys, tuples, sets, nan, bytes, numpy), __slots__, and a class
+    with its own __getstate__/__setstate__ come back with their values and exact types (each class checks its own)."""
+    import json
+
+    copies = _episode_copies(f"env_state_user.py:{cls}")
+    assert all(set(c) == {"spec", "state"} for c in copies), copies
+    assert json.loads(json.dumps(copies, allow_nan=False)) == copies  # plain JSON: no pickle, no NaN literal
+    s = RewardScorer(["trl_rewards:env_state_ok", "trl_rewards:env_value"], timeout=timeout, environments=True)
+    try:
+        sc = s.score_group(Example(prompt="p", ground_truth=None), ["a", "b", "c"], environments=copies)
+    finally:
+        s.close()
+    assert sc.components == {"env_state_ok": [1.0] * 3, "env_value": [1.0, 2.0, 3.0]}
+
+
+def test_a_reward_changes_only_its_own_copies(user_dir):
+    """What a reward does to its copies reaches neither the next function's copies, nor the same copies scored
+    again, nor the executor's live instances (their get_reward() and a fresh copy)."""
+    from trainer.tools import ToolBox
+    from trainer.tools.schemas import load_tools
+
+    env = f"{MOD}.py:Counter"
+    box = ToolBox(load_tools([], env), env, timeout=5.0, output_chars=100)
+    try:
+        ids = box.start_episodes(2, [{"start": 1}, {"start": 2}])
+        copies = box.episode_snapshots(ids)
+        s = RewardScorer(["trl_rewards:env_bump", "trl_rewards:env_value"], timeout=0, environments=True)
+        for _ in range(2):
+            sc = s.score_group(Example(prompt="p", ground_truth=None), ["a", "b"], environments=copies)
+            assert sc.components == {"env_bump": [101.0, 102.0], "env_value": [1.0, 2.0]}
+        assert box.episode_rewards(ids) == [{"Counter": 1.0}, {"Counter": 2.0}]
+        assert box.episode_snapshots(ids) == copies
+        box.end_episodes(ids)
+    finally:
+        box.close()
+
+
+UNCOPYABLE = [(f"{MOD}.py:Locked", "Locked instances cannot be copied to the reward process: Locked.lock is a "
+                                   "_thread.lock; keep the state in attributes holding None, bool, int"),
+              ("env_state_user.py:Nested", "Nested instances cannot be copied to the reward process: "
+                                           "Nested.pieces['king'][1] is a Piece; keep the state in attributes")]
+
+
 @pytest.mark.parametrize("timeout", [0, 5])
-def test_an_environment_that_cannot_be_copied(user_dir, timeout):
-    """A class whose instances cannot be pickled: a reward naming `environments` stops the run, naming the class and
-    why; one that only takes **kwargs is called without it."""
-    copies = _episode_copies(f"{MOD}.py:Locked")
-    assert all("cannot be copied" in c["error"] and not c["lost"] for c in copies)
+@pytest.mark.parametrize("env,why", UNCOPYABLE, ids=["Locked", "Nested"])
+def test_an_environment_that_cannot_be_copied(user_dir, timeout, env, why):
+    """A state JSON cannot carry (a lock, an object of another class): a reward naming `environments` stops the run
+    in one line naming the class, where the value sits, its type and what to do; one that only takes **kwargs is
+    called without it."""
+    copies = _episode_copies(env)
+    assert all(c["error"].startswith(why) and "__getstate__/__setstate__" in c["error"] and not c["lost"]
+               and "\n" not in c["error"] for c in copies), copies
     ex = Example(prompt="p", ground_truth=None)
     s = RewardScorer(["trl_rewards:env_seen"], timeout=timeout, environments=True)
     try:
@@ -210,8 +262,8 @@ def test_an_environment_that_cannot_be_copied(user_dir, timeout):
         s.close()
     s = RewardScorer(["trl_rewards:env_value"], timeout=timeout, environments=True)
     try:
-        with pytest.raises(RuntimeError, match=r"'env_value' failed on row .*environments\[0\]: Locked instances "
-                                               r"cannot be copied to the reward process \(pickle: TypeError"):
+        with pytest.raises(RuntimeError, match=r"'env_value' failed on row .*: TypeError: environments\[0\]: "
+                                               + re.escape(why)):
             s.score_group(ex, ["a", "b", "c"], environments=copies)
     finally:
         s.close()
@@ -273,7 +325,7 @@ def test_launch_check_scores_environment_rewards_with_copies_and_refuses_in_one_
         "ok   rewards  2 groups of 2 scored: env_value=4..7, Counter=None on all 4")
     out = check(environment_factory=f"{MOD}.py:Locked")
     assert out[0].startswith("FAIL rewards  RuntimeError: reward function 'env_value' failed on row 0") and \
-        "environments[0]: Locked instances cannot be copied to the reward process (pickle: TypeError" in out[0]
+        "environments[0]: " + UNCOPYABLE[0][1] in out[0]
     out = check()
     assert len(out) == 1 and out[0].startswith("FAIL rewards  ValueError: reward function 'env_value' takes "
                                                "`environments` (TRL's environment instances), but no "

@@ -138,3 +138,15 @@ def prompt_said(prompts, completions, **kwargs):
     """Logs the last prompt message each completion's reward got (TRL: reset()'s text appended)."""
     kwargs["log_extra"]("prompt_said", [p[-1]["content"] for p in prompts])
     return [0.0] * len(completions)
+
+
+def env_state_ok(completions, environments, **kwargs):
+    """Each copy's state checked by its own class (tests/env_state_user.py `_check`)."""
+    return [float(e._check()) for e in environments]
+
+
+def env_bump(completions, environments, **kwargs):
+    """Changes its copies: neither the other functions nor the executor's instances see it."""
+    for e in environments:
+        e.value += 100
+    return [float(e.value) for e in environments]

@@ -3,24 +3,27 @@
 TRL passes every reward function `environments`: the live environment instances of the batch, one per completion,
 as they are after the episode (grpo_trainer.py ~1596), and a reward reads their state (`env.solved`, `env.moves`).
 Here the instances live in the tool executor process and rewards are scored in the reward worker, so the tool loop
-takes a copy of each rollout's instance after its last turn, before get_reward() is read and the episode ends
-(pickled in the executor: `snapshot`), and the process that calls the reward unpickles it (`restore`): the function
-gets, per completion, an instance of the episode's class in the state the episode left it.
+takes a copy of each rollout's instance after its last turn, before get_reward() is read and the episode ends: the
+executor encodes the instance's state (`__getstate__()`) as JSON (`snapshot`, env_state.py), and the process that
+calls the reward loads the class by its spec, as every process loads user code (common/user_code.py), and gives a
+new instance that state (`restore`): the function gets, per completion, an instance of the episode's class in the
+state the episode left it. Nothing is pickled: decoding the state runs no code.
 
 A copy, not the live object: what a reward changes on it reaches neither the executor's instance nor get_reward(),
-and each function gets its own copies. The wire form of one completion's entry: {"spec": class spec, "pickle":
-base64} or {"spec": ..., "error": why, "lost": bool}. `lost`: the instance is gone (its reset() failed, or the tool
-process was restarted after a timeout): TRL would still have it, we cannot read it, so the function is called on
-the other completions of the group and says None ("not applicable") for those, as get_reward() does. Otherwise the
-class cannot be pickled: a function that names `environments` stops the run (`launch.sh check` says it first); one
-that only takes **kwargs is called without the keyword (said once).
+and each function gets its own copies. The wire form of one completion's entry: {"spec": class spec, "state":
+encoded state} or {"spec": ..., "error": why, "lost": bool}. `lost`: the instance is gone (its reset() failed, or the
+tool process was restarted after a timeout): TRL would still have it, we cannot read it, so the function is called
+on the other completions of the group and says None ("not applicable") for those, as get_reward() does. Otherwise
+the state holds something JSON cannot carry (a lock, an open file, an instance of another class; the error names
+the class, the attribute and its type): a function that names `environments` stops the run (`launch.sh check` says
+it first); one that only takes **kwargs is called without the keyword (said once).
 """
 from __future__ import annotations
 
-import base64
 import inspect
 import logging
-import pickle
+
+from trainer.rewards.env_state import StateError, rebuild, state_of
 
 log = logging.getLogger("trainer")
 _warned: set[str] = set()
@@ -35,14 +38,20 @@ def takes_environments(fn) -> str | None:
 
 
 def snapshot(instance, spec: str) -> dict:
-    """One episode's instance as it is now, for the wire (in the tool executor)."""
+    """One episode's instance as it is now, for the wire (in the tool executor): its state as JSON, or why not."""
+    from common.user_code import load_object
+
+    cls = type(instance).__name__
     try:
-        data = pickle.dumps(instance)
-    except Exception as e:  # noqa: BLE001 - any pickling failure: said where a reward needs the copy
-        why = f"{type(instance).__name__} instances cannot be copied to the reward process (pickle: " \
-              f"{type(e).__name__}: {e})"
+        if type(instance) is not load_object(spec):  # restore() rebuilds the spec's class: a subclass would be lost
+            raise StateError(f"{cls} instances cannot be copied to the reward process: {spec!r} made an instance "
+                             f"of another class")
+        return {"spec": spec, "state": state_of(instance)}
+    except StateError as e:
+        return {"spec": spec, "error": str(e), "lost": False}
+    except Exception as e:  # noqa: BLE001 - the class's own __getstate__ failed: said where a reward needs the copy
+        why = f"{cls} instances cannot be copied to the reward process: {type(e).__name__}: {' '.join(str(e).split())}"
         return {"spec": spec, "error": why, "lost": False}
-    return {"spec": spec, "pickle": base64.b64encode(data).decode("ascii")}
 
 
 def lost(spec: str, why: str) -> dict:
@@ -50,19 +59,23 @@ def lost(spec: str, why: str) -> dict:
 
 
 def restore(wire: list[dict]) -> list:
-    """The instances (None where lost); TypeError, one line, for one that could not be copied. The class is
-    loaded by its spec first, so an instance of a class from a file (common/user_code.py) unpickles here too."""
+    """New instances of the episodes' classes with their states (None where lost); TypeError, one line, for one
+    that could not be copied or rebuilt. Every entry is decoded afresh: each call gets its own copies."""
     from common.user_code import load_object
 
     out = []
     for k, entry in enumerate(wire):
-        if "pickle" not in entry:
+        if "state" not in entry:
             if not entry.get("lost"):
                 raise TypeError(f"environments[{k}]: {entry['error']}")
             out.append(None)
             continue
-        load_object(entry["spec"])
-        out.append(pickle.loads(base64.b64decode(entry["pickle"])))
+        cls = load_object(entry["spec"])
+        try:
+            out.append(rebuild(cls, entry["state"]))
+        except Exception as e:  # noqa: BLE001 - the class's __new__/__setstate__ refused its own state: one line
+            raise TypeError(f"environments[{k}]: {cls.__name__} could not be rebuilt from its state in the reward "
+                            f"process: {type(e).__name__}: {' '.join(str(e).split())}") from e
     return out
 
 

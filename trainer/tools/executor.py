@@ -133,7 +133,8 @@ class ToolExecutor:
         return self.request({"op": "reward", "episode": episode})
 
     def snapshot(self, episode: int, env: str = "") -> tuple[str, dict | str | None]:
-        """A pickled copy of the episode's instance (trainer/rewards/environments.py), for rewards."""
+        """A copy of the episode's instance, its class spec and its state as JSON (trainer/rewards/environments.py),
+        for rewards."""
         return self.request({"op": "snapshot", "episode": episode, "env": env})
 
     def end_episode(self, episode: int) -> None:

@@ -8,7 +8,7 @@ Requests and answers, one JSON object a line:
     {"op": "start", "episode": 3, "kwargs": {...}} -> {"status": "ok", "content": <reset()'s return, or null>}
     {"op": "call", "episode": 3, "name": "f", "arguments": {...}} -> {"status": "ok" | "error", "content": "..."}
     {"op": "reward", "episode": 3} -> {"status": "ok", "content": <get_reward()'s float>} (or "error")
-    {"op": "snapshot", "episode": 3, "env": ""} -> {"status": "ok", "content": {"spec", "pickle" | "error"}}
+    {"op": "snapshot", "episode": 3, "env": ""} -> {"status": "ok", "content": {"spec", "state" | "error"}}
     {"op": "end", "episode": 3} -> {"status": "ok"}
 """
 from __future__ import annotations
@@ -129,7 +129,8 @@ class Worker:
         return {"status": "ok", "content": None if value is None else float(value)}
 
     def snapshot(self, req: dict) -> dict:
-        """TRL passes rewards the episode's instance (`environments`): a copy of it, pickled here."""
+        """TRL passes rewards the episode's instance (`environments`): a copy of it, its state as JSON
+        (trainer/rewards/env_state.py)."""
         env, spec = self.envs.get(req["episode"]), self.conf["envs"].get(req.get("env", ""), "")
         if env is None:
             return {"status": "ok", "content": lost(spec, "the rollout's environment is gone (the tool process "

@@ -150,8 +150,8 @@ class ToolBox:
 
     def episode_snapshots(self, ids: list[int]) -> list[dict]:
         """TRL's `environments` reward keyword: per episode a copy of its instance as the episode left it, on the
-        wire (trainer/rewards/environments.py): pickled, or why not ("lost": its reset failed, or the instance
-        is gone with a restarted tool process)."""
+        wire (trainer/rewards/environments.py): its state as JSON, or why not ("lost": its reset failed, or the
+        instance is gone with a restarted tool process)."""
         from trainer.rewards.environments import lost
 
         out = []
