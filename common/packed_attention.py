@@ -15,9 +15,9 @@ place) to the attention implementation `packed_sdpa` registered here:
                            (many short rows: the per-call cost, SEGMENT_CALL_FLOPS, dominates)
         flex      (CUDA)   flex_attention with a block mask of the rows (block-sparse: blocks of other rows skipped)
 
-On CPU, a training forward (grad) in bf16/fp16 over rows of at most MATH_MAX_LEN tokens runs sdpa's math kernel,
-packed or not: there it is faster than torch's fused CPU kernel, whose backward in reduced precision is slow on
-short rows (measured below and in bench/packing.py --dtype bfloat16).
+On CPU, a training forward (grad) in bf16/fp16 over rows of at most MATH_MAX_LEN tokens, without grouped-query
+attention, runs sdpa's math kernel, packed or not: there it is faster than torch's fused CPU kernel, whose backward
+in reduced precision is slow on short rows (see MATH_MAX_LEN; bench/packing.py --dtype bfloat16).
 
 flash_attention_2/3 models need none of this: transformers calls the varlen kernel with cu_seqlens from the
 restarting position_ids (modeling_flash_attention_utils), and `packed_kernel` says `native`. Under gradient
@@ -39,11 +39,13 @@ NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
 KERNELS = ("segments", "rows", "flex")
 # one per-row attention call (forward + backward) on CPU, in multiply-adds of the same time: ~40 us at ~25 GFLOP/s
 SEGMENT_CALL_FLOPS = 1.0e6
-# Training forwards on CPU in bf16/fp16 with rows up to this long run sdpa's math kernel: the fused (flash) CPU
-# kernel's backward in reduced precision costs ~3x the math kernel's on short rows (fwd + bwd, bf16, 1 thread: 32
-# rows x 62 tokens, 4 heads x 32 (the demo): 22.6 vs 7.3 ms; 32 x 64, 14 heads x 64 (Qwen2.5-0.5B): 87 vs 55 ms;
-# 128 tokens 24 vs 15 / 94 vs 81 ms; 256 tokens: fused 1.6-1.75x faster). float32 and forwards without grad
-# (scoring, pi_old, generation) keep the fused kernel, faster there at every length measured.
+# Training forwards on CPU in bf16/fp16 over rows up to this long, in models without grouped-query attention, run
+# sdpa's math kernel: the fused (flash) CPU kernel's backward in reduced precision costs ~3x the math kernel's on
+# short rows (fwd + bwd of one call, bf16, 1 thread, 4 heads x 32: 32 rows x 62 tokens 22.6 vs 7.3 ms, x 128 tokens
+# 24 vs 15 ms, x 256 tokens: fused 1.6x faster); the demo's whole train step: 9-13 % less CPU, padded and packed
+# (bench/packing.py --dtype bfloat16). With GQA (Qwen2.5-0.5B's 14:2 heads) the math kernel was 7 % slower padded
+# (6-11 % faster packed): those models keep the fused kernel, as do float32 and forwards without grad (scoring,
+# pi_old, generation), where it is the faster one at every length measured.
 MATH_MAX_LEN = 128
 FORCE_KERNEL: str | None = None  # tests: run the CUDA kernel (flex) on CPU, where flex_attention runs un-compiled
 _compiled_flex = None
@@ -53,7 +55,7 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                 pack_lens=None, pack_kernel="segments", pack_block_mask=None, pack_rows=None, **kwargs):
     """transformers' sdpa, or (pack_lens given) attention within each of the rows packed along the sequence."""
     if pack_lens is None:
-        with _kernel(query, query.shape[2]):
+        with _kernel(query, key, query.shape[2]):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, sliding_window=sliding_window, **kwargs)
     if attention_mask is not None or query.shape[0] != 1:
@@ -64,16 +66,16 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         out = _flex()(query, key, value, block_mask=pack_block_mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     if pack_kernel == "rows" and (sliding_window is None or max(pack_lens) <= sliding_window):
-        with _kernel(query, max(pack_lens)):
+        with _kernel(query, key, max(pack_lens)):
             return _rows_attention(query, key, value, pack_rows, drop, scaling, gqa), None
-    with _kernel(query, max(pack_lens)):
+    with _kernel(query, key, max(pack_lens)):
         return _segments_attention(query, key, value, pack_lens, drop, scaling, sliding_window, gqa), None
 
 
-def _kernel(query: torch.Tensor, longest: int):
+def _kernel(query: torch.Tensor, key: torch.Tensor, longest: int):
     """sdpa's math kernel where it is the faster one (MATH_MAX_LEN), else torch's own choice."""
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and query.requires_grad \
-            and longest <= MATH_MAX_LEN:
+            and longest <= MATH_MAX_LEN and query.shape[1] == key.shape[1]:
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 

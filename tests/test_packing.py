@@ -4,6 +4,8 @@ model with Qwen2.5-0.5B's shapes (hidden 896, 14 heads, 2 KV heads, MLP 4,864, v
 never crosses from one packed row into another."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -261,3 +263,6 @@ def test_bf16_training_on_cpu_runs_the_math_kernel_on_short_rows(packed, kernel,
     assert step(int((pl + cl).max()) - 1)[2] == {"ScaledDotProductFlashAttentionForCpuBackward0"}  # a longer row
     model.float()
     assert step(default)[2] == {"ScaledDotProductFlashAttentionForCpuBackward0"}
+    q = torch.zeros(1, 4, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert not isinstance(packed_attention._kernel(q, q, 8), contextlib.nullcontext)
+    assert isinstance(packed_attention._kernel(q, q[:, :2], 8), contextlib.nullcontext)  # GQA: the fused kernel
