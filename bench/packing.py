@@ -4,6 +4,8 @@ trainer and the ref server run.
     .venv/bin/python bench/packing.py                 # the three shapes below, 5 interleaved repeats (minutes)
     .venv/bin/python bench/packing.py --smoke         # seconds: tiny sizes, 2 repeats (the suite runs this)
     .venv/bin/python bench/packing.py --layers 24 --vocab 151936 --shapes qwen_long_skewed   # the real depth/head
+    .venv/bin/python bench/packing.py --dtype bfloat16 --shapes demo --tasks train            # bf16, as the demo trains
+    .venv/bin/python bench/packing.py --dtype bfloat16 --math-max-len 0 ...   # torch's fused sdpa kernel throughout
 
 Shapes (completion lengths log-normal around `median` with `sigma`, capped at `max`, fixed seed; one prompt):
 
@@ -73,13 +75,13 @@ def build_model(name: str, a: argparse.Namespace, train: bool):
     from trainer.engine import prepare_policy
     torch.manual_seed(0)
     if name == "demo":
-        model = load_model(resolve_model_path("tiny"), device="cpu", dtype="float32", trainable=train)
+        model = load_model(resolve_model_path("tiny"), device="cpu", dtype=a.dtype, trainable=train)
     else:
         conf = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                            num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=2,
                            rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True,
                            attn_implementation="sdpa")
-        model = Qwen2ForCausalLM(conf)
+        model = Qwen2ForCausalLM(conf).to(getattr(torch, a.dtype))
     if train:
         return prepare_policy(model, GRPOConfig(gradient_checkpointing=True))
     return model.eval().requires_grad_(False)
@@ -154,7 +156,15 @@ def main() -> None:
     ap.add_argument("--score_factor", type=int, default=3, help="score: this many times --repeats (it is cheap)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the models' weights and activations (configs/demo.json trains in bf16 where the CPU has it)")
+    ap.add_argument("--math-max-len", type=int, default=None,
+                    help="common/packed_attention.MATH_MAX_LEN for this run: training rows up to this long use sdpa's "
+                         "math kernel on CPU in bf16 (0: torch's fused kernel throughout, as before issue 45's cut)")
     a = ap.parse_args()
+    if a.math_max_len is not None:
+        import common.packed_attention as pa
+        pa.MATH_MAX_LEN = a.math_max_len
     a.hidden, a.intermediate, a.heads = 896, 4864, 14
     if a.smoke:
         a.layers, a.vocab, a.repeats, a.hidden, a.intermediate, a.heads = 1, 512, 2, 64, 128, 4
@@ -164,7 +174,7 @@ def main() -> None:
     if bad:
         ap.error(f"unknown shape or task: {', '.join(bad)}")
     print(f"{'smoke: ' if a.smoke else ''}Qwen-shaped model {a.layers} layers, hidden {a.hidden}, head {a.vocab} rows; "
-          f"{a.repeats} interleaved repeats, {a.threads} threads", flush=True)
+          f"{a.repeats} interleaved repeats, {a.threads} threads, {a.dtype}", flush=True)
     res = {(s, t): run(s, t, a) for s in shapes for t in tasks}
     out: dict = {
         "auto_worst_slowdown": max(r["auto_slowdown"] for r in res.values()),
@@ -177,7 +187,9 @@ def main() -> None:
                                    "auto_slowdown": r["auto_slowdown"],
                                    "times_s": {m: [round(x, 4) for x in v] for m, v in r["times"].items()}}
                       for (s, t), r in res.items()}
-    out.update(layers=a.layers, vocab=a.vocab, repeats=a.repeats, threads=a.threads, smoke=a.smoke)
+    import common.packed_attention as pa
+    out.update(layers=a.layers, vocab=a.vocab, repeats=a.repeats, threads=a.threads, smoke=a.smoke, dtype=a.dtype,
+               math_max_len=pa.MATH_MAX_LEN)
     print(json.dumps(out))
 
 

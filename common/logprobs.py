@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from common.final_logits import LogitFn, final_logit_fn
-from common.packed_attention import packed_call_kwargs
+from common.packed_attention import install, packed_call_kwargs
 from common.packing import Packed, check_packed_attention, pack_plan, pack_rows
 
 
@@ -181,6 +181,7 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, prompt_le
                                with_entropy, min_chunks, logit_fn, pack_tokens, min_packs)
     B, L = input_ids.shape
     mask = attention_mask_from_lengths(prompt_lens + completion_lens, L)
+    install(model)  # sdpa models: the same masks and calls, and on CPU the faster kernel for training (MATH_MAX_LEN)
     hidden = body(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     pos, valid = completion_index(prompt_lens, completion_lens)
     h = hidden.gather(1, (pos - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # state before each token

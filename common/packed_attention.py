@@ -15,15 +15,21 @@ place) to the attention implementation `packed_sdpa` registered here:
                            (many short rows: the per-call cost, SEGMENT_CALL_FLOPS, dominates)
         flex      (CUDA)   flex_attention with a block mask of the rows (block-sparse: blocks of other rows skipped)
 
+On CPU, a training forward (grad) in bf16/fp16 over rows of at most MATH_MAX_LEN tokens, without grouped-query
+attention, runs sdpa's math kernel, packed or not: there it is faster than torch's fused CPU kernel, whose backward
+in reduced precision is slow on short rows (see MATH_MAX_LEN; bench/packing.py --dtype bfloat16).
+
 flash_attention_2/3 models need none of this: transformers calls the varlen kernel with cu_seqlens from the
 restarting position_ids (modeling_flash_attention_utils), and `packed_kernel` says `native`. Under gradient
 checkpointing the layers' recompute reads the same config and gets the same kwargs, so it runs the same kernel.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -33,6 +39,14 @@ NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3")
 KERNELS = ("segments", "rows", "flex")
 # one per-row attention call (forward + backward) on CPU, in multiply-adds of the same time: ~40 us at ~25 GFLOP/s
 SEGMENT_CALL_FLOPS = 1.0e6
+# Training forwards on CPU in bf16/fp16 over rows up to this long, in models without grouped-query attention, run
+# sdpa's math kernel: the fused (flash) CPU kernel's backward in reduced precision costs ~3x the math kernel's on
+# short rows (fwd + bwd of one call, bf16, 1 thread, 4 heads x 32: 32 rows x 62 tokens 22.6 vs 7.3 ms, x 128 tokens
+# 24 vs 15 ms, x 256 tokens: fused 1.6x faster); the demo's whole train step: 9-13 % less CPU, padded and packed
+# (bench/packing.py --dtype bfloat16). With GQA (Qwen2.5-0.5B's 14:2 heads) the math kernel was 7 % slower padded
+# (6-11 % faster packed): those models keep the fused kernel, as do float32 and forwards without grad (scoring,
+# pi_old, generation), where it is the faster one at every length measured.
+MATH_MAX_LEN = 128
 FORCE_KERNEL: str | None = None  # tests: run the CUDA kernel (flex) on CPU, where flex_attention runs un-compiled
 _compiled_flex = None
 
@@ -41,8 +55,9 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                 pack_lens=None, pack_kernel="segments", pack_block_mask=None, pack_rows=None, **kwargs):
     """transformers' sdpa, or (pack_lens given) attention within each of the rows packed along the sequence."""
     if pack_lens is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        with _kernel(query, key, query.shape[2]):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, sliding_window=sliding_window, **kwargs)
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("a packed forward takes one packed sequence and no attention mask")
     drop = dropout if module.training else 0.0
@@ -51,7 +66,22 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         out = _flex()(query, key, value, block_mask=pack_block_mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     if pack_kernel == "rows" and (sliding_window is None or max(pack_lens) <= sliding_window):
-        return _rows_attention(query, key, value, pack_rows, drop, scaling, gqa), None
+        with _kernel(query, key, max(pack_lens)):
+            return _rows_attention(query, key, value, pack_rows, drop, scaling, gqa), None
+    with _kernel(query, key, max(pack_lens)):
+        return _segments_attention(query, key, value, pack_lens, drop, scaling, sliding_window, gqa), None
+
+
+def _kernel(query: torch.Tensor, key: torch.Tensor, longest: int):
+    """sdpa's math kernel where it is the faster one (MATH_MAX_LEN), else torch's own choice."""
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and query.requires_grad \
+            and longest <= MATH_MAX_LEN and query.shape[1] == key.shape[1]:
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
+
+
+def _segments_attention(query, key, value, pack_lens, drop, scaling, sliding_window, gqa):
+    """One causal sdpa call per row of the (1, H, N, D) pack -> (1, N, H, D)."""
     outs, s = [], 0
     for n in pack_lens:
         q, k, v = query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n]
@@ -64,7 +94,7 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
             outs.append(torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=drop, scale=scaling, enable_gqa=gqa))
         s += n
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def _rows_attention(query, key, value, rows, drop, scaling, gqa):

@@ -4,6 +4,8 @@ model with Qwen2.5-0.5B's shapes (hidden 896, 14 heads, 2 KV heads, MLP 4,864, v
 never crosses from one packed row into another."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -212,3 +214,55 @@ def test_packed_sdpa_is_sdpa_outside_packed_forwards():
     assert model.config._attn_implementation == packed_attention.PACKED_SDPA
     got = run()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _attention_nodes(t: torch.Tensor) -> set[str]:
+    """Names of the sdpa backward nodes in t's autograd graph."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        if "Attention" in type(f).__name__:
+            names.add(type(f).__name__)
+        todo.extend(g for g, _ in f.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("packed,kernel", [(False, None), (True, "segments"), (True, "rows")])
+def test_bf16_training_on_cpu_runs_the_math_kernel_on_short_rows(packed, kernel, monkeypatch):
+    """Training forwards on CPU in bf16 over rows up to MATH_MAX_LEN run sdpa's math kernel (the fused CPU kernel's
+    bf16 backward is ~3x slower there: bench/packing.py --dtype bfloat16), padded and packed alike, with the
+    fused kernel's logprobs and gradient within bf16 rounding; float32 and longer rows keep the fused kernel."""
+    from common import packed_attention
+    from common.modeling import load_model, resolve_model_path
+    if kernel is not None:
+        monkeypatch.setattr(packed_attention, "FORCE_KERNEL", kernel)
+    model = load_model(resolve_model_path("tiny"), device="cpu", dtype="bfloat16").requires_grad_(True)
+    ids, pl, cl = rows(model.config.vocab_size, seed=3)
+    weights = torch.randn(len(pl), max(COMPLETION_LENS), generator=torch.Generator().manual_seed(4))
+    default = packed_attention.MATH_MAX_LEN
+    assert default >= int((pl + cl).max())
+
+    def step(math_max_len: int):
+        monkeypatch.setattr(packed_attention, "MATH_MAX_LEN", math_max_len)
+        model.zero_grad()
+        logps, _ = sequence_logprobs(model, ids, pl, cl, chunk_tokens=5, padding_free=packed)
+        nodes = _attention_nodes(logps)
+        (logps * weights).sum().backward()
+        return logps.detach(), {n: q.grad.float().clone() for n, q in model.named_parameters()}, nodes
+
+    fused = step(0)
+    math = step(default)
+    assert fused[2] == {"ScaledDotProductFlashAttentionForCpuBackward0"}
+    assert not math[2]  # the math kernel: matmuls and a softmax, no fused-attention node
+    assert float((math[0] - fused[0]).abs().max()) <= 0.1  # logprobs from bf16 activations
+    for n, g in fused[1].items():
+        assert float((math[1][n] - g).norm()) <= 0.05 * float(g.norm()) + 1e-6, n
+    assert step(int((pl + cl).max()) - 1)[2] == {"ScaledDotProductFlashAttentionForCpuBackward0"}  # a longer row
+    model.float()
+    assert step(default)[2] == {"ScaledDotProductFlashAttentionForCpuBackward0"}
+    q = torch.zeros(1, 4, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert not isinstance(packed_attention._kernel(q, q, 8), contextlib.nullcontext)
+    assert isinstance(packed_attention._kernel(q, q[:, :2], 8), contextlib.nullcontext)  # GQA: the fused kernel
