@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import REPO, start_ref_server, subprocess_env
+from conftest import REPO, run_process_group, start_ref_server, subprocess_env
 
 from common.wire.client import RefClient
 
@@ -22,8 +22,7 @@ def env() -> dict:
 
 
 def launch(*args: str, cwd: Path = REPO, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "launch.sh"), "train", *args], cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_process_group(["bash", str(REPO / "launch.sh"), "train", *args], cwd=cwd, env=env(), timeout=timeout)
 
 
 def test_ref_server_refuses_a_taken_port_before_loading(tiny_model_dir):
