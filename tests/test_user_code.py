@@ -103,8 +103,9 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     check = run_process_group([*launch, "check", "--config", "trl_config.json", "--port", str(find_free_port()), "--",
                               *args], cwd=user_dir, env=env, timeout=300)
     assert check.returncode == 0 and "check: all passed" in check.stdout, check.stdout + check.stderr
-    cmd = [*launch, "train", "--config", "trl_config.json", "--run-dir", "run", "--workers", "1", "--gpus", "2",
-           "--port", str(find_free_port()), "--", *args]
+    # --skip-checks: the same checks on the same arguments just passed above (`check`); train would run them again
+    cmd = [*launch, "train", "--skip-checks", "--config", "trl_config.json", "--run-dir", "run", "--workers", "1",
+           "--gpus", "2", "--port", str(find_free_port()), "--", *args]
     proc = run_process_group(cmd, cwd=user_dir, env=env, timeout=600)
     logs = {n: (run_dir / n).read_text() for n in ("trainer.log", "worker0.log") if (run_dir / n).is_file()}
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
