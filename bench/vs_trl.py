@@ -25,7 +25,10 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
    Printed: a table, the per-process CPU of our run, and a last JSON line with steps_per_cpu_s_ratio (ours / TRL),
    spread_groups_per_cpu_s_ratio (ours / TRL), accuracy_ours, accuracy_trl and the raw figures.
 
---smoke (the suite's size): SFT 4 steps, 3 GRPO steps each side, 20 held-out problems. The suite has no network,
+--smoke (the suite's size): SFT 2 steps, 3 GRPO steps each side, 8 held-out problems, the first 64 train prompts
+written for TRL, our `launch.sh train` with --skip-checks (the checks are not what is measured; a smoke run is
+mostly start-up), and without --run-dir a temporary run folder, removed at the end (nothing left in the checkout).
+The suite has no network,
 so --smoke never creates TRL's environment: it runs our side (SFT, `launch.sh train`, the evaluation, the
 measurement) and then the TRL side only where TRL's environment is already there; where it is not, it exits 77 (the
 suite's "skipped: this machine lacks ...") with the reason as its last line, after our side ran. Run the bench once
@@ -37,8 +40,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -54,7 +59,7 @@ DEMO_CONFIG = REPO / "configs" / "demo.json"
 TRL_SCRIPT = REPO / "bench" / "vs_trl_lib" / "trl_grpo.py"
 DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo-vs-trl" / "venv"
 GROUPS_PER_TRL_STEP = 64 // 8  # per_device_train_batch_size / num_generations
-SMOKE = dict(steps=3, sft_steps=4, eval_limit=20)
+SMOKE = dict(steps=3, sft_steps=2, eval_limit=8, prompts=64)  # every code path once; 64 prompts: 8 TRL steps' worth
 SKIPPED = 77  # tests/test_bench_smoke.py: a smoke run this machine cannot host
 
 
@@ -68,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-venv", default=str(DEFAULT_VENV), help=f"TRL's virtual environment (default {DEFAULT_VENV}"
                    "; created on first use)")
     p.add_argument("--setup-trl", action="store_true", help="only create TRL's environment, then exit")
-    p.add_argument("--run-dir", default=None, help="output folder (default runs/vs_trl-<timestamp>)")
+    p.add_argument("--run-dir", default=None, help="output folder (default runs/vs_trl-<timestamp>; with --smoke "
+                   "a temporary folder, removed at the end)")
     p.add_argument("--eval-limit", type=int, default=1000, help="held-out problems, greedy (default 1000)")
     p.add_argument("--trl-threads", type=int, default=2,
                    help="TRL's torch threads (default 2, the issue's setting). On a busy shared box use 1: there a "
@@ -83,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.eval_limit = SMOKE["eval_limit"]
     if a.steps < 1 or a.eval_limit < 1:
         p.error("--steps and --eval-limit must be >= 1")
+    a.scratch = a.smoke and a.run_dir is None  # a smoke run nobody reads: not in the checkout, removed at the end
+    if a.scratch:
+        a.run_dir = tempfile.mkdtemp(prefix="vs_trl-smoke-")
     a.run_dir = Path(a.run_dir or REPO / "runs" / f"vs_trl-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     return a
 
@@ -127,8 +136,9 @@ def demo_cfg(a, precision: list[str]):
                                prog="bench/vs_trl.py")
 
 
-def write_prompts(cfg, model_dir: str, path: Path) -> int:
-    """The train split as our trainer templates it (trainer/rollout.encode_prompts): TRL takes text as it is."""
+def write_prompts(cfg, model_dir: str, path: Path, limit: int | None = None) -> int:
+    """The train split (its first `limit` rows) as our trainer templates it (trainer/rollout.encode_prompts): TRL
+    takes text as it is."""
     from common.modeling import load_tokenizer
     from common.prompts import SYSTEM_PROMPT
     from trainer.data.loading import load_examples
@@ -136,7 +146,9 @@ def write_prompts(cfg, model_dir: str, path: Path) -> int:
 
     tok = load_tokenizer(model_dir, cfg.load_options())
     rows = []
-    for ex in load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit):
+    limits = [x for x in (cfg.data_limit, limit) if x]
+    limit = min(limits) if limits else None
+    for ex in load_examples(cfg.data, split=cfg.data_split, limit=limit):
         fmt = resolve_format(cfg.prompt_format, ex.prompt)
         system = (SYSTEM_PROMPT if fmt == "chat" else None) if cfg.system_prompt == "default" else cfg.system_prompt
         rows.append({"prompt": build_prompt(tok, ex.prompt, system, fmt, None, cfg.chat_template_kwargs),
@@ -195,7 +207,8 @@ def run_ours(a, sft: str, precision: list[str], out: Path) -> dict:
     from trainer.demo.phases import free_port
     from trainer.run.metrics import read_metrics
 
-    cmd = [str(REPO / "launch.sh"), "train", "--run-dir", str(out), "--workers", "1", "--port", str(free_port()),
+    cmd = [str(REPO / "launch.sh"), "train", *(["--skip-checks"] if a.smoke else []), "--run-dir", str(out),
+           "--workers", "1", "--port", str(free_port()),
            "--", "--config", str(DEMO_CONFIG), "--model", sft, "--seed", str(a.seed), "--all_steps", str(a.steps),
            "--eval_before", "false", "--eval_steps", "0", "--save_steps", str(10 ** 9), *precision]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
@@ -277,7 +290,8 @@ def main(argv=None) -> int:
     precision = cpu_precision_args(say)
     cfg = demo_cfg(a, precision)
     prompts = a.run_dir / "prompts.jsonl"
-    say(f"[vs_trl] SFT checkpoint {sft}; {write_prompts(cfg, sft, prompts)} train prompts -> {prompts}")
+    n = write_prompts(cfg, sft, prompts, SMOKE["prompts"] if a.smoke else None)
+    say(f"[vs_trl] SFT checkpoint {sft}; {n} train prompts -> {prompts}")
     acc_sft = evaluate(sft, cfg, a.eval_limit)
     say(f"[vs_trl] SFT start: held-out accuracy {100 * acc_sft:.1f}% ({a.eval_limit} problems, greedy)")
     runs: dict = {}
@@ -299,6 +313,9 @@ def main(argv=None) -> int:
                       spread_groups_per_cpu_s_ratio=ratio(runs, "spread_groups_per_cpu_s"),
                       accuracy_ours=runs["ours"]["accuracy"], accuracy_trl=runs["trl"]["accuracy"], **result)
     (a.run_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    if a.scratch:
+        shutil.rmtree(a.run_dir, ignore_errors=True)
+        say(f"[vs_trl] --smoke: removed the temporary run folder {a.run_dir} (pass --run-dir to keep one)")
     if want_trl and python is None:  # --smoke without TRL's environment: our side ran; TRL's cannot here
         say(json.dumps(result))
         say(f"skipped the TRL side: no TRL environment at {venv} and --smoke never creates one (it needs the package "

@@ -53,10 +53,34 @@ def user_env() -> dict:
     return env
 
 
+def run_process_group(cmd: list[str], *, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) for `launch.sh` (or the `deepspeed` launcher), except
+    that a run past `timeout` (or a test interrupted meanwhile) is stopped whole: SIGKILL to the command alone (what
+    subprocess.run does) left launch.sh's ref server, worker and ranks (each started with setsid) or the launcher's
+    ranks running. Here: SIGTERM to the command's own session (launch.sh's trap then stops every child's group),
+    then SIGKILL to what is left of it."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # KILL after TERM too: what is left of its session
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.communicate(timeout=60)  # read on: a full pipe would block launch.sh's cleanup
+            except subprocess.TimeoutExpired:
+                pass
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def launch_as_user(folder, mode: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     """`launch.sh MODE ARGS...` run from `folder` as a user runs it (user_env)."""
-    return subprocess.run(["bash", str(REPO / "launch.sh"), mode, *args], cwd=folder, env=user_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_process_group(["bash", str(REPO / "launch.sh"), mode, *args], cwd=folder, env=user_env(),
+                             timeout=timeout)
 
 
 @dataclass

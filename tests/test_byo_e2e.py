@@ -8,11 +8,10 @@ One TRL reward hangs forever on the rows whose ground truth is "hang": the run m
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
 import pytest
-from conftest import REPO, find_free_port, subprocess_env
+from conftest import REPO, find_free_port, run_process_group, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +34,7 @@ def test_reasonrl_jsonl_and_trl_rewards_through_launch(tmp_path):
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "1", "--gpus", "2",
            "--port", str(port), "--", *args]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_process_group(cmd, cwd=REPO, env=env, timeout=600)
     seconds = time.time() - t0
     logs = "".join((run_dir / n).read_text() for n in ("trainer.log", "worker0.log") if (run_dir / n).is_file())
     assert proc.returncode == 0, proc.stderr[-3000:] + logs[-3000:]

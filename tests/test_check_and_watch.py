@@ -87,7 +87,8 @@ def test_a_worker_that_dies_ends_the_run_unless_keep_going(folder):
     args = [*BASE, "--reward_fns", "deadly:digits", "--reward_timeout", "0", "--get_wait", "2", "--Q_batch_size", "1"]
     run = folder / "run"
     t0 = time.time()
-    proc = launch(folder, "train", "--run-dir", "run", "--port", str(find_free_port()), "--", *args,
+    # --skip-checks: what is tested is the run's supervision, not the checks (the tests above)
+    proc = launch(folder, "train", "--skip-checks", "--run-dir", "run", "--port", str(find_free_port()), "--", *args,
                   "--all_steps", "50")
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "worker0 exited with code 7 while the trainer was running" in proc.stderr
@@ -95,8 +96,8 @@ def test_a_worker_that_dies_ends_the_run_unless_keep_going(folder):
     assert "training done" not in (run / "trainer.log").read_text()  # the run ended: it did not go on for 50 steps
     print(f"dead worker noticed, run ended in {time.time() - t0:.0f} s")
 
-    going = launch(folder, "train", "--run-dir", "run2", "--keep-going", "--port", str(find_free_port()), "--",
-                   *args, "--all_steps", "2")
+    going = launch(folder, "train", "--skip-checks", "--run-dir", "run2", "--keep-going", "--port",
+                   str(find_free_port()), "--", *args, "--all_steps", "2")
     assert going.returncode == 0, going.stderr[-3000:]
     assert "!!! --keep-going: the run goes on WITHOUT worker0" in going.stderr
     assert "training done: 2 steps" in (folder / "run2" / "trainer.log").read_text()

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_process_group, subprocess_env
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -45,8 +45,8 @@ def test_demo_help() -> None:
 def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo run"  # a space in the path: every process must quote it
     t0 = time.time()
-    proc = subprocess.run([str(REPO / "launch.sh"), "demo", "--quick", "--seed", "3", "--run-dir", str(run_dir)],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=420)
+    proc = run_process_group([str(REPO / "launch.sh"), "demo", "--quick", "--seed", "3", "--run-dir", str(run_dir)],
+                             cwd=REPO, env=subprocess_env(), timeout=420)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for banner in ("1/5", "2/5", "3/5", "4/5", "5/5", "accuracy", "format"):

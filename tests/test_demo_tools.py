@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_process_group, subprocess_env
 
 from common.config import GRPOConfig
 from common.modeling import load_model, load_tokenizer
@@ -116,8 +115,8 @@ def test_tools_flag_parses(tmp_path: Path) -> None:
 def test_demo_tools_quick_end_to_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "tool demo"
     t0 = time.time()
-    proc = subprocess.run([str(REPO / "launch.sh"), "demo", "--tools", "--quick", "--seed", "3", "--run-dir",
-                           str(run_dir)], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    proc = run_process_group([str(REPO / "launch.sh"), "demo", "--tools", "--quick", "--seed", "3", "--run-dir",
+                             str(run_dir)], cwd=REPO, env=subprocess_env(), timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for line in ("1/5", "2/5", "3/5", "4/5", "5/5", "tool calls per completion", "accuracy without tools"):

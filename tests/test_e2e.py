@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, find_free_port, start_ref_server, subprocess_env
+from conftest import REPO, find_free_port, run_process_group, start_ref_server, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +40,11 @@ def leftover_processes(marker: str) -> list[str]:
     return out
 
 
-def launch(run_dir: Path, port: int, *trainer_args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run_dir), "--workers", "1", "--gpus", "2",
-           "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "3", *trainer_args]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+def launch(run_dir: Path, port: int, *trainer_args: str, timeout: float = 400,
+           launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(REPO / "launch.sh"), "train", *launcher, "--run-dir", str(run_dir), "--workers", "1",
+           "--gpus", "2", "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "3", *trainer_args]
+    return run_process_group(cmd, cwd=REPO, env=env(), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,9 @@ def launched_run(tmp_path_factory):
     port = find_free_port()
     t0 = time.time()
     first = launch(run_dir, port, "--all_steps", "4", "--save_steps", "2")
-    resumed = launch(run_dir, port, "--all_steps", "6", "--save_steps", "2", "--resume", "true")
+    # the checks ran (and are asserted) in the first run; the resumed one is about resuming
+    resumed = launch(run_dir, port, "--all_steps", "6", "--save_steps", "2", "--resume", "true",
+                     launcher=("--skip-checks",))
     return run_dir, port, first, resumed, time.time() - t0
 
 
@@ -107,7 +110,7 @@ def test_checkpoint_loads_with_from_pretrained(launched_run):
 def run_deepspeed(run_dir: Path, server_url: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
            "trainer/main.py", *TOY, "--ref_server", server_url, "--output_dir", str(run_dir), *args]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return run_process_group(cmd, cwd=REPO, env=env(), timeout=timeout)
 
 
 def test_learns_toy_reward(tiny_model_dir, tmp_path):
@@ -147,7 +150,7 @@ def test_two_workers_follow_the_policy(tmp_path):
            "--gpus", "2",
            "--port", str(find_free_port()), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "5",
            "--all_steps", "6", "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
+    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # --skip-checks (asked for: test_pipeline_runs_and_exits_cleanly's run has the checks) says so, runs none
     assert "[launch] --skip-checks" in proc.stderr and "[check]" not in proc.stderr, proc.stderr[-3000:]

@@ -14,10 +14,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from conftest import REPO, find_free_port, user_env
+from conftest import REPO, find_free_port, run_process_group, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +71,7 @@ def train(user, name: str, extra: list[str], rows: list[dict]) -> tuple[list[dic
             "--train_zero_spread", "true", "--log_completions", "true", "--lr", "1e-5", *extra]
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", name, "--workers", "1", "--gpus", "2",
            "--port", str(find_free_port()), "--", *args]
-    proc = subprocess.run(cmd, cwd=user, env=user_env(), capture_output=True, text=True, timeout=900)
+    proc = run_process_group(cmd, cwd=user, env=user_env(), timeout=900)
     run = user / name
     logs = "".join((run / n).read_text() for n in ("trainer.log", "worker0.log") if (run / n).is_file())
     assert proc.returncode == 0, proc.stderr[-3000:] + logs[-4000:]

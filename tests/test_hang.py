@@ -70,12 +70,22 @@ def find_proc(*markers: str) -> psutil.Process:
     raise AssertionError(f"no process with {markers}")
 
 
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """TERM first: launch.sh's trap stops its children, each in a setsid group of its own; SIGKILL to launch.sh
+    alone would leave the ref server, worker and ranks running. KILL only if it does not exit within 60 s."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
+        out, err = stop(proc)
         raise AssertionError("launch.sh did not exit:\n" + err[-3000:]) from None
     return proc.returncode, out, err
 
@@ -118,8 +128,7 @@ def test_stopped_worker_is_flagged_ranks_carry_on_and_it_rejoins(tmp_path):
         rc, _, err = finish(proc, 400)
     finally:
         if proc.poll() is None:
-            proc.terminate()
-            proc.communicate(timeout=60)
+            stop(proc)
     print(f"\nworker SIGSTOP -> flagged in /status after {flagged_after:.1f} s (stall_warn {stall_warn} s, "
           f"heartbeat 1 s); SIGCONT -> uploading again after {rejoined_after:.1f} s")
     assert rc == 0, err[-3000:]
@@ -144,8 +153,7 @@ def test_stopped_ref_server_ends_the_run_naming_it(tmp_path):
         exited_after = time.monotonic() - t_stop
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+            stop(proc)
     last = err.strip().splitlines()[-1]
     decided_after = (run_dir / "diagnosis.txt").stat().st_mtime - wall_stop
     print(f"\nref server SIGSTOP -> a rank gave up after {decided_after:.1f} s, launch.sh exited after "
@@ -185,8 +193,7 @@ def test_killed_rank_ends_its_peer_naming_it(tmp_path, term_first):
         exited_after = time.monotonic() - t_kill
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+            stop(proc)
     last = err.strip().splitlines()[-1]
     noticed_after = (run_dir / "diagnosis.txt").stat().st_mtime - wall_kill
     print(f"\nrank 1 SIGKILL -> rank 0 named it after {noticed_after:.1f} s, launch.sh exited after "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import REPO, start_ref_server, subprocess_env
+from conftest import REPO, run_process_group, start_ref_server, subprocess_env
 
 from common.wire.client import RefClient
 
@@ -22,8 +22,7 @@ def env() -> dict:
 
 
 def launch(*args: str, cwd: Path = REPO, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "launch.sh"), "train", *args], cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_process_group(["bash", str(REPO / "launch.sh"), "train", *args], cwd=cwd, env=env(), timeout=timeout)
 
 
 def test_ref_server_refuses_a_taken_port_before_loading(tiny_model_dir):
@@ -80,7 +79,9 @@ def test_paths_are_relative_to_the_caller_and_logs_rotate(tmp_path, free_port):
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / "myrun"
     assert (run / "metrics.jsonl").is_file() and not (REPO / "myrun").exists()
-    second = launch("--run-dir", "myrun", *common, "--all_steps", "3", "--resume", "true", cwd=tmp_path)
+    # the checks (relative --data included) ran in the first attempt; the second is about logs, resume, retention
+    second = launch("--skip-checks", "--run-dir", "myrun", *common, "--all_steps", "3", "--resume", "true",
+                    cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "training done: 2 steps" in (run / "trainer.log.1").read_text()
     assert "training done: 3 steps" in (run / "trainer.log").read_text()

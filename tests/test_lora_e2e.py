@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, find_free_port, subprocess_env
+from conftest import REPO, find_free_port, run_process_group, subprocess_env
 from safetensors.torch import load_file
 from test_e2e import read_rows
 
@@ -53,7 +53,7 @@ def launch(run_dir: Path, model: Path, workers: int, *args: str, timeout: float 
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir),
            "--workers", str(workers),
            "--gpus", "2", "--port", str(find_free_port()), "--", *toy_args(model), *LORA, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -15,7 +15,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import REPO, find_free_port, user_env
+from conftest import REPO, find_free_port, run_process_group, user_env
 from test_reward_models import build_rm, trl_score
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def launch(user, name: str, reward_fns: list[str]) -> subprocess.CompletedProces
             "--get_wait", "2", "--train_zero_spread", "true", "--log_completions", "true", "--lr", "1e-5"]
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", name, "--workers", "1", "--gpus", "2",
            "--port", str(find_free_port()), "--", *args]
-    return subprocess.run(cmd, cwd=user, env=user_env(), capture_output=True, text=True, timeout=900)
+    return run_process_group(cmd, cwd=user, env=user_env(), timeout=900)
 
 
 def test_reward_model_served_by_the_ref_server(tmp_path):

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, find_free_port, user_env
+from conftest import REPO, find_free_port, run_process_group, user_env
 
 REWARDS = '''
 def used_tools(prompts, completions, **kwargs):
@@ -87,7 +87,7 @@ def test_tools_end_to_end_from_a_user_folder(tool_model):
             "--lr", "1e-5", "--seed", "1", "--temperature", "0.5"]
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", "run", "--workers", "1", "--gpus", "2",
            "--port", str(find_free_port()), "--", *args]
-    proc = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_process_group(cmd, cwd=user, env=env, timeout=900)
     run = user / "run"
     logs = {n: (run / n).read_text() for n in ("trainer.log", "worker0.log") if (run / n).is_file()}
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-3000:] for v in logs.values())

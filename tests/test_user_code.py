@@ -8,11 +8,10 @@ PYTHONPATH unset the README's own bring-your-own command exited 1 with "No modul
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO, find_free_port, subprocess_env
+from conftest import REPO, find_free_port, run_process_group, subprocess_env
 
 from common.user_code import USER_DIR_ENV, load_object
 from trainer.rewards.registry import load_reward_fns
@@ -101,12 +100,13 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
             "--reward_timeout", "5", "--get_wait", "240", "--save_steps", "100", "--eval_limit", "4",
             "--eval_max_new_tokens", "8"]
     launch = ["bash", str(REPO / "launch.sh")]
-    check = subprocess.run([*launch, "check", "--config", "trl_config.json", "--port", str(find_free_port()), "--",
-                            *args], cwd=user_dir, env=env, capture_output=True, text=True, timeout=300)
+    check = run_process_group([*launch, "check", "--config", "trl_config.json", "--port", str(find_free_port()), "--",
+                              *args], cwd=user_dir, env=env, timeout=300)
     assert check.returncode == 0 and "check: all passed" in check.stdout, check.stdout + check.stderr
-    cmd = [*launch, "train", "--config", "trl_config.json", "--run-dir", "run", "--workers", "1", "--gpus", "2",
-           "--port", str(find_free_port()), "--", *args]
-    proc = subprocess.run(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=600)
+    # --skip-checks: the same checks on the same arguments just passed above (`check`); train would run them again
+    cmd = [*launch, "train", "--skip-checks", "--config", "trl_config.json", "--run-dir", "run", "--workers", "1",
+           "--gpus", "2", "--port", str(find_free_port()), "--", *args]
+    proc = run_process_group(cmd, cwd=user_dir, env=env, timeout=600)
     logs = {n: (run_dir / n).read_text() for n in ("trainer.log", "worker0.log") if (run_dir / n).is_file()}
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
     cfg = json.loads((run_dir / "config.json").read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import find_free_port, start_ref_server
+from conftest import find_free_port, run_process_group, start_ref_server
 from test_e2e import TOY, read_rows
 from test_lora_e2e import REPO, env
 
@@ -29,7 +29,7 @@ def test_variant_learns_toy_reward(variant, tiny_model_dir, tmp_path):
     def run_deepspeed(run_dir: Path, server_url: str, *args: str) -> subprocess.CompletedProcess:
         cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
                "trainer/main.py", *TOY, "--ref_server", server_url, "--output_dir", str(run_dir), *args]
-        return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+        return run_process_group(cmd, cwd=REPO, env=env(), timeout=600)
 
     with start_ref_server(tiny_model_dir) as srv:
         proc = run_deepspeed(tmp_path, srv.url, "--all_steps", "20", "--save_steps", "1000", "--lr", "6e-3",

@@ -4,10 +4,8 @@ train/inference logprob mismatch (with the truncated-IS correction on), and the 
 in place, by deltas (sync_delta, issue 25) with the same mismatch as full copies."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
-from conftest import REPO, find_free_port
+from conftest import REPO, find_free_port, run_process_group
 from test_e2e import TOY, env, leftover_processes, read_rows
 
 pytestmark = pytest.mark.slow
@@ -23,8 +21,7 @@ def test_launch_train_with_a_vllm_worker(tmp_path):
            "--vllm_importance_sampling_clip_max", "2.0",
            "--sync_delta_max_share", "1.0"]  # lr 1e-3 moves over 15 % of the elements: deltas all the same
     # REPO first on the path: this checkout's code wins over an editable install of another one
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
-                          capture_output=True, text=True, timeout=600)
+    proc = run_process_group(cmd, cwd=REPO, env={**env(), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=600)
     worker_log = (run_dir / "worker0.log").read_text() if (run_dir / "worker0.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + worker_log[-3000:]
     rows = read_rows(run_dir)
@@ -60,8 +57,7 @@ def test_gspo_with_a_bf16_vllm_worker_learns_with_trainer_pi_old(tmp_path):
            "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "0", "--all_steps", "20",
            "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "6e-3",
            "--gen_backend", "vllm", "--vllm_dtype", "bfloat16", "--importance_sampling_level", "sequence"]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
-                          capture_output=True, text=True, timeout=900)
+    proc = run_process_group(cmd, cwd=REPO, env={**env(), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
     worker_log = (run_dir / "worker0.log").read_text() if (run_dir / "worker0.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + worker_log[-3000:]
     rows = read_rows(run_dir)
