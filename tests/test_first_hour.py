@@ -173,9 +173,13 @@ def test_output_dir_status_after_the_run_and_incomplete_checkpoints(tmp_path):
 def test_ctrl_c_prints_the_exact_resume_command(tmp_path):
     import signal
     args = [*BASE, "--all_steps", "50", "--save_steps", "1", "--get_wait", "2"]
+    # SIGINT at its default disposition, as a terminal's Ctrl-C finds it: a suite started in the background of a
+    # non-interactive shell (nohup ... &) inherits SIGINT ignored, and bash cannot trap a signal ignored on entry
+    # (then the run went on to its end and this timed out; test_faults.py does the same)
     proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), "train", "--run-dir", "r", "--port",
                              str(find_free_port()), "--", *args], cwd=tmp_path, env=user_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = tmp_path / "r" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
