@@ -71,15 +71,20 @@ def test_check_passes_on_a_good_run_and_names_each_problem(folder, monkeypatch, 
         assert fails[0].startswith(f"FAIL {name}") and words in fails[0], fails
 
 
-def test_check_refuses_a_taken_port_and_train_runs_the_checks_first(folder):
+def test_check_refuses_a_taken_port_and_train_runs_the_checks_first(folder, monkeypatch, capsys):
+    """The port check through trainer.check itself (what `launch.sh check` execs); `train` through launch.sh."""
     import socket
+
+    from trainer.check import main as check
+    monkeypatch.chdir(folder)
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        taken = launch(folder, "check", "--port", str(port), "--", *BASE)
-        line = next(x for x in taken.stdout.splitlines() if x.startswith("FAIL port"))
-        assert taken.returncode != 0 and f"port {port} is taken" in line and "--port" in line, taken.stdout
+        code = check(["--port", str(port), "--", *BASE])
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("FAIL port"))
+        assert code != 0 and f"port {port} is taken" in line and "--port" in line, out
     run_dir = folder / "run"
     proc = launch(folder, "train", "--run-dir", "run", "--port", str(find_free_port()), "--", *BASE,
                   "--reward_fns", "no_such_rewards:fn")
