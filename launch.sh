@@ -82,7 +82,7 @@ else
   export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
 fi
 export TOKENIZERS_PARALLELISM=false
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if ! "$PY" -m common.placement.cuda; then  # (a CPU build of torch is told from its version file, not imported)
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
@@ -154,45 +154,25 @@ for arg in "${EXTRA[@]}"; do  # the trainer's own grouped --help (every GRPOConf
 done
 [ -n "$WORKER_DTYPE" ] && EXTRA+=(--worker_dtype "$WORKER_DTYPE")  # workers load in it, rank 0 publishes in it
 CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
-# One read of the config: the trainer's model (from --config or --model in EXTRA), which also serves as reference
-# unless told otherwise, and the output_dir the user gave (the last --output_dir after --, else the config file's).
-SETTINGS=$("$PY" - "${CFG_ARGS[@]}" "${EXTRA[@]}" <<'PYEOF'
-import json, sys
-from common.config import GRPOConfig
-from common.settings.knobs import load_config_or_exit
-args = sys.argv[1:]
-cfg = load_config_or_exit(GRPOConfig, args, prog="trainer/main.py")  # a bad config: one line, exit 2
-given = files = None
-for i, a in enumerate(args):
-    name, eq, value = a.partition("=")
-    value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-    if name.replace("-", "_") == "__output_dir":
-        given = value
-    elif name == "--config":
-        files = value
-if given is None and files:
-    with open(files) as f:
-        given = json.load(f).get("output_dir")
-print(cfg.ref_model or cfg.model)
-print(f"out={given or ''}")  # (a marker: an empty line would be cut by $(...))
-PYEOF
-)
-[ -n "$REF_MODEL" ] || REF_MODEL=${SETTINGS%%$'\n'*}
-# The run directory: --run-dir, else the output_dir the user gave, else runs/<timestamp>, all relative to where
-# the user runs this (never the checkout). A folder that already holds a run is used as --run-dir uses it.
-if [ -z "$RUN_DIR" ]; then
-  GIVEN_OUT=${SETTINGS#*$'\n'out=}
-  RUN_DIR=$(from_caller "${GIVEN_OUT:-runs/$(date +%Y%m%d-%H%M%S)}")
-fi
 # Which GPU(s) each process gets (common/placement/plan.py): sets PLAN_REF_ENV/PLAN_REF_DEVICE, PLAN_WORKER_ENV[w],
-# PLAN_WORKER_ARGS[w] and PLAN_DS (deepspeed --include ... or --num_gpus N); prints the plan.
+# PLAN_WORKER_ARGS[w] and PLAN_DS (deepspeed --include ... or --num_gpus N); prints the plan. The same process reads
+# the config once for us (a bad config: one line, exit 2): PLAN_REF_MODEL, the trainer's model (from --config or
+# --model in EXTRA), which also serves as reference unless told otherwise, and PLAN_OUTPUT_DIR, the output_dir the
+# user gave (the last --output_dir after --, else the config file's).
 [ -n "$GPUS" ] && PLAN_FLAGS+=(--gpus "$GPUS")
 [ -n "$REF_URL" ] && PLAN_FLAGS+=(--no-ref)
-[ -z "$PRINT_PLAN" ] && [ "$MODE" = train ] && PLAN_FLAGS+=(--json "$RUN_DIR/placement.json" --check-torch)
+[ -n "$REF_MODEL" ] && PLAN_FLAGS+=(--ref-model "$REF_MODEL")
+[ -z "$PRINT_PLAN" ] && [ "$MODE" = train ] && PLAN_FLAGS+=(--check-torch)
 PLAN=$("$PY" -m common.placement.cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
-  --ref-model "$REF_MODEL" --ref-dtype "$REF_DTYPE" -- \
-  "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
+  --ref-dtype "$REF_DTYPE" -- "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
 eval "$PLAN"
+[ -n "$REF_MODEL" ] || REF_MODEL=$PLAN_REF_MODEL
+# The run directory: --run-dir, else the output_dir the user gave, else runs/<timestamp>, all relative to where
+# the user runs this (never the checkout). A folder that already holds a run is used as --run-dir uses it.
+[ -n "$RUN_DIR" ] || RUN_DIR=$(from_caller "${PLAN_OUTPUT_DIR:-runs/$(date +%Y%m%d-%H%M%S)}")
+if [ -z "$PRINT_PLAN" ] && [ "$MODE" = train ]; then  # the plan the ref server's /status shows
+  mkdir -p "$RUN_DIR" && printf '%s\n' "$PLAN_JSON" >"$RUN_DIR/placement.json"
+fi
 if [ -n "$PRINT_PLAN" ]; then  # what each process would be started with, then nothing is started
   [ -z "$REF_URL" ] && echo "ref_server: ${PLAN_REF_ENV:-(environment unchanged)} --device $PLAN_REF_DEVICE"
   for w in $(seq 0 $((WORKERS - 1))); do

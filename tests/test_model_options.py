@@ -81,6 +81,7 @@ def test_genonly_worker_hf_engine_loads_with_the_options(custom_dir):
         HFEngine.from_config(load_config(GRPOConfig, ["--device", "cpu"]), str(custom_dir))
 
 
+@pytest.mark.multiproc  # a DeepSpeed rank process, twice (~10 CPU-s)
 def test_ranks_build_engine_loads_with_the_options(custom_dir, tmp_path):
     """One real DeepSpeed rank (gloo) through trainer/engine.py build_engine (tests/update_probe.py)."""
     run = [sys.executable, str(REPO / "tests" / "update_probe.py"), str(custom_dir), str(tmp_path),

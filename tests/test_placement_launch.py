@@ -184,3 +184,43 @@ def test_print_plan_gives_each_gpu_worker_cuda_graphs_and_prefix_caching(tmp_pat
            "0.7" in own.stdout
     cpu = plan_of(tmp_path, 0, "--workers", "1", "--", "--gen_backend", "vllm")
     assert "worker0: (environment unchanged) " + gen(2, eager="true").strip() in cpu.stdout.splitlines()
+
+
+# ------------------------------------------------------------------------------------- torch's GPU build, unimported
+@pytest.mark.parametrize("text, want", [
+    ("from typing import Optional\n__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n",
+     False),
+    ("__version__ = '2.13.0+cu130'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n", True),
+    ("__version__ = '2.13.0+rocm6.4'\ncuda = None\nhip = '6.4.1'\n", True),
+    ("__version__ = '2.13.0'\n", None),  # says nothing: only torch knows
+    ("cuda = (\n", None),
+])
+def test_the_gpu_build_is_read_from_torchs_version_file(tmp_path, monkeypatch, text, want):
+    """launch.sh's first question (no GPU: DeepSpeed on CPU) and the plan's GPU count without nvidia-smi cost an
+    `import torch` each (~1.5 CPU-s); a CPU build answers from torch/version.py, anything else still asks torch."""
+    from common.placement import cuda
+    pkg = tmp_path / "torch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    (pkg / "version.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # find_spec: sys.path, not the torch running here
+    assert cuda.gpu_build() is want
+    if want is False:
+        assert not cuda.available() and cuda.device_count() == 0  # (torch's __init__ above raises when imported)
+    monkeypatch.setitem(sys.modules, "torch", None)  # no torch at all: no GPU, as the old `import torch` check said
+    assert cuda.gpu_build() is False and not cuda.available()
+
+
+def test_a_cpu_plan_imports_no_torch(tmp_path):
+    """`launch.sh train --print-plan` / `check` on a CPU machine: the placement CLI reads the config and plans without
+    torch (it cost ~1.5 CPU-s of each launch.sh call). Where torch is a GPU build it is asked, as before."""
+    from common.placement.cuda import gpu_build
+    if gpu_build() is not False:
+        pytest.skip("torch here is a CUDA/ROCm build: the plan asks torch")
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{tmp_path}:/usr/bin:/bin")  # no nvidia-smi
+    code = ("import sys; from common.placement.cli import main; rc = main(['--workers', '1', '--', '--model', 'tiny'])"
+            "; assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "PLAN_DS=(--num_gpus 2)" in proc.stdout and "PLAN_REF_MODEL=tiny" in proc.stdout

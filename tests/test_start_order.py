@@ -51,6 +51,7 @@ def test_ready_ranks_are_those_with_a_recent_heartbeat():
     assert ready_ranks({"participants": rows}, fresh_s=25) == ["trainer-rank0", "trainer-rank1"]
 
 
+@pytest.mark.multiproc  # a ref server and a genonly worker process
 def test_a_worker_waiting_for_ranks_that_never_come_fails_loudly(start_server, tiny_model_dir, tmp_path):
     log = tmp_path / "worker0.log"
     with start_server(tiny_model_dir) as srv:

@@ -8,28 +8,23 @@ are never reported as a test split); a dataset with splits needs `--split`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import re
 import time
 from pathlib import Path
-
-import torch
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from common.config import GRPOConfig
-from common.modeling import eos_ids, load_model, load_tokenizer, resolve_model_path
 from common.settings.cli import ArgumentParser
 from common.settings.knobs import load_config, parse_bool, parse_dict
-from trainer.data.loading import ColumnSpec, Example, load_examples
-from trainer.dist.comm import all_reduce_int
-from trainer.engines import GenEngine, make_engine
-from trainer.engines.hf import HFEngine
-from trainer.rewards.builtin import reward_correct, reward_format
-from trainer.rewards.scoring import RewardScorer
-from trainer.rollout import encode_prompts, sample_groups, started_prompts
-from trainer.tools import ToolBox
+
+if TYPE_CHECKING:
+    from trainer.data.loading import Example
+# torch, transformers, the engines and rewards are imported where they are used: `python -m trainer.evaluate --help`,
+# a bad flag or a --split refusal answer at once (they cost ~5.5 CPU-s of imports before the arguments were read)
 
 log = logging.getLogger("trainer")
 CORRECTNESS_REWARDS = ("correct", "math_verify", "countdown")  # built-ins whose > 0 means "solved"
@@ -43,7 +38,17 @@ def _one_line(e: Exception) -> str:
     return f"{head} {errors[-1].strip()}" if errors else " ".join(text.split())
 
 
-@torch.no_grad()
+def _no_grad(fn):
+    """torch.no_grad(), with torch imported at the call (see the imports above)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        import torch
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return run
+
+
+@_no_grad
 def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | None = "default",
              max_new_tokens: int = 512, max_prompt_length: int = 4096, batch_size: int = 32,
              num_samples: int = 20, progress: bool = True, prompt_format: str = "auto", scorer=None,
@@ -60,6 +65,14 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     toolbox (trainer/tools): the model may call tools (multi-turn, trainer/tools/loop.py; the prompt lists them);
     "tool_calls" counts them and each sample shows its turns. Without one: single-turn, the accuracy without
     tools."""
+    from tqdm import tqdm
+
+    from common.modeling import eos_ids
+    from trainer.dist.comm import all_reduce_int
+    from trainer.engines import GenEngine
+    from trainer.engines.hf import HFEngine
+    from trainer.rewards.builtin import reward_correct, reward_format
+    from trainer.rollout import encode_prompts, sample_groups, started_prompts
     t0 = time.time()
     kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format,
                                    toolbox.prompt_tools if toolbox is not None else None, chat_template_kwargs)
@@ -169,6 +182,11 @@ def main(argv: list[str] | None = None) -> dict:
                                                                               "(a JSON object).")
     a = p.parse_args(argv)
     a.split = _split(p, a.data, a.split)
+    from common.modeling import load_model, load_tokenizer, resolve_model_path
+    from trainer.data.loading import ColumnSpec, load_examples
+    from trainer.engines import make_engine
+    from trainer.rewards.scoring import RewardScorer
+    from trainer.tools import ToolBox
     run_cfg = load_config(GRPOConfig, ["--config", a.config]) if a.config else GRPOConfig()
     specs = a.reward_fns or run_cfg.reward_specs()  # reward_fns null: the built-ins (or an environment's)
     path = resolve_model_path(a.model)

@@ -6,7 +6,9 @@ plan, write it as JSON (the ref server shows it in GET /status) and hand launch.
 
 stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_REF_ARGS[], PLAN_WORKER_ENV[],
 PLAN_WORKER_ARGS[], PLAN_DS[], PLAN_TRAIN_ARGS[]: micro_batch_size/gradient_checkpointing picked to fit
-(common/placement/memory_report.py)); stderr: the plan and its memory estimate, for people. A worker host
+(common/placement/memory_report.py); PLAN_REF_MODEL: the config's ref_model or model, PLAN_OUTPUT_DIR: the
+output_dir the user gave, PLAN_JSON: RUN_DIR/placement.json's text); stderr: the plan and its memory estimate, for
+people. launch.sh reads the config only here: one Python start for both (each costs ~0.3 CPU-s). A worker host
 (`launch.sh workers`, trainer/dist/hosts.py) calls plan_for / announce / worker_launch from Python.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.placement.cuda import device_count
 from common.placement.memory_report import Report, memory_report
 from common.placement.plan import Placed, Plan, describe, flag_word, plan_placement
 from common.settings.cli import ArgumentParser
@@ -82,8 +85,7 @@ def detect_gpus() -> tuple[list[int], str, dict[int, str]]:
         how = f"nvidia-smi -L ({smi})" if out.returncode == 0 else \
             f"nvidia-smi -L failed (exit {out.returncode}: {out.stderr.strip()[:200]}), so no GPU is used"
     else:
-        import torch
-        found, how = list(range(torch.cuda.device_count())), "torch.cuda.device_count() (no nvidia-smi on PATH)"
+        found, how = list(range(device_count())), "torch.cuda.device_count() (no nvidia-smi on PATH)"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return found, how, {}
@@ -182,7 +184,28 @@ def announce(plan: Plan, how: str, json_path: str | None) -> None:
 def write_plan(plan: Plan, how: str, json_path: str) -> None:
     """RUN_DIR/placement.json: the plan the ref server's /status shows."""
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(json_path).write_text(json.dumps(dict(plan.to_json(), found_by=how), indent=1) + "\n")
+    Path(json_path).write_text(plan_json(plan, how) + "\n")
+
+
+def plan_json(plan: Plan, how: str) -> str:
+    return json.dumps(dict(plan.to_json(), found_by=how), indent=1)
+
+
+def given_output_dir(args: list[str]) -> str:
+    """The output_dir the user gave: the last --output_dir among the trainer args, else the --config file's; ""
+    when neither (launch.sh then makes runs/<timestamp>)."""
+    given = files = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if name.replace("-", "_") == "__output_dir":
+            given = value
+        elif name == "--config":
+            files = value
+    if given is None and files:
+        with open(files) as f:
+            given = json.load(f).get("output_dir")
+    return given or ""
 
 
 def shell_vars(plan: Plan, ref_args: list[str] | None = None) -> str:
@@ -218,17 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share-gpu", action="store_true")
     p.add_argument("--json", default=None, help="write the plan here (the ref server's --placement-file)")
     p.add_argument("--check-torch", action="store_true", help="fail when GPUs are planned but torch has no CUDA")
-    p.add_argument("--ref-model", default=None, help="the ref server's model, for the memory estimate")
+    p.add_argument("--ref-model", default=None, help="the ref server's model, for the memory estimate (default: "
+                   "the config's ref_model, else its model)")
     p.add_argument("--ref-dtype", default="auto", help="the ref server's dtype, for the memory estimate")
     a = p.parse_args(argv)
     from common.config import GRPOConfig
-    from common.settings.knobs import load_config
+    from common.settings.knobs import load_config_or_exit
 
-    try:
-        cfg = load_config(GRPOConfig, rest, prog="trainer/main.py")
-    except (ValueError, FileNotFoundError) as e:  # the config launch.sh was given: one line, no traceback
-        print(f"[launch] trainer options: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(GRPOConfig, rest, prog="trainer/main.py")  # a bad config: one line, exit 2
+    ref_model = a.ref_model or cfg.ref_model or cfg.model
     try:
         if a.gpus is not None and a.gpus < 1:
             raise ValueError(f"--gpus {a.gpus}: a run needs at least one rank")
@@ -244,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     announce(plan, how, None)
     # the ranks' own generation (HF, when no worker batch is there in time) as resolved on their device
     rank_cfg, _ = resolve_generation(cfg, cuda=bool(plan.gpus), producer="rank", ranks=plan.num_ranks)
-    memory = memory_report(rank_cfg, plan, a.ref_model, a.ref_dtype) if plan.gpus else Report()  # CPU: no estimate
+    memory = memory_report(rank_cfg, plan, ref_model, a.ref_dtype) if plan.gpus else Report()  # CPU: no estimate
     for line in memory.lines:
         print(f"[launch] {line}", file=sys.stderr)
     if memory.refusal:
@@ -256,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     train_args = memory.trainer_args + (["--gen_wait_for_workers", ",".join(plan.ranks_wait_for)]
                                         if plan.ranks_wait_for else [])  # not generating while they start
     print(f"PLAN_TRAIN_ARGS=({' '.join(shlex.quote(x) for x in train_args)})")  # values picked to fit
+    print(f"PLAN_REF_MODEL={shlex.quote(ref_model)}\nPLAN_OUTPUT_DIR={shlex.quote(given_output_dir(rest))}\n"
+          f"PLAN_JSON={shlex.quote(plan_json(plan, how))}")
     return 0
 
 

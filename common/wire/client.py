@@ -25,11 +25,13 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import requests
 import urllib3
 
-from common.wire.protocol import CONTENT_TYPE, RolloutBatch, ScoredBatch, decode_scored, encode_rollout
+if TYPE_CHECKING:  # the batch codec imports torch: loaded by upload/get, not by `launch.sh status`'s table
+    from common.wire.protocol import RolloutBatch, ScoredBatch
 
 log = logging.getLogger("ref_client")
 
@@ -171,6 +173,7 @@ class RefClient:
     # -- API ----------------------------------------------------------------------------
     def upload(self, batch: RolloutBatch) -> str:
         """Queue a rollout batch for scoring (round-robin over servers); returns its batch id."""
+        from common.wire.protocol import CONTENT_TYPE, encode_rollout
         body = encode_rollout(batch)
         _, r = self._request("POST", self._rotation("_rr_upload"), "/upload", data=body,
                              headers={"Content-Type": CONTENT_TYPE})
@@ -178,6 +181,7 @@ class RefClient:
 
     def get(self, timeout: float = 0.0) -> ScoredBatch | None:
         """The oldest scored batch, waiting (long-poll) up to `timeout` seconds; None if none came."""
+        from common.wire.protocol import decode_scored
         deadline = time.monotonic() + max(timeout, 0.0)
         first_pass = True
         while True:
