@@ -82,10 +82,15 @@ def encode(value, path: str, _depth: int = 0, _open: set | None = None):
     raise StateError(f"{path} is a {_type_name(value)}{what}")
 
 
+def _plain_keys(d: dict) -> bool:
+    """Whether d can be a JSON object as it is: str keys only, and not one lone "$..." key that reads as a tag."""
+    return all(type(k) is str for k in d) and not (len(d) == 1 and next(iter(d)).startswith("$"))
+
+
 def _container(value, path: str, depth: int, seen: set):
     t = type(value)
     if t is dict:
-        if all(type(k) is str for k in value) and not (len(value) == 1 and next(iter(value)).startswith("$")):
+        if _plain_keys(value):
             return {k: encode(v, f"{path}[{k!r}]", depth, seen) for k, v in value.items()}
         return {"$dict": [[encode(k, f"{path}.keys()[{i}]", depth, seen), encode(v, f"{path}[{k!r}]", depth, seen)]
                           for i, (k, v) in enumerate(value.items())]}
@@ -144,7 +149,7 @@ def state_of(instance) -> object:
 
 def _attributes(attrs: dict, cls: str) -> dict:
     """The attributes by name (paths `Board.cells`); encode()'s tagged pairs where a plain object would misread."""
-    if all(type(k) is str for k in attrs) and not (len(attrs) == 1 and next(iter(attrs)).startswith("$")):
+    if _plain_keys(attrs):
         return {name: encode(v, f"{cls}.{name}") for name, v in attrs.items()}
     return encode(attrs, cls)
 
