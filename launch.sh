@@ -90,7 +90,7 @@ if [ "$MODE" = status ]; then
   GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m ref_server.status_cli "$@"  # --run-dir is relative to the caller
 fi
 if [ "$MODE" = demo ]; then
-  exec "$PY" -m trainer.demo "$@"
+  GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.demo "$@"  # its relative paths are the caller's
 fi
 case "$MODE" in  # one host's role in a multi-host run (trainer/dist/hosts.py)
   ref-server|trainer-host|workers) GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.dist.hosts "$MODE" "$@" ;;

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -81,6 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "2-thread run's second OpenMP thread spins for a core (measured ~7x the CPU-s a step)")
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both",
                    help="run one side only (no ratios then; for profiling); default both")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="our trainer ranks (launch.sh --gpus N; default: launch.sh's, 2 on CPU)")
+    p.add_argument("--ours-args", default="",
+                   help="extra trainer arguments for our side, one string, after configs/demo.json's (e.g. "
+                        "\"--Q_batch_size 16\"): to measure a variant; the default run is the issue's")
     p.add_argument("--smoke", action="store_true", help="the suite's size (see below)")
     a = p.parse_args(argv)
     if a.steps is None:
@@ -89,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.eval_limit = SMOKE["eval_limit"]
     if a.steps < 1 or a.eval_limit < 1:
         p.error("--steps and --eval-limit must be >= 1")
+    if a.ranks is not None and a.ranks < 1:
+        p.error("--ranks must be >= 1")
+    a.ours_args = shlex.split(a.ours_args)
     a.scratch = a.smoke and a.run_dir is None  # a smoke run nobody reads: not in the checkout, removed at the end
     if a.scratch:
         a.run_dir = tempfile.mkdtemp(prefix="vs_trl-smoke-")
@@ -132,8 +141,8 @@ def sft_checkpoint(a, run_dir: Path) -> str:
 def demo_cfg(a, precision: list[str]):
     from common.config import GRPOConfig
     from common.settings.knobs import load_config_or_exit
-    return load_config_or_exit(GRPOConfig, ["--config", str(DEMO_CONFIG), "--seed", str(a.seed), *precision],
-                               prog="bench/vs_trl.py")
+    return load_config_or_exit(GRPOConfig, ["--config", str(DEMO_CONFIG), "--seed", str(a.seed), *precision,
+                                            *a.ours_args], prog="bench/vs_trl.py")
 
 
 def write_prompts(cfg, model_dir: str, path: Path, limit: int | None = None) -> int:
@@ -208,9 +217,9 @@ def run_ours(a, sft: str, precision: list[str], out: Path) -> dict:
     from trainer.run.metrics import read_metrics
 
     cmd = [str(REPO / "launch.sh"), "train", *(["--skip-checks"] if a.smoke else []), "--run-dir", str(out),
-           "--workers", "1", "--port", str(free_port()),
+           "--workers", "1", "--port", str(free_port()), *(["--gpus", str(a.ranks)] if a.ranks else []),
            "--", "--config", str(DEMO_CONFIG), "--model", sft, "--seed", str(a.seed), "--all_steps", str(a.steps),
-           "--eval_before", "false", "--eval_steps", "0", "--save_steps", str(10 ** 9), *precision]
+           "--eval_before", "false", "--eval_steps", "0", "--save_steps", str(10 ** 9), *precision, *a.ours_args]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     say(f"[vs_trl] ours: {' '.join(cmd)}")
     m = run_measured(cmd, env=env, cwd=str(REPO), log_path=out.parent / "ours.log", label=role)

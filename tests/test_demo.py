@@ -41,6 +41,26 @@ def test_demo_help() -> None:
         assert opt in out.stdout
 
 
+def test_paths_are_the_callers(tmp_path: Path, monkeypatch) -> None:
+    """launch.sh runs the demo from the checkout: its run folder (default runs/demo-<time>), --config and a --model
+    or --data that names something there are taken from where the user ran it (as `launch.sh train` does), not
+    written into / read from the checkout; a hub id stays a hub id."""
+    from trainer.demo.cli import DEMO_CONFIG, parse_args
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("GRPO_CALLER_DIR", str(tmp_path))
+    (tmp_path / "my.json").write_text("{}")
+    (tmp_path / "ckpt").mkdir()
+    a, _ = parse_args([])
+    assert Path(a.run_dir).parent == tmp_path / "runs" and Path(a.run_dir).name.startswith("demo-")
+    assert a.config == str(DEMO_CONFIG)
+    a, _ = parse_args(["--run-dir", "out", "--config", "my.json", "--model", "ckpt", "--data", "./d.jsonl"])
+    assert (a.run_dir, a.config, a.model, a.data) == tuple(str(tmp_path / n) for n in ("out", "my.json", "ckpt",
+                                                                                       "./d.jsonl"))
+    a, _ = parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--data", "openai/gsm8k"])
+    assert (a.model, a.data) == ("Qwen/Qwen2.5-0.5B-Instruct", "openai/gsm8k")
+
+
 @pytest.mark.slow
 def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo run"  # a space in the path: every process must quote it

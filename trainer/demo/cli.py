@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                     "genonly worker + deepspeed ranks) -> eval, with summary.json and plot.png in the run "
                     "directory. Arguments after `--` go to the trainer (e.g. -- --lr 5e-5 --all_steps 100).",
         epilog=__doc__.split("Default (CPU", 1)[0].strip())
-    p.add_argument("--run-dir", default=None, help="Output directory (default runs/demo-<timestamp>).")
+    p.add_argument("--run-dir", default=None, help="Output directory (default runs/demo-<timestamp>; relative paths, "
+                                                    "here and in --config/--model/--data, from where you run it).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the model init, SFT and GRPO (default 0).")
     p.add_argument("--quick", action="store_true",
                    help=f"CI-sized run: {QUICK['sft_steps']} SFT steps, {QUICK['grpo_steps']} GRPO steps, "
@@ -132,8 +133,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     a.own, a.quick_sizes = own, quick
     if a.config is None and a.tiny:
         a.config = str(TOOLS_CONFIG if a.tools else DEMO_CONFIG)
-    if a.run_dir is None:
-        a.run_dir = str(REPO / "runs" / f"demo-{datetime.now():%Y%m%d-%H%M%S}")
+    # paths are the caller's, as for `launch.sh train` (launch.sh runs this from the checkout; GRPO_CALLER_DIR)
+    caller = Path(os.environ.get("GRPO_CALLER_DIR") or os.getcwd())
+    a.run_dir = str(caller / (a.run_dir or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"))
+    if a.config is not None:
+        a.config = str(caller / a.config)
+    for name in ("model", "data"):  # a hub id stays one; a path that names something at the caller is taken there
+        value = getattr(a, name)
+        if value is not None and (value.startswith(("./", "../")) or (caller / value).exists()):
+            setattr(a, name, str(caller / value))
     return a, extra
 
 
