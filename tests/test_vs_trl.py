@@ -46,3 +46,22 @@ def test_cpu_meter_counts_children_and_an_orphan_that_left_the_tree(tmp_path, mo
     assert m.rc == 0 and done.exists(), (tmp_path / "log").read_text()
     assert m.cpu_s >= 2.2, m  # 1.0 + 1.5, less what a sample interval may miss
     assert m.rusage_children_cpu_s < 2.0, m  # the cross-check misses the orphan: why the meter samples
+
+
+
+def test_a_variant_of_our_side_reaches_the_config_and_the_launch(tmp_path):
+    """--ranks / --ours-args measure a variant: the extra trainer arguments go into the config the bench counts
+    groups with (train_batch_groups) as into the run; bad values are refused before anything runs. (In a child
+    process: the bench puts bench/ on sys.path.)"""
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import vs_trl\n"
+            "a = vs_trl.parse_args(sys.argv[1:]); c = vs_trl.demo_cfg(a, [])\n"
+            "print(json.dumps([a.ranks, a.ours_args, c.train_batch_groups, c.Q_batch_size]))")
+    run = lambda *argv: subprocess.run([sys.executable, "-c", code, "--run-dir", str(tmp_path), *argv], cwd=REPO,
+                                       capture_output=True, text=True, timeout=120)
+    out = run("--ranks", "1", "--ours-args", "--train_batch_groups 8 --Q_batch_size 16")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [1, ["--train_batch_groups", "8", "--Q_batch_size", "16"], 8, 16]
+    out = run()
+    assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])[:2] == [None, []], out.stderr
+    out = run("--ranks", "0")
+    assert out.returncode == 2 and "--ranks must be >= 1" in out.stderr.splitlines()[-1]
