@@ -171,6 +171,8 @@ def main() -> int:
                                                                   "%(default)s): a run that would overrun is cut")
     ap.add_argument("--work", default=None, help="results (one JSON per run and probe), models, run directories "
                                                  "(default: a new temporary directory)")
+    ap.add_argument("--models", default=None, help="where the model is built, once per shape (default: WORK/models; "
+                                                   "the test suite passes its cache, so its runs build it once)")
     ap.add_argument("--wheels", default=None, help="install these wheels offline first (bench/gpu_check_wheels.py "
                                                    "gather), timed within the deadline")
     ap.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: all)")
@@ -201,7 +203,7 @@ def main() -> int:
     vllm_check = start_vllm_import(env)
     sys.path.insert(0, str(REPO / "tests"))
     from qwen_vocab import cached_checkpoint
-    model = cached_checkpoint(work / "models", "instruct", **SIZES[a.device])
+    model = cached_checkpoint(Path(a.models).resolve() if a.models else work / "models", "instruct", **SIZES[a.device])
     say(f"model {model.name} ready")
     results = probes(model, a, size, clock, env, work)  # first: the figures a short window must not lose
     for what, r in results.items():
