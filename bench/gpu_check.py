@@ -166,11 +166,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--smoke", action="store_true", help="the smallest CPU run: --device cpu, 2 steps, one variant "
-                                                         "(zero3_micro_packed), HF worker; the plumbing")
+                                                         "(zero3_micro_packed), HF worker, launch.sh --skip-checks; "
+                                                         "the plumbing")
     ap.add_argument("--deadline", type=float, default=480.0, help="overall seconds, install included (default "
                                                                   "%(default)s): a run that would overrun is cut")
     ap.add_argument("--work", default=None, help="results (one JSON per run and probe), models, run directories "
                                                  "(default: a new temporary directory)")
+    ap.add_argument("--models", default=None, help="where the model is built, once per shape (default: WORK/models; "
+                                                   "the test suite passes its cache, so its runs build it once)")
     ap.add_argument("--wheels", default=None, help="install these wheels offline first (bench/gpu_check_wheels.py "
                                                    "gather), timed within the deadline")
     ap.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: all)")
@@ -201,7 +204,7 @@ def main() -> int:
     vllm_check = start_vllm_import(env)
     sys.path.insert(0, str(REPO / "tests"))
     from qwen_vocab import cached_checkpoint
-    model = cached_checkpoint(work / "models", "instruct", **SIZES[a.device])
+    model = cached_checkpoint(Path(a.models).resolve() if a.models else work / "models", "instruct", **SIZES[a.device])
     say(f"model {model.name} ready")
     results = probes(model, a, size, clock, env, work)  # first: the figures a short window must not lose
     for what, r in results.items():
@@ -213,7 +216,7 @@ def main() -> int:
     for name in names:
         limit = clock.left() - TAIL_RESERVE_S - STOP_GRACE_S  # what is left, less the time a cut takes
         r = run_variant(name, model, work, a.device, steps, size["max_new_tokens"], limit, env,
-                        stack["vllm"] is not None, checkpoint=name == "zero3_micro_packed")
+                        stack["vllm"] is not None, checkpoint=name == "zero3_micro_packed", skip_checks=a.smoke)
         runs.append(r)
         write(work, f"variant-{name}", r)
         say(f"{name}: {json.dumps({k: r.get(k) for k in SHOWN})}")

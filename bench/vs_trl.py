@@ -26,13 +26,13 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
    spread_groups_per_cpu_s_ratio (ours / TRL), accuracy_ours, accuracy_trl and the raw figures.
 
 --smoke (the suite's size): SFT 2 steps, 3 GRPO steps each side, 8 held-out problems, the first 64 train prompts
-written for TRL, our `launch.sh train` with --skip-checks (the checks are not what is measured; a smoke run is
-mostly start-up), and without --run-dir a temporary run folder, removed at the end (nothing left in the checkout).
-The suite has no network,
-so --smoke never creates TRL's environment: it runs our side (SFT, `launch.sh train`, the evaluation, the
-measurement) and then the TRL side only where TRL's environment is already there; where it is not, it exits 77 (the
-suite's "skipped: this machine lacks ...") with the reason as its last line, after our side ran. Run the bench once
-without --smoke (or with --setup-trl) on a machine that reaches the package registry to create it.
+written for TRL, TRL on 1 thread (the suite's box is shared), our `launch.sh train` with --skip-checks (the checks
+are not what is measured; a smoke run is mostly start-up), and without --run-dir a temporary run folder, removed at
+the end (nothing left in the checkout). The suite has no network, so --smoke never creates TRL's environment: it
+runs our side (SFT, `launch.sh train`, the evaluation, the measurement) and then the TRL side only where TRL's
+environment is already there; where it is not, it exits 77 (the suite's "skipped: this machine lacks ...") with the
+reason as its last line, after our side ran. Run the bench once without --smoke (or with --setup-trl) on a machine
+that reaches the package registry to create it.
 The machine is shared: compare CPU-seconds, and note the load average printed at start and end.
 """
 from __future__ import annotations
@@ -77,9 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="output folder (default runs/vs_trl-<timestamp>; with --smoke "
                    "a temporary folder, removed at the end)")
     p.add_argument("--eval-limit", type=int, default=1000, help="held-out problems, greedy (default 1000)")
-    p.add_argument("--trl-threads", type=int, default=2,
-                   help="TRL's torch threads (default 2, the issue's setting). On a busy shared box use 1: there a "
-                        "2-thread run's second OpenMP thread spins for a core (measured ~7x the CPU-s a step)")
+    p.add_argument("--trl-threads", type=int, default=None,
+                   help="TRL's torch threads (default 2, the issue's setting; 1 with --smoke). On a busy shared box "
+                        "use 1: there a 2-thread run's second OpenMP thread spins for a core (measured ~7x the CPU-s "
+                        "a step)")
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both",
                    help="run one side only (no ratios then; for profiling); default both")
     p.add_argument("--ranks", type=int, default=None,
@@ -91,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.steps is None:
         a.steps = SMOKE["steps"] if a.smoke else 500
+    if a.trl_threads is None:  # --smoke: the suite's box is shared, where a second thread spins (see --trl-threads)
+        a.trl_threads = 1 if a.smoke else 2
     if a.smoke:
         a.eval_limit = SMOKE["eval_limit"]
     if a.steps < 1 or a.eval_limit < 1:

@@ -160,24 +160,24 @@ def start_server():
     return start_ref_server
 
 
-def _qwen_vocab_dir(request, variant: str) -> Path:
+def qwen_vocab_dir(request, variant: str, **shape) -> Path:
     """Real-vocabulary Qwen2.5 checkpoint (tests/qwen_vocab.py), cached in pytest's cache dir (not committed)."""
     from qwen_vocab import cached_checkpoint
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider: build in a temp dir then
     root = cache.mkdir("qwen_vocab") if cache is not None else request.getfixturevalue("tmp_path_factory").mktemp("qv")
-    return cached_checkpoint(root, variant)
+    return cached_checkpoint(root, variant, **shape)
 
 
 @pytest.fixture(scope="session")
 def qwen_instruct_dir(request) -> Path:
     """Qwen2.5-Instruct-like: real 151,643-rank BPE tokenizer, eos <|im_end|>, pad <|endoftext|>, random body."""
-    return _qwen_vocab_dir(request, "instruct")
+    return qwen_vocab_dir(request, "instruct")
 
 
 @pytest.fixture(scope="session")
 def qwen_base_dir(request) -> Path:
     """Qwen2.5 base-like: the same tokenizer with eos = pad = <|endoftext|>, random body."""
-    return _qwen_vocab_dir(request, "base")
+    return qwen_vocab_dir(request, "base")
 
 
 def pytest_configure(config):

@@ -10,16 +10,26 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, subprocess_env
+from conftest import REPO, qwen_vocab_dir, subprocess_env
 
 pytestmark = pytest.mark.slow
 CHECK = str(REPO / "bench" / "gpu_check.py")
 
 
-def run_check(tmp_path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict, float]:
+@pytest.fixture(scope="module")
+def models(request):
+    """The check's CPU model (its --smoke shape), built once in pytest's cache (as conftest's qwen_instruct_dir) and
+    passed as --models, instead of once per test in each --work: building the real-vocabulary checkpoint is not what
+    either test checks (tests/test_qwen_vocab.py does), and it is not under the check's deadline."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check import SIZES
+    return qwen_vocab_dir(request, "instruct", **SIZES["cpu"]).parent
+
+
+def run_check(tmp_path, models, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict, float]:
     t = time.time()
-    proc = subprocess.run([sys.executable, CHECK, "--smoke", "--work", str(tmp_path), *args], cwd=tmp_path,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, CHECK, "--smoke", "--work", str(tmp_path), "--models", str(models), *args],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
     return proc, json.loads(lines[-1]), time.time() - t
@@ -29,8 +39,8 @@ def read(tmp_path, name: str) -> dict:
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
-def test_smoke_run_reports_every_figure_and_the_probes(tmp_path):
-    proc, last, _ = run_check(tmp_path, "--deadline", "840", timeout=900)
+def test_smoke_run_reports_every_figure_and_the_probes(tmp_path, models):
+    proc, last, _ = run_check(tmp_path, models, "--deadline", "840", timeout=900)
     assert proc.returncode == 0 and last["ok"], proc.stderr[-4000:]
     assert last["zero3_vs_zero2_rel_diff"] <= 1e-3 and last["zero3_vs_zero2_ok"]
     assert "logp_mismatch_max" in last and "lockstep" in last["lockstep"]  # no vLLM run at smoke size: None, said so
@@ -52,8 +62,8 @@ def test_smoke_run_reports_every_figure_and_the_probes(tmp_path):
     assert read(tmp_path, "summary") == last
 
 
-def test_a_deadline_too_short_cuts_and_still_reports(tmp_path):
-    proc, last, wall = run_check(tmp_path, "--deadline", "25", timeout=300)
+def test_a_deadline_too_short_cuts_and_still_reports(tmp_path, models):
+    proc, last, wall = run_check(tmp_path, models, "--deadline", "25", timeout=300)
     assert proc.returncode == 1 and not last["ok"], proc.stderr[-3000:]
     assert wall < 25 + 60, wall  # the deadline, plus the interpreter's start and the cut processes' exit under load
     r = read(tmp_path, "variant-zero3_micro_packed")

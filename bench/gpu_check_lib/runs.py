@@ -37,12 +37,14 @@ def free_port() -> int:
 
 
 def launch_cmd(model: Path, variant: str, run: Path, steps: int, max_new_tokens: int, vllm: bool,
-               checkpoint: bool) -> list[str]:
+               checkpoint: bool, skip_checks: bool = False) -> list[str]:
     """`launch.sh train`: 1 worker, 1 rank, the built-in arith data, a reward every group spreads; every batch from
-    the worker (get_wait 0: the rank waits for it, so the wait share is the generation's cost)."""
+    the worker (get_wait 0: the rank waits for it, so the wait share is the generation's cost). skip_checks (--smoke
+    only): launch.sh --skip-checks, as the other benches' smoke runs (the checks are not what this measures)."""
     gen = ["--gen_backend", "vllm"] if vllm and variant == "zero2_vllm" else []
     save = ["--save_steps", str(steps)] if checkpoint else ["--save_strategy", "no"]
-    return ["bash", str(REPO / "launch.sh"), "train", "--run-dir", str(run), "--workers", "1", "--gpus", "1",
+    return ["bash", str(REPO / "launch.sh"), "train", *(["--skip-checks"] if skip_checks else []), "--run-dir",
+            str(run), "--workers", "1", "--gpus", "1",
             "--port", str(free_port()), "--", "--model", str(model), "--data", "arith", "--system_prompt", "",
             "--reward_fns", "toy_rewards:digit_fraction", "--train_zero_spread", "true", "--num_pre_Q", "8",
             "--max_new_tokens", str(max_new_tokens), "--all_steps", str(steps), "--get_wait", "0",
@@ -174,11 +176,11 @@ def figures(run: Path, steps: int) -> dict:
 
 
 def run_variant(name: str, model: Path, work: Path, device: str, steps: int, max_new_tokens: int, limit: float,
-                env: dict, vllm: bool, checkpoint: bool) -> dict:
+                env: dict, vllm: bool, checkpoint: bool, skip_checks: bool = False) -> dict:
     """One `launch.sh train` run, cut (launch.sh stops everything it started on TERM) when `limit` s pass."""
     run = work / "runs" / name
     shutil.rmtree(run, ignore_errors=True)
-    cmd = launch_cmd(model, name, run, steps, max_new_tokens, vllm, checkpoint)
+    cmd = launch_cmd(model, name, run, steps, max_new_tokens, vllm, checkpoint, skip_checks)
     res = {"variant": name, "gen_backend": "vllm" if "--gen_backend" in cmd else "hf", "checkpoint": checkpoint,
            "run_dir": str(run), "command": " ".join(cmd[1:])}
     if name == "zero2_vllm" and not vllm:
