@@ -223,9 +223,17 @@ cleanup() {
   for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done
   # a stopped (SIGSTOP) process only sees the TERM once continued
   for pid in "${PIDS[@]}"; do kill -CONT -- "-$pid" 2>/dev/null || kill -CONT "$pid" 2>/dev/null || true; done
+  local skipped_drain=""
   for _ in $(seq 1 30); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break; sleep 0.5
+    [ $alive = 0 ] && break
+    # The ref server keeps scored batches for the ranks to fetch for drain_timeout after a TERM; the ranks are
+    # stopped here too, so once they are gone that wait is for nobody: a 2nd TERM skips it (ref_server/serve.py).
+    # Two TERMs that arrive as one leave the drain as it was.
+    if [ -n "$REF_PID" ] && [ -z "$skipped_drain" ] && ! kill -0 "${TRAINER:-}" 2>/dev/null; then
+      kill -TERM "$REF_PID" 2>/dev/null || true; skipped_drain=1
+    fi
+    sleep 0.5
   done
   for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
   echo "[launch] stopped everything; logs in $RUN_DIR" >&2

@@ -129,28 +129,35 @@ def test_learns_toy_reward(tiny_model_dir, tmp_path):
     assert last >= first + 0.5, rewards
 
 
-def test_zero3_trains_and_saves(tiny_model_dir, tmp_path):
-    with start_ref_server(tiny_model_dir) as srv:
-        proc = run_deepspeed(tmp_path, srv.url, "--all_steps", "2", "--save_steps", "1000", "--zero_stage", "3",
-                             "--Q_batch_size", "1", "--lr", "1e-3")
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert all(a.shape == b.shape for a, b in zip(model.parameters(), base.parameters()))
-    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), base.parameters())) > 0
-    assert [r["step"] for r in read_rows(tmp_path)] == [1, 2]
-    assert torch.isfinite(torch.tensor([r["loss"] for r in read_rows(tmp_path)])).all()
-
-
-def test_two_workers_follow_the_policy(tmp_path):
-    """2 genonly workers with sync_steps 1: every batch trained on is within max_staleness."""
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_workers_zero3_run(tmp_path_factory):
+    """launch.sh, 2 genonly workers, sync_steps 1, ZeRO-3: read by the two tests below (ZeRO-3 training and
+    saving, and the workers following the policy; a ZeRO-3 rank gathers the weights it publishes every step)."""
+    run_dir = tmp_path_factory.mktemp("two_workers") / "run"
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir), "--workers", "2",
            "--gpus", "2",
            "--port", str(find_free_port()), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "5",
-           "--all_steps", "6", "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3"]
+           "--all_steps", "6", "--save_steps", "1000", "--sync_steps", "1", "--max_staleness", "2", "--lr", "1e-3",
+           "--zero_stage", "3"]
     proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=400)
+    return run_dir, proc
+
+
+def test_zero3_trains_and_saves(tiny_model_dir, two_workers_zero3_run):
+    run_dir, proc = two_workers_zero3_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert all(a.shape == b.shape for a, b in zip(model.parameters(), base.parameters()))
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), base.parameters())) > 0
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert torch.isfinite(torch.tensor([r["loss"] for r in read_rows(run_dir)])).all()
+
+
+def test_two_workers_follow_the_policy(two_workers_zero3_run):
+    """2 genonly workers with sync_steps 1: every batch trained on is within max_staleness."""
+    run_dir, proc = two_workers_zero3_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # --skip-checks (asked for: test_pipeline_runs_and_exits_cleanly's run has the checks) says so, runs none
     assert "[launch] --skip-checks" in proc.stderr and "[check]" not in proc.stderr, proc.stderr[-3000:]
