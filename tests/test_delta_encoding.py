@@ -100,7 +100,7 @@ def fresh_process() -> subprocess.CompletedProcess:
             "scan()\n"
             "print('shielded scan ok')\n")
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)  # 300 s a test, as each had in its own process
 
 
 def test_numba_loads_only_when_a_delta_is_encoded_or_applied(fresh_process):
