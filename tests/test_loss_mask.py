@@ -15,9 +15,17 @@ import time
 import pytest
 import torch
 from safetensors.torch import save as st_save
-from test_microbatch import ROWS, config, dist, full_weights, make_batch, sgd_engine, with_tool_turns  # noqa: F401
+from test_microbatch import (  # noqa: F401  (dist: fixture)
+    ROWS,
+    config,
+    dist,
+    full_weights,
+    make_batch,
+    sgd_engine,
+    tiny_float32,
+    with_tool_turns,
+)
 
-from common.modeling import load_model
 from common.wire.client import RefClient
 from common.wire.protocol import (
     ProtocolError,
@@ -257,7 +265,7 @@ def test_update_ignores_everything_at_masked_positions(dist, is_mode):  # noqa: 
             b2.ref_logps)):
         eng = sgd_engine(dist, 0)
         before = full_weights(dist, eng)
-        want_entropy = entropy_over(load_model(cfg.model, device="cpu", dtype="float32"), b,
+        want_entropy = entropy_over(tiny_float32().eval(), b,
                                     b.completion_mask() if b.loss_mask is None else b.loss_mask)
         stats = train_update(eng, new_round([b], cfg, "cpu"), cfg)
         after = full_weights(dist, eng)

@@ -88,6 +88,19 @@ def reference_grads(model, batches: list[ScoredBatch], cfg: GRPOConfig) -> dict:
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
+def tiny_float32():
+    """The tiny model in float32 as the engines and the float64 references start from it. Read from disk each
+    time: from_pretrained of the tiny model costs ~46 ms CPU, a deepcopy of a cached one more (~78 ms, measured)."""
+    return load_model(resolve_model_path("tiny"), device="cpu", dtype="float32", trainable=True)
+
+
+def init_gloo(deepspeed) -> None:
+    """deepspeed.init_distributed as the trainer calls it on CPU (trainer/engine.py init_deepspeed): without
+    DeepSpeed's shared-memory op, whose gcc build (minutes on a loaded machine) the trainer skips as well."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
 @pytest.fixture(scope="module")
 def dist():
     """One gloo rank for every engine of this module."""
@@ -96,7 +109,7 @@ def dist():
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(find_free_port())).items():
         mp.setenv(k, v)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo(deepspeed)
     yield deepspeed
     torch.distributed.destroy_process_group()
     # DeepSpeed caches its clone of the world group; another module's engines (tests/test_loss_mask.py, in the same
@@ -116,7 +129,7 @@ def sgd_engine(deepspeed, stage: int, grad_accum: int = 1, gradient_checkpointin
     ds["zero_optimization"]["stage"] = stage
     ds.pop("optimizer")
     ds["zero_allow_untested_optimizer"] = True  # plain SGD: DeepSpeed tests only its own optimizers under ZeRO
-    model = prepare_policy(load_model(resolve_model_path("tiny"), device="cpu", dtype="float32", trainable=True), cfg)
+    model = prepare_policy(tiny_float32(), cfg)
     params = list(model.parameters())
     eng, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                    optimizer=torch.optim.SGD(params, lr=LR))
@@ -151,8 +164,9 @@ def config(aggregation: str, level: str, is_mode: str | None = None, grad_accum:
 def check_update(dist, engine, batches: list[ScoredBatch], cfg: GRPOConfig, step) -> dict:
     """Run `step` (one optimizer update) and compare the weights' change with -LR x the float64 gradient;
     returns the step's metrics."""
+    assert cfg.model == resolve_model_path("tiny")  # the reference below is a copy of the tiny model
     before = full_weights(dist, engine)
-    ref_model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
+    ref_model = tiny_float32()  # cfg.model is the tiny model
     ref_model.load_state_dict({n: w.float() for n, w in before.items()}, strict=False)  # buffers: its own
     want = reference_grads(ref_model, batches, cfg)
     steps_before = engine.global_steps
@@ -196,20 +210,30 @@ def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggre
         assert 0 < stats["padding_share"] < 0.2
 
 
+def probe_updates(tmp_path, stages: str, *pack: str) -> dict:
+    """One real `deepspeed --num_gpus 2` (gloo) launch of tests/zero3_update_probe.py: its ranks make the update
+    at each of `stages` ("0,3": stage 0, then a fresh stage-3 engine in the same ranks); {stage: weights}."""
+    out = tmp_path / "probe.pt"
+    cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
+           str(REPO / "tests" / "zero3_update_probe.py"), stages, str(out), *pack]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=400 * len(stages.split(",")))  # 400 s a stage, as one launch each had
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "rank1 PROBE DONE" in log, log[-4000:]
+    for stage in stages.split(","):
+        assert f"rank0 stage {stage} updated" in log and f"rank1 stage {stage} updated" in log, log[-4000:]
+    return torch.load(out)
+
+
 @pytest.mark.slow
 def test_two_zero3_ranks_make_the_zero0_update(tmp_path):
-    """Real `deepspeed --num_gpus 2` (gloo) runs of tests/zero3_update_probe.py at stages 0 and 3 on the same
-    batches: the ZeRO-3 update (partitioned weights and gradients, reduce-scatter) equals the ZeRO-0 one."""
-    runs = {}
-    for stage in (0, 3):
-        out = tmp_path / f"zero{stage}.pt"
-        cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-               str(REPO / "tests" / "zero3_update_probe.py"), str(stage), str(out)]
-        proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
-        log = proc.stdout + proc.stderr
-        assert proc.returncode == 0 and "rank1 PROBE DONE" in log, log[-4000:]
-        runs[stage] = torch.load(out)
+    """Real `deepspeed --num_gpus 2` (gloo) ranks run tests/zero3_update_probe.py at stages 0 and 3 (one launch,
+    a fresh engine per stage) on the same batches: the ZeRO-3 update (partitioned weights and gradients,
+    reduce-scatter) equals the ZeRO-0 one."""
+    runs = probe_updates(tmp_path, "0,3")
+    assert set(runs) == {0, 3}
     assert runs[0]["global_steps"] == runs[3]["global_steps"] == 1
+    assert runs[0]["zero_stage"] == 0 and runs[3]["zero_stage"] == 3
     for n, w0 in runs[0]["before"].items():
         assert torch.equal(w0, runs[3]["before"][n]), n  # the same start
         want, got = w0 - runs[0]["after"][n], runs[3]["before"][n] - runs[3]["after"][n]
@@ -228,7 +252,7 @@ def test_bias_corrected_kl_update_matches_float64(dist, stage, level, is_mode):
     cfg.use_bias_correction_kl, cfg.beta = True, 0.5
     eng = sgd_engine(dist, stage, grad_accum=2)
     batches = [make_batch(eng.module.config.vocab_size, seed) for seed in (1, 2)]
-    ref_model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
+    ref_model = tiny_float32()
     ref_model.load_state_dict({n: w.float() for n, w in full_weights(dist, eng).items()}, strict=False)
     plain = reference_grads(ref_model, batches, dataclasses.replace(cfg, use_bias_correction_kl=False))
     ref_model.zero_grad()

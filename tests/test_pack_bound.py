@@ -6,26 +6,23 @@ tool turns (loss_mask) through tests/test_microbatch.py's engines. Two ZeRO-3 ra
 counts: tests/test_zero3_lockstep.py and the slow case at the end of this file."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
-from conftest import REPO, find_free_port
-from test_e2e import env
 from test_microbatch import (
     check_update,
     config,
     dist,  # noqa: F401  (fixture: one gloo rank for this module's engines)
     make_batch,
+    probe_updates,
     reference_grads,
     sgd_engine,
+    tiny_float32,
     with_tool_turns,
 )
 from test_packing import rows, tiny  # noqa: F401  (fixture)
 
 from common.config import GRPOConfig
 from common.logprobs import forward_calls, sequence_logprobs
-from common.modeling import load_model
 from common.packing import pack_plan
 from trainer.objective.update import new_round, train_update
 
@@ -116,19 +113,14 @@ def test_two_zero3_ranks_with_different_pack_counts_make_the_float64_update(tmp_
     PACK tokens, rank 0's micro-batches needing other pack counts than rank 1's: the update equals the float64
     gradient of the loss over all four batches (DeepSpeed averages the ranks' gradients; dapo's normaliser
     counts both ranks' tokens)."""
-    out = tmp_path / "zero3.pt"
-    cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           str(REPO / "tests" / "zero3_update_probe.py"), "3", str(out), str(PACK)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "rank1 PROBE DONE" in log, log[-4000:]
-    run = torch.load(out)
+    run = probe_updates(tmp_path, "3", str(PACK))[3]
+    assert run["global_steps"] == 1 and run["zero_stage"] == 3
     cfg = config("dapo", "token", grad_accum=2)
     cfg.pack_tokens = PACK
-    vocab = load_model(cfg.model, device="cpu", dtype="float32").config.vocab_size
+    model = tiny_float32()  # cfg.model is the tiny model
+    vocab = model.config.vocab_size
     ranks = [[make_batch(vocab, seed) for seed in (2 * r + 1, 2 * r + 2)] for r in (0, 1)]
     assert micro_packs(ranks[0], cfg) != micro_packs(ranks[1], cfg)  # rank 1 makes dummy forwards somewhere
-    model = load_model(cfg.model, device="cpu", dtype="float32", trainable=True)
     model.load_state_dict({n: w.float() for n, w in run["before"].items()}, strict=False)
     want = reference_grads(model, ranks[0] + ranks[1], cfg)
     for n, g in want.items():

@@ -18,14 +18,23 @@ from test_e2e import env
 pytestmark = pytest.mark.slow
 
 
-def test_ranks_with_different_completion_lengths_train_in_micro_batches(tiny_model_dir):
-    """Real DeepSpeed ZeRO-3 engines on 2 ranks; rank 0's longest completion is 64 tokens, rank 1's 24."""
+@pytest.fixture(scope="module")
+def probe(tiny_model_dir) -> tuple[int, str]:
+    """ONE launch of real DeepSpeed ZeRO-3 engines on 2 ranks (tests/zero3_probe.py) for both probe tests below:
+    scenario 0 as the trainer chooses its forwards, scenario 1 packed (a fresh engine in the same ranks)."""
     cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           str(REPO / "tests" / "zero3_probe.py"), str(tiny_model_dir), "2", "micro_batch_size", "3"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "rank0 PROBE DONE" in out and "rank1 PROBE DONE" in out
+           str(REPO / "tests" / "zero3_probe.py"), str(tiny_model_dir), "2", "micro_batch_size", "3",
+           "+", "micro_batch_size", "3",
+           "pack_tokens", "64", "padding_free", "true"]  # scenario 1: packed whatever auto would choose
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=800)  # 400 a scenario
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_ranks_with_different_completion_lengths_train_in_micro_batches(probe):
+    """Real DeepSpeed ZeRO-3 engines on 2 ranks; rank 0's longest completion is 64 tokens, rank 1's 24."""
+    rc, out = probe
+    assert "rank0 scenario 0 DONE" in out and "rank1 scenario 0 DONE" in out, out[-4000:]
+    assert "rank0 scenario 0 step 2 loss" in out and "rank1 scenario 0 step 2 loss" in out
 
 
 def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp_path):
@@ -57,7 +66,7 @@ def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp
     assert all(r["padding_share"] == 0.0 for r in rows if r["padding_free"] == 1.0)
 
 
-def test_ranks_needing_different_pack_counts_stay_in_lockstep(tiny_model_dir):
+def test_ranks_needing_different_pack_counts_stay_in_lockstep(probe):
     """padding_free true with packs of at most 64 tokens (common/packing.py pack_plan): rank 0's first
     micro-batch (rows of 70, 67, 64 tokens) is 3 packs, rank 1's (30, 27, 24) 2, with other head-call counts per
     pack; rank 1 makes a dummy pack's forward (and its backward) so both ranks make the same module calls."""
@@ -66,10 +75,7 @@ def test_ranks_needing_different_pack_counts_stay_in_lockstep(tiny_model_dir):
     from common.packing import pack_plan
     firsts = [batch_for(rank, 4, 100) for rank in (0, 1)]
     assert [len(pack_plan(b.prompt_lens[:3], b.completion_lens[:3], 64)) for b in firsts] == [3, 2]
-    cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           str(REPO / "tests" / "zero3_probe.py"), str(tiny_model_dir), "2", "micro_batch_size", "3",
-           "pack_tokens", "64", "padding_free", "true"]  # packed whatever auto would choose
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    rc, out = probe  # scenario 1: micro_batch_size 3, pack_tokens 64, padding_free true
+    assert rc == 0, out[-4000:]
+    assert "rank0 scenario 1 DONE" in out and "rank1 scenario 1 DONE" in out
     assert "rank0 PROBE DONE" in out and "rank1 PROBE DONE" in out

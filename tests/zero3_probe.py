@@ -1,9 +1,11 @@
 """Run by tests/test_zero3_lockstep.py under `deepspeed --num_gpus 2`: real ZeRO-3 ranks train on batches
 whose longest completion differs between ranks (rank r: 64 - 40 r tokens), so the per-rank LM-head chunk
-counts differ. Prints PROBE DONE after `steps` train_step calls on every rank; a rank out of lockstep hangs
-(until dist_timeout) or fails instead.
+counts differ. Each scenario (its GRPOConfig overrides; scenarios separated by `+`) gets a fresh engine from the
+model in the same ranks (one launch's process start-up for all): after `steps` train_step calls and a barrier every
+rank prints "scenario I DONE", and PROBE DONE after the last; a rank out of lockstep hangs (until dist_timeout) or
+fails instead.
 
-    deepspeed --num_gpus 2 tests/zero3_probe.py MODEL_DIR STEPS [GRPOConfig overrides...]
+    deepspeed --num_gpus 2 tests/zero3_probe.py MODEL_DIR STEPS [GRPOConfig overrides...] [+ overrides...]...
 """
 from __future__ import annotations
 
@@ -30,19 +32,30 @@ def batch_for(rank: int, rows: int, vocab: int) -> ScoredBatch:
                        ref_logps=-torch.rand(rows, T, generator=g) - 5)
 
 
-def main() -> None:
-    model, steps, *over = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+def probe_config(model: str, over: list[str]) -> GRPOConfig:
     cfg = GRPOConfig(model=model, zero_stage=3, max_new_tokens=64, logp_chunk_tokens=8, num_pre_Q=4, lr=1e-3,
                      dist_timeout=60, output_dir="/nonexistent-not-written")
     for a, v in zip(over[::2], over[1::2]):  # int knobs (micro_batch_size may default to None: unset), else str
         setattr(cfg, a.lstrip("-"), int(v) if v.lstrip("-").isdigit() else v)
-    deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
-    engine, _, _ = build_engine(cfg, deepspeed, model, on_gpu)
-    vocab = engine.module.config.vocab_size
-    for step in range(int(steps)):
-        stats = train_step(engine, batch_for(rank, cfg.num_pre_Q * cfg.train_batch_groups, vocab), cfg)
-        print(f"rank{rank} step {step + 1} loss {stats['loss']:.6f}", flush=True)
-    torch.distributed.barrier()
+    return cfg
+
+
+def main() -> None:
+    model, steps, *over = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    scenarios = [[]]
+    for a in over:
+        scenarios[-1:] = [scenarios[-1], []] if a == "+" else [scenarios[-1] + [a]]
+    deepspeed, rank, world, on_gpu = init_deepspeed(probe_config(model, scenarios[0]))
+    for i, scenario in enumerate(scenarios):
+        cfg = probe_config(model, scenario)
+        engine, _, _ = build_engine(cfg, deepspeed, model, on_gpu)
+        vocab = engine.module.config.vocab_size
+        for step in range(int(steps)):
+            stats = train_step(engine, batch_for(rank, cfg.num_pre_Q * cfg.train_batch_groups, vocab), cfg)
+            print(f"rank{rank} scenario {i} step {step + 1} loss {stats['loss']:.6f}", flush=True)
+        torch.distributed.barrier()
+        print(f"rank{rank} scenario {i} DONE", flush=True)
+        del engine
     print(f"rank{rank} PROBE DONE", flush=True)
 
 
