@@ -203,19 +203,26 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def _sys_path_at_start() -> list[str]:
+    """sys.path once collection is done (test modules' own imports included), before any fixture ran."""
+    return list(sys.path)
+
+
 @pytest.fixture(autouse=True)
-def _sys_path_restored():
+def _sys_path_restored(_sys_path_at_start):
     """sys.path as it was before each test. In-process loads of a user folder (tools, rewards) put that folder on
     the path, as they do in the product's one-run processes; left there it would shadow modules in later tests on
     the same worker, and spawned processes inherit it. A folder of the checkout put there fails the test: bench/
-    on the path made `ref_server` bench/ref_server.py for test_nodes.py's spawned ranks (CI, stop 47)."""
+    on the path made `ref_server` bench/ref_server.py for test_nodes.py's spawned ranks (CI, stop 47). Compared
+    with the session's start, so a module-scoped fixture that leaves one (set up before this one: CI, stop 50,
+    tests/test_gpu_check.py) fails its first test too, and is taken off the path."""
     before = list(sys.path)
     yield
-    if sys.path != before:
-        added = [p for p in sys.path if p not in before]
-        sys.path[:] = before
-        ours = [p for p in added if Path(p).resolve().is_relative_to(REPO)
-                and not Path(p).resolve().is_relative_to(REPO / ".venv")]  # e.g. setuptools' _vendor: not ours
-        if ours:
-            pytest.fail(f"the test left {ours} on sys.path: a folder of the checkout shadows the packages; "
-                        "use monkeypatch.syspath_prepend")
+    added = [p for p in sys.path if p not in _sys_path_at_start]
+    ours = [p for p in added if Path(p).resolve().is_relative_to(REPO)
+            and not Path(p).resolve().is_relative_to(REPO / ".venv")]  # e.g. setuptools' _vendor: not ours
+    sys.path[:] = [p for p in before if p not in ours]
+    if ours:
+        pytest.fail(f"the test or a fixture left {ours} on sys.path: a folder of the checkout shadows the packages; "
+                    "use monkeypatch.syspath_prepend (pytest.MonkeyPatch.context() in a module fixture)")
