@@ -8,10 +8,9 @@ evaluated all 7 examples on each rank (rank 0: [0..6]), so the shares were not d
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from conftest import REPO, find_free_port
+from conftest import REPO, find_free_port, run_process_group
 from test_e2e import env
 
 pytestmark = pytest.mark.slow
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_each_rank_evaluates_its_share_and_the_sum_is_the_whole_set(tiny_model_dir, stage):
     cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
            str(REPO / "tests" / "eval_shard_probe.py"), str(tiny_model_dir), str(stage)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     # the launcher may put the two ranks' lines together: read each JSON object after its marker

@@ -15,11 +15,10 @@ with grad_accum 2."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 
 import pytest
 import torch
-from conftest import REPO, find_free_port
+from conftest import REPO, find_free_port, run_process_group
 from test_e2e import env
 
 from common.config import GRPOConfig
@@ -216,8 +215,8 @@ def probe_updates(tmp_path, stages: str, *pack: str) -> dict:
     out = tmp_path / "probe.pt"
     cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
            str(REPO / "tests" / "zero3_update_probe.py"), stages, str(out), *pack]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=400 * len(stages.split(",")))  # 400 s a stage, as one launch each had
+    # 400 s a stage, as one launch each had; past it the launcher and its ranks are stopped whole
+    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=400 * len(stages.split(",")))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "rank1 PROBE DONE" in log, log[-4000:]
     for stage in stages.split(","):

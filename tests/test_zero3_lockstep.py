@@ -9,10 +9,9 @@ doesn't match expected size. Is there a distributed collective mismatch"; rank 0
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from conftest import REPO, find_free_port, start_ref_server
+from conftest import REPO, find_free_port, run_process_group, start_ref_server
 from test_e2e import env
 
 pytestmark = pytest.mark.slow
@@ -26,7 +25,7 @@ def probe(tiny_model_dir) -> tuple[int, str]:
            str(REPO / "tests" / "zero3_probe.py"), str(tiny_model_dir), "2", "micro_batch_size", "3",
            "+", "micro_batch_size", "3",
            "pack_tokens", "64", "padding_free", "true"]  # scenario 1: packed whatever auto would choose
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=800)  # 400 a scenario
+    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=800)  # 400 a scenario
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -54,7 +53,7 @@ def test_pipeline_generates_trains_and_evaluates_in_lockstep(tiny_model_dir, tmp
                "--eval_steps", "2", "--eval_limit", "3", "--eval_max_new_tokens", "16", "--gen_batch_size", "1",
                "--dist_timeout", "120", "--lr", "1e-3",
                "--pack_tokens", "110"]  # 78-token rows (64 new) alone, shorter ones paired: pack counts differ
-        proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=500)
+        proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=500)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2]
