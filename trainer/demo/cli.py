@@ -37,6 +37,7 @@ from pathlib import Path
 from common.settings.cli import ArgumentParser
 from trainer.demo.phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
 from trainer.demo.tool_phases import run_tool_eval, show_tool_samples, tool_cold_start_sft
+from trainer.dist.hosts import caller_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "demo.json"
@@ -133,15 +134,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     a.own, a.quick_sizes = own, quick
     if a.config is None and a.tiny:
         a.config = str(TOOLS_CONFIG if a.tools else DEMO_CONFIG)
-    # paths are the caller's, as for `launch.sh train` (launch.sh runs this from the checkout; GRPO_CALLER_DIR)
-    caller = Path(os.environ.get("GRPO_CALLER_DIR") or os.getcwd())
-    a.run_dir = str(caller / (a.run_dir or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"))
-    if a.config is not None:
-        a.config = str(caller / a.config)
+    # paths are the caller's, as for `launch.sh train` (launch.sh runs this from the checkout)
+    a.run_dir = caller_path(a.run_dir or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}")
+    a.config = caller_path(a.config)
     for name in ("model", "data"):  # a hub id stays one; a path that names something at the caller is taken there
         value = getattr(a, name)
-        if value is not None and (value.startswith(("./", "../")) or (caller / value).exists()):
-            setattr(a, name, str(caller / value))
+        if value is not None and (value.startswith(("./", "../")) or os.path.exists(caller_path(value))):
+            setattr(a, name, caller_path(value))
     return a, extra
 
 
