@@ -57,8 +57,12 @@ def test_variant_learns_toy_reward(variant, tiny_model_dir, tmp_path):
         rewards = [r["reward_mean"] + r["overlong_penalty"] for r in rows]
     # measured at 20 steps before issue 24: first 5 -> last 5 = 0.02 -> 0.91 (gspo), 0.02 -> 0.92 (reinforce_pp),
     # -0.44 -> 0.38 (overlong, shaped); the combined runs of issue 24: 0.022 -> 0.969 (gspo_luspo_beta0),
-    # 0.015 -> 0.744 (reinforce_pp_cispo_entropy), -0.407 -> 0.474 (overlong_sapo_opsm, shaped)
+    # 0.015 -> 0.744 (reinforce_pp_cispo_entropy), -0.407 -> 0.474 (overlong_sapo_opsm, shaped).
+    # reinforce_pp_cispo_entropy varies from run to run (two ranks share the server's FIFO queue, so which rank
+    # trains which batch depends on timing): six runs at 339c991 and one in CI ended at 0.50-0.71 from 0.015 (CI
+    # failed at 0.503 under a +0.5 bar), so its bar is +0.35, still >20x the untrained reward.
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"{variant}: toy reward{' + overlong penalty' if '--overlong_buffer' in variant else ''} "
           f"first 5 steps {first:.3f}, last 5 steps {last:.3f}")
-    assert last >= first + (0.3 if "--overlong_buffer" in variant else 0.5), rewards
+    bar = 0.3 if "--overlong_buffer" in variant else 0.35 if "--top_entropy_quantile" in variant else 0.5
+    assert last >= first + bar, rewards
