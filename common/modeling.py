@@ -5,19 +5,10 @@ import logging
 
 import torch
 
-from common.paths import check_model_path
+from common.paths import resolve_model_path
 from common.settings.model_options import tokenizer_options
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_path(path_or_id: str) -> str:
-    """'tiny' names the embedded default (built once, then cached); anything else is passed through."""
-    if path_or_id == "tiny":
-        from common.tiny_model import ensure_tiny_model
-        return str(ensure_tiny_model())
-    check_model_path(path_or_id)
-    return path_or_id
 
 
 def pick_device(device: str = "auto") -> torch.device:

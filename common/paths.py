@@ -15,6 +15,15 @@ def check_model_path(path_or_id: str) -> None:
         raise FileNotFoundError(f"model path {path_or_id!r} does not exist")
 
 
+def resolve_model_path(path_or_id: str) -> str:
+    """'tiny' names the embedded default (built once, then cached); anything else is passed through."""
+    if path_or_id == "tiny":
+        from common.tiny_model import ensure_tiny_model
+        return str(ensure_tiny_model())
+    check_model_path(path_or_id)
+    return path_or_id
+
+
 def local_model_dir(path_or_id: str, revision: str | None = None) -> Path:
     """The directory holding a model's files: a local path as is, a hub id ('Qwen/Qwen2.5-1.5B-Instruct')
     through the Hugging Face cache (HF_HOME / HF_HUB_CACHE), where from_pretrained put it. Never downloads:

@@ -57,6 +57,51 @@ def test_qwen7b_parameters_and_rank_memory_match_a_hand_computation(qwen7b):
     assert parts["activations"] / GIB == pytest.approx(17.3, abs=0.5)  # 2 rows x 1024 tokens of a 7B: 17 GiB
 
 
+LLAMA = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+         "vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("config", [
+    QWEN7B, LLAMA, dict(LLAMA, head_dim=128, attention_bias=True), dict(QWEN7B, attention_bias=False),
+    {k: v for k, v in QWEN7B.items() if k != "num_key_value_heads"},  # Qwen2Config's default (32), not the heads
+    {k: v for k, v in LLAMA.items() if k != "tie_word_embeddings"},
+    dict(LLAMA, model_type="mistral"),
+], ids=["qwen7b", "llama", "llama_head_dim_bias", "qwen_no_bias", "qwen_no_kv_heads", "llama_no_tie", "mistral"])
+def test_config_json_read_directly_gives_the_shape_autoconfig_gives(tmp_path, config):
+    """from_config reads a complete qwen2/llama config.json without transformers (launch.sh's plan on a GPU node
+    then imports neither torch nor transformers); where a field is missing it asks AutoConfig for the class default."""
+    from transformers import AutoConfig
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    c = AutoConfig.from_pretrained(tmp_path)
+    heads = c.num_attention_heads
+    want = ModelShape(hidden=c.hidden_size, layers=c.num_hidden_layers, intermediate=c.intermediate_size,
+                      vocab=c.vocab_size, heads=heads, kv_heads=c.num_key_value_heads or heads,
+                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, tied=c.tie_word_embeddings,
+                      qkv_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")))
+    assert ModelShape.from_config(str(tmp_path)) == want
+    direct = ModelShape._from_json(tmp_path / "config.json")
+    complete = config.get("model_type") in ("qwen2", "llama") and "num_key_value_heads" in config \
+        and "tie_word_embeddings" in config
+    assert (direct == want) if complete else direct is None
+
+
+def test_the_tiny_models_shape_is_read_directly():
+    from common.tiny_model import ensure_tiny_model
+    assert ModelShape._from_json(ensure_tiny_model() / "config.json") is not None
+
+
+def test_a_gpu_plan_of_a_local_model_imports_neither_torch_nor_transformers(tmp_path, qwen7b):
+    code = ("import sys; from common.placement.cli import main; "
+            f"rc = main(['--workers', '1', '--', '--model', {str(qwen7b)!r}]); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')); "
+            "assert rc == 0 and not bad, bad[:5]")
+    env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{fake_smi(tmp_path, 8, 81559)}:/usr/bin:/bin")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "7.62 B parameters" in proc.stderr and "picked (left unset): micro_batch_size 4" in proc.stderr
+
+
 def test_pick_prefers_no_checkpointing_and_respects_what_the_user_set(qwen7b):
     shape = ModelShape.from_config(str(qwen7b))
     base = TrainSettings(world=6, stage=2, bf16=True, micro_rows=8, seq_len=1024, completion_len=512,

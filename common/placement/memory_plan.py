@@ -15,7 +15,9 @@ trainer/engine.py picks the GPU defaults (`pick`) when a run was started without
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 GIB = 1 << 30
 CUDA_CONTEXT = GIB // 2  # CUDA context + cuBLAS workspace of one process (~0.5 GiB on an H100, CUDA 12)
@@ -41,11 +43,17 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, model: str) -> ModelShape:
-        """From the model's config.json (AutoConfig: a local directory, a hub id, or 'tiny')."""
+        """From the model's config.json (a local directory, a hub id, or 'tiny'). A local Qwen2/Llama config.json
+        that states every field is read as JSON: launch.sh's plan then needs neither torch nor transformers (~4.5
+        s of each `--print-plan` on a GPU node); anything else goes through AutoConfig, which knows each model
+        type's defaults (tests/test_memory_plan.py checks both give the same shape)."""
+        from common.paths import resolve_model_path
+        path = resolve_model_path(model)
+        shape = cls._from_json(Path(path) / "config.json")
+        if shape is not None:
+            return shape
         from transformers import AutoConfig
-
-        from common.modeling import resolve_model_path
-        c = AutoConfig.from_pretrained(resolve_model_path(model))
+        c = AutoConfig.from_pretrained(path)
         c = getattr(c, "text_config", None) or c
         heads = c.num_attention_heads
         return cls(hidden=c.hidden_size, layers=c.num_hidden_layers, intermediate=c.intermediate_size,
@@ -53,6 +61,23 @@ class ModelShape:
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
                    tied=bool(getattr(c, "tie_word_embeddings", False)),
                    qkv_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")))
+
+    @classmethod
+    def _from_json(cls, config_json: Path) -> ModelShape | None:
+        """None unless the file is a qwen2/llama config with every field the shape needs: where one is left out,
+        the default is the model class's (Qwen2Config's num_key_value_heads is 32, not the head count)."""
+        if not config_json.is_file():
+            return None
+        c = json.loads(config_json.read_text())
+        need = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings")
+        if c.get("model_type") not in ("qwen2", "llama") or any(c.get(k) is None for k in need):
+            return None
+        heads = c["num_attention_heads"]
+        return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], intermediate=c["intermediate_size"],
+                   vocab=c["vocab_size"], heads=heads, kv_heads=c["num_key_value_heads"],
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads, tied=bool(c["tie_word_embeddings"]),
+                   qkv_bias=bool(c.get("attention_bias", c["model_type"] == "qwen2")))
 
     @property
     def q_dim(self) -> int:
