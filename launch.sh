@@ -224,7 +224,7 @@ cleanup() {
   # a stopped (SIGSTOP) process only sees the TERM once continued
   for pid in "${PIDS[@]}"; do kill -CONT -- "-$pid" 2>/dev/null || kill -CONT "$pid" 2>/dev/null || true; done
   local skipped_drain=""
-  for _ in $(seq 1 30); do
+  for _ in $(seq 1 150); do  # up to 15 s
     alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break
     # The ref server keeps scored batches for the ranks to fetch for drain_timeout after a TERM; the ranks are
@@ -233,7 +233,7 @@ cleanup() {
     if [ -n "$REF_PID" ] && [ -z "$skipped_drain" ] && ! kill -0 "${TRAINER:-}" 2>/dev/null; then
       kill -TERM "$REF_PID" 2>/dev/null || true; skipped_drain=1
     fi
-    sleep 0.5
+    sleep 0.1
   done
   for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
   echo "[launch] stopped everything; logs in $RUN_DIR" >&2
@@ -301,11 +301,16 @@ if nonce and h.get("run_nonce") != nonce:
     sys.exit(3)
 PYEOF
 }
-for i in $(seq 1 300); do
+# Polled every 0.2 s: a started server is asked (a Python process) once its port takes connections (bash's
+# /dev/tcp), and every 5th poll in any case (a bash built without /dev/tcp, a server elsewhere); up to 300 s.
+for i in $(seq 1 1500); do
   if [ -n "$REF_PID" ] && ! kill -0 "$REF_PID" 2>/dev/null; then  # died (port taken, bad model...): no wait
     echo "[launch] the ref server exited before becoming healthy; last lines of $RUN_DIR/ref_server.log:" >&2
     tail -n 15 "$RUN_DIR/ref_server.log" | sed 's/^/    /' >&2
     exit 1
+  fi
+  if [ $((i % 5)) != 1 ] && ! { [ -n "$REF_PID" ] && (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; }; then
+    sleep 0.2; continue
   fi
   set +e; who=$(health); hc=$?; set -e
   [ $hc = 0 ] && break
@@ -313,8 +318,8 @@ for i in $(seq 1 300); do
     echo "[launch] port $PORT is answered by another run's ref server ($who), not the one started here; pick a free --port" >&2
     exit 1
   fi
-  [ "$i" = 300 ] && { echo "[launch] ref server did not become healthy; see $RUN_DIR/ref_server.log" >&2; exit 1; }
-  sleep 1
+  [ "$i" -ge 1496 ] && { echo "[launch] ref server did not become healthy; see $RUN_DIR/ref_server.log" >&2; exit 1; }
+  sleep 0.2
 done
 for w in $(seq 0 $((WORKERS - 1))); do
   [ "$WORKERS" -gt 0 ] || break
@@ -356,7 +361,7 @@ while kill -0 "$TRAINER" 2>/dev/null; do
     [ "$code" = 7 ] && [ -n "$own" ] && exit 7  # it said "nothing to train on" (trainer/run/stall.py): docs/hangs.md
     exit 3
   done
-  sleep 1
+  sleep 0.2
 done
 set +e
 wait "$TRAINER"

@@ -35,7 +35,8 @@ Before `--` an option is launch.sh's own (./launch.sh --help). Where both have a
 A value given twice wins the second time: `./launch.sh train --config A -- --config B` reads B."""
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, exit_when_done: bool = False) -> None:
+    """exit_when_done (the script): a run that ended cleanly leaves without the interpreter's teardown."""
     argv = list(sys.argv[1:] if argv is None else argv)
     mode = "train"
     if argv and argv[0] == "genonly":
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
             train(cfg)
     except Exception as e:  # noqa: BLE001 - the traceback is logged; the last line names the process and the cause
         sys.exit(die(cfg, mode, e))
+    if exit_when_done and (mode == "train" or cfg.gen_backend == "hf"):
+        # done and closed: skip the ~2 s interpreter teardown (common/fast_exit.py); a vLLM worker's engine
+        # processes are left to vLLM's own shutdown as it runs at a normal exit
+        from common.fast_exit import exit_cleanly
+        exit_cleanly(0)
 
 
 def die(cfg: GRPOConfig, mode: str, e: Exception) -> int:
@@ -78,4 +84,4 @@ def die(cfg: GRPOConfig, mode: str, e: Exception) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    main(exit_when_done=True)
