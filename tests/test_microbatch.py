@@ -96,7 +96,8 @@ def tiny_float32():
 def init_gloo(deepspeed) -> None:
     """deepspeed.init_distributed as the trainer calls it on CPU (trainer/engine.py init_deepspeed): without
     DeepSpeed's shared-memory op, whose gcc build (minutes on a loaded machine) the trainer skips as well."""
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    from trainer.engine import skip_shm_op
+    skip_shm_op(deepspeed)
     deepspeed.init_distributed(dist_backend="gloo")
 
 

@@ -60,13 +60,19 @@ def lr_lambda(cfg: GRPOConfig):
     return f
 
 
+def skip_shm_op(deepspeed) -> None:
+    """Before deepspeed.init_distributed on CPU: gloo does without DeepSpeed's shared-memory op, whose JIT gcc build
+    costs ~40 s (minutes on a fresh virtual environment's 2 cores, every rank waiting on its lock)."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_deepspeed(cfg: GRPOConfig):
     import deepspeed
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 40 s gcc build of the shm op
+        skip_shm_op(deepspeed)
     # dist_timeout: a rank whose peer died leaves a collective after this, not torch's 30 min
     deepspeed.init_distributed(dist_backend=None if on_gpu else "gloo",
                                timeout=datetime.timedelta(seconds=cfg.dist_timeout))
