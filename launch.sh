@@ -200,7 +200,7 @@ fi
 mkdir -p "$RUN_DIR"
 rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/run/health.py)
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
-  MASTER_PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  MASTER_PORT=$("$PY" -m common.listen)  # outside the ephemeral range: no outgoing connection takes it meanwhile
 fi
 
 resume_command() {  # the command as typed, in this run directory, with --resume true

@@ -1,9 +1,14 @@
 """The ref server's listening socket, and the check that a port is free for it (trainer/check.py): one function, so
 the check binds exactly what the server will bind (its host, SO_REUSEADDR) and a port left in TIME-WAIT by a run
-that just ended counts as free, as it is for the server."""
+that just ended counts as free, as it is for the server. And a free port for a listener started seconds later
+(launch.sh's DeepSpeed master port)."""
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -18,3 +23,36 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        lo, hi = PORT_RANGE_FILE.read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_for_later(host: str = "127.0.0.1") -> int:
+    """A port free now, for a listener that binds it seconds later (the ranks' rendezvous). Drawn outside the
+    ephemeral range: a port the OS hands out for bind(0) comes from that range, from which every outgoing connection
+    meanwhile takes its source port (the suite saw a run's ranks fail with EADDRINUSE on such a master port)."""
+    lo, hi = ephemeral_range()
+    candidates = [*range(10000, lo), *range(hi + 1, 65536)]
+    draw = random.SystemRandom()
+    for _ in range(min(100, len(candidates))):
+        port = draw.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no free port outside the range: the OS's pick, as before
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":  # launch.sh: `python -m common.listen` prints a master port
+    print(free_port_for_later())

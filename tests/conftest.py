@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,10 +30,10 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 
 
 def find_free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free right now on 127.0.0.1 for a server or a master port bound a few seconds later: outside the
+    ephemeral range, as launch.sh picks its master port (common/listen.py), so no connection takes it meanwhile."""
+    from common.listen import free_port_for_later
+    return free_port_for_later()
 
 
 def subprocess_env(**extra: str) -> dict:
