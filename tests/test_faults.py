@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from conftest import REPO, find_free_port, start_ref_server
+from conftest import REPO, find_free_port, run_process_group, start_ref_server
 from test_e2e import TOY, env, read_rows
 from test_ref_server import make_batch
 
@@ -143,8 +143,8 @@ def fault_run(tiny_model_dir, tmp_path_factory):
             fig["rows_at_trainer_kill"] = rows_of(run_dir)
             fig["trainer_killed_rows"] = [r["step"] for r in fig["rows_at_trainer_kill"]]
             fig["checkpoint"] = (run_dir / "ds" / "latest").read_text().strip()
-            resumed = subprocess.run(deepspeed_cmd(run_dir, url, *args, "--resume", "true"), cwd=REPO, env=env(),
-                                     capture_output=True, text=True, timeout=400)
+            resumed = run_process_group(deepspeed_cmd(run_dir, url, *args, "--resume", "true"), cwd=REPO, env=env(),
+                                        timeout=400)  # past it: the launcher and its ranks are stopped too
             fig["resume_rc"], fig["resume_out"] = resumed.returncode, resumed.stdout + resumed.stderr
             fig["server_log"] = srv2.log()
     finally:
