@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -93,6 +94,7 @@ def main() -> None:
         finally:
             ref.kill()
             ref.wait(30)
+    shutil.rmtree(base)  # the runs' folders and logs, kept only when the bench failed
     two, one = statistics.median(times[2]), statistics.median(times[1])
     print(f"two hosts {two:.3f} s/step, one host {one:.3f} s/step: ratio {two / one:.2f}")
     print(json.dumps({"bench": "multihost_step", "steps_per_run": a.steps, "rounds": a.rounds,

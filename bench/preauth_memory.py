@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -115,6 +116,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+    shutil.rmtree(tmp)  # kept (with the server's log) only when the bench failed
     print(json.dumps(result))
 
 

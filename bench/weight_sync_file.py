@@ -35,7 +35,6 @@ def build_model(hidden: int, layers: int, vocab: int):
 
 
 def relay_vs_file(a, start_server) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="bench_wsync."))
     model = build_model(a.hidden, a.layers, a.vocab)
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
     print(f"model: {sum(t.numel() for t in model.parameters()) / 1e6:.0f}M params, {nbytes / 1e6:.0f} MB float32")
@@ -67,19 +66,20 @@ def relay_vs_file(a, start_server) -> None:
         srv.wait(30)
 
     blob = parameters_blob(model)
-    path = tmp / "weights.safetensors"
     copy_times = []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        back = path.read_bytes()
-        copy_times.append(time.perf_counter() - t0)
-        assert len(back) == len(blob)
-        del back
-        path.unlink()
+    with tempfile.TemporaryDirectory(prefix="bench_wsync.") as tmp:
+        path = Path(tmp) / "weights.safetensors"
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            back = path.read_bytes()
+            copy_times.append(time.perf_counter() - t0)
+            assert len(back) == len(blob)
+            del back
+            path.unlink()
     print(f"file copy of the same {len(blob) / 1e6:.0f} MB: best {min(copy_times):.2f} s")
     sync_s, copy_s = min(sync_times), min(copy_times)
     print(json.dumps({"sync_seconds": round(sync_s, 3), "file_copy_seconds": round(copy_s, 3),
