@@ -24,7 +24,7 @@ from test_e2e import env
 from common.config import GRPOConfig
 from common.modeling import load_model, resolve_model_path
 from common.wire.protocol import ScoredBatch
-from trainer.engine import ds_config_for, prepare_policy
+from trainer.engine import ds_config_for, prepare_policy, skip_shm_op
 from trainer.objective import microbatch
 from trainer.objective.grpo import grpo_loss
 from trainer.objective.offpolicy import importance_weights
@@ -96,7 +96,6 @@ def tiny_float32():
 def init_gloo(deepspeed) -> None:
     """deepspeed.init_distributed as the trainer calls it on CPU (trainer/engine.py init_deepspeed): without
     DeepSpeed's shared-memory op, whose gcc build (minutes on a loaded machine) the trainer skips as well."""
-    from trainer.engine import skip_shm_op
     skip_shm_op(deepspeed)
     deepspeed.init_distributed(dist_backend="gloo")
 

@@ -54,13 +54,7 @@ class ModelShape:
             return shape
         from transformers import AutoConfig
         c = AutoConfig.from_pretrained(path)
-        c = getattr(c, "text_config", None) or c
-        heads = c.num_attention_heads
-        return cls(hidden=c.hidden_size, layers=c.num_hidden_layers, intermediate=c.intermediate_size,
-                   vocab=c.vocab_size, heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                   tied=bool(getattr(c, "tie_word_embeddings", False)),
-                   qkv_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")))
+        return cls._from_dict((getattr(c, "text_config", None) or c).to_dict())
 
     @classmethod
     def _from_json(cls, config_json: Path) -> ModelShape | None:
@@ -73,11 +67,17 @@ class ModelShape:
                 "num_key_value_heads", "tie_word_embeddings")
         if c.get("model_type") not in ("qwen2", "llama") or any(c.get(k) is None for k in need):
             return None
+        return cls._from_dict(c)
+
+    @classmethod
+    def _from_dict(cls, c: dict) -> ModelShape:
+        """config.json's fields (or AutoConfig's to_dict()); Qwen2 has q/k/v bias without saying so."""
         heads = c["num_attention_heads"]
         return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], intermediate=c["intermediate_size"],
-                   vocab=c["vocab_size"], heads=heads, kv_heads=c["num_key_value_heads"],
-                   head_dim=c.get("head_dim") or c["hidden_size"] // heads, tied=bool(c["tie_word_embeddings"]),
-                   qkv_bias=bool(c.get("attention_bias", c["model_type"] == "qwen2")))
+                   vocab=c["vocab_size"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   tied=bool(c.get("tie_word_embeddings", False)),
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
 
     @property
     def q_dim(self) -> int:
@@ -244,3 +244,4 @@ def gib(x: float) -> str:
 
 def describe_parts(parts: dict[str, int]) -> str:
     return " + ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) + f" = {gib(sum(parts.values()))} GiB"
+
