@@ -42,6 +42,9 @@ MAX_BYTES = 64 << 20
 # accelerate, and the large ones our pins also pull (numba's llvmlite alone is 56 MiB; tensorboard brings grpcio,
 # protobuf and pillow). Shipping our copy of one would shadow it there (ours comes first on PYTHONPATH).
 PREINSTALLED = ["torch", "transformers", "peft", "accelerate", "numba", "tensorboard"]
+# Every package the image holds, by name. The closure of PREINSTALLED is read from this venv's metadata, which can
+# need more than the image's own copies do: only what the image names counts as already there.
+IMAGE_PACKAGES = REPO / "bench" / "gpu_check_lib" / "image_packages.txt"
 # Not shipped: test and lint tools, and what the check never imports (datasets/pyarrow: the check's data is the
 # built-in 'arith'; matplotlib: plots; wandb, 20 MiB with its OpenTelemetry closure: the check reports to TensorBoard).
 NOT_SHIPPED = {"pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "datasets", "matplotlib", "wandb"}
@@ -67,15 +70,16 @@ def pins(requirements: str) -> dict[str, str]:
     return out
 
 
-def closure(roots: list[str], requires=None, py: str = PYTHON) -> set[str]:
+def closure(roots: list[str], requires=None, py: str = PYTHON, have: set[str] = frozenset()) -> set[str]:
     """The roots and everything they require (no extras), by the installed distributions' metadata, markers
-    evaluated for the target machine. `requires(name) -> list[str] | None` (None: not installed here)."""
+    evaluated for the target machine. `requires(name) -> list[str] | None` (None: not installed here). A package in
+    `have` is left out with what it requires: the machine's own copy brings its own needs."""
     requires, env = requires or _installed_requires, target_env(py)
     seen: set[str] = set()
     todo = [canonicalize_name(r) for r in roots]
     while todo:
         name = todo.pop()
-        if name in seen:
+        if name in seen or name in have:
             continue
         seen.add(name)
         for spec in requires(name) or []:
@@ -92,12 +96,21 @@ def _installed_requires(name: str) -> list[str] | None:
         return None
 
 
-def to_ship(requirements: str, requires=None, version=None, py: str = PYTHON) -> dict[str, str]:
-    """name -> version of every wheel the bare machine lacks: closure(our runtime pins) - closure(preinstalled)."""
+def image_packages(path: Path = IMAGE_PACKAGES) -> set[str]:
+    """The canonical names the GPU image holds (one per line, '#' comments)."""
+    lines = (ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines())
+    return {canonicalize_name(ln) for ln in lines if ln}
+
+
+def to_ship(requirements: str, requires=None, version=None, py: str = PYTHON, image: set[str] | None = None
+            ) -> dict[str, str]:
+    """name -> version of every wheel the bare machine lacks: closure(our runtime pins) - what it has, i.e. the
+    closure of the preinstalled that the image's package list names (our typer needs pydantic, the image's does
+    not: the first GPU run stopped on `No module named 'pydantic'` when the whole closure was counted)."""
     version = version or (lambda n: metadata.version(n))
     roots = [n for n in pins(requirements) if n not in NOT_SHIPPED and n not in PREINSTALLED]
-    have = closure(PREINSTALLED, requires, py)
-    need = closure(roots, requires, py) - have
+    have = closure(PREINSTALLED, requires, py) & (image_packages() if image is None else image)
+    need = closure(roots, requires, py, have)
     return {n: version(n) for n in sorted(need)}
 
 

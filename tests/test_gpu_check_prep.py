@@ -19,7 +19,7 @@ REQS = (REPO / "requirements.txt").read_text()
 def test_wheels_cover_our_runtime_pins_minus_the_preinstalled_closure():
     ship = gw.to_ship(REQS)
     pins = gw.pins(REQS)
-    have = gw.closure(gw.PREINSTALLED)
+    have = gw.closure(gw.PREINSTALLED) & gw.image_packages()
     for name in ("deepspeed", "bottle", "waitress", "math-verify"):  # the issue's list
         assert ship[name] == pins[name]
     for name, version in pins.items():  # every runtime pin is either preinstalled there or carried, at our pin
@@ -42,8 +42,25 @@ def test_to_ship_subtracts_the_preinstalled_closure():
     reqs = "deepspeed==1.0\nbottle==2.0\npytest==9.0\nnumpy==3.0\n"
     meta = {"deepspeed": ["numpy", "hjson", "torch"], "bottle": [], "hjson": [], "numpy": [], "pytest": [],
             "torch": ["numpy"], "transformers": ["numpy"], "peft": [], "accelerate": []}
-    ship = gw.to_ship(reqs, meta.get, version=lambda n: {"hjson": "3.1"}.get(n, "x"))
+    ship = gw.to_ship(reqs, meta.get, version=lambda n: {"hjson": "3.1"}.get(n, "x"),
+                      image={"numpy", "torch", "transformers", "peft", "accelerate"})
     assert ship == {"bottle": "x", "deepspeed": "x", "hjson": "3.1"}  # numpy comes with torch, pytest not shipped
+
+
+def test_only_what_the_image_names_counts_as_there():
+    """The first GPU run (2026-11-28) stopped on `No module named 'pydantic'`: this venv's typer (pulled by the
+    preinstalled transformers) needs pydantic, the image's typer does not, so the image has no pydantic; and a
+    package the image holds is not followed into what this venv's copy of it needs."""
+    reqs = "deepspeed==1.0\ntokenizers==0.1\n"
+    meta = {"deepspeed": ["pydantic", "torch"], "pydantic": ["pydantic-core"], "pydantic-core": [],
+            "tokenizers": ["huggingface-hub"], "huggingface-hub": ["httpx2"], "httpx2": [],
+            "torch": [], "transformers": ["typer", "huggingface-hub"], "typer": ["pydantic"],
+            "peft": [], "accelerate": []}
+    image = {"torch", "transformers", "typer", "huggingface-hub", "peft", "accelerate"}
+    ship = gw.to_ship(reqs, meta.get, version=lambda n: "x", image=image)
+    assert ship == {"deepspeed": "x", "pydantic": "x", "pydantic-core": "x", "tokenizers": "x"}
+    assert {"pydantic", "pydantic-core", "typing-inspection", "annotated-types"} <= set(gw.to_ship(REQS))
+    assert {"torch", "numpy", "typer", "huggingface-hub"} <= gw.image_packages()
 
 
 def test_another_target_python_changes_markers_and_tags():
