@@ -13,7 +13,18 @@ import pytest
 from conftest import REPO, subprocess_env
 
 from common.config import GRPOConfig
-from common.placement.memory_plan import FIT_SHARE, GIB, ModelShape, TrainSettings, activation_bytes, pick, rank_parts
+from common.placement.memory_plan import (
+    FIT_SHARE,
+    GIB,
+    ModelShape,
+    TrainSettings,
+    activation_bytes,
+    hf_worker_parts,
+    kv_cache_bytes,
+    pick,
+    rank_parts,
+    ref_parts,
+)
 
 QWEN7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
           "num_hidden_layers": 28, "intermediate_size": 18944, "vocab_size": 152064, "num_attention_heads": 28,
@@ -55,6 +66,23 @@ def test_qwen7b_parameters_and_rank_memory_match_a_hand_computation(qwen7b):
     # copy (measured on CPU), 4 + 4 + 2 bytes / 8 ranks
     assert rank_parts(shape, TrainSettings(**{**s.__dict__, "checkpointing": True}))["optimizer_step"] == n * 10 // 8
     assert parts["activations"] / GIB == pytest.approx(17.3, abs=0.5)  # 2 rows x 1024 tokens of a 7B: 17 GiB
+
+
+def test_an_hf_worker_counts_its_logprob_forward_as_the_gpu_run_measured():
+    """The first GPU run (H200, docs/benchmarks.md): an HF worker of the 0.5B shape (bf16, 8 samples, 512 + 128
+    tokens) held 3.3 GiB; its KV cache alone gave 1.6 with the context. After generate it computes the behaviour
+    logprobs of the group with the ref server's inference forward (trainer/rollout.py policy_logps)."""
+    shape = ModelShape._from_dict({"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+                                   "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                                   "vocab_size": 151936, "tie_word_embeddings": True})
+    with_fwd = hf_worker_parts(shape, 2, 8, 640, group_rows=8, completion_len=128, chunk_tokens=1024)
+    fwd = ref_parts(shape, 2, 8, 640, 128, 1024)["activations"]
+    assert with_fwd == {"weights": shape.params() * 2, "logprob_forward": fwd}
+    assert (sum(with_fwd.values()) + GIB // 2) / GIB == pytest.approx(3.3, abs=0.25)  # measured 3,346 MiB
+    no_logps = hf_worker_parts(shape, 2, 8, 640)  # compute_gen_logps false: generate's KV cache only
+    assert no_logps == {"weights": shape.params() * 2, "kv_cache": kv_cache_bytes(shape, 2, 8, 640)}
+    big_call = hf_worker_parts(shape, 2, 4096, 640, group_rows=8, completion_len=128, chunk_tokens=1024)
+    assert set(big_call) == {"weights", "kv_cache"}  # a large generate call's cache outgrows one group's forward
 
 
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,

@@ -8,7 +8,7 @@ The formula (docs/gpus.md, "Memory estimate", derives each term and compares it 
                   + ZeRO buffers + CUDA context
     ref server  = weights (its dtype) + one forward's transients + CUDA context
     vLLM worker = vllm_gpu_memory_utilization x the GPU (what vLLM reserves; its weights must leave KV room)
-    HF worker   = weights + KV cache of one generate call + CUDA context
+    HF worker   = weights + max(KV cache of one generate call, its logprob forward of one group) + CUDA context
 
 Pure functions of a ModelShape and the run's settings; common/placement/memory_report.py reads the GPUs and prints it,
 trainer/engine.py picks the GPU defaults (`pick`) when a run was started without the launcher's pick.
@@ -208,8 +208,15 @@ def ref_parts(shape: ModelShape, e: int, rows: int, seq_len: int, completion_len
                                + logits_bytes(shape, e, rows, completion_len, chunk_tokens, grad=False))}
 
 
-def hf_worker_parts(shape: ModelShape, e: int, rows: int, seq_len: int) -> dict:
-    return {"weights": shape.params() * e, "kv_cache": kv_cache_bytes(shape, e, rows, seq_len)}
+def hf_worker_parts(shape: ModelShape, e: int, rows: int, seq_len: int, group_rows: int = 0, completion_len: int = 0,
+                    chunk_tokens: int = 0) -> dict:
+    """An HF worker: its weights, then the larger of one generate call's KV cache (`rows` sequences) and, where it
+    computes the behaviour logprobs (compute_gen_logps: `group_rows` > 0), the forward that does (trainer/rollout.py
+    policy_logps: one group, the ref server's inference forward). They run one after the other. The first GPU run
+    measured the worker at 3.3 GiB where the KV cache alone gave 1.6 (docs/benchmarks.md, the GPU check)."""
+    kv = kv_cache_bytes(shape, e, rows, seq_len)
+    fwd = ref_parts(shape, e, group_rows, seq_len, completion_len, chunk_tokens)["activations"] if group_rows else 0
+    return {"weights": shape.params() * e, **({"logprob_forward": fwd} if fwd > kv else {"kv_cache": kv})}
 
 
 def with_context(parts: dict[str, int], on_gpu: bool) -> dict[str, int]:

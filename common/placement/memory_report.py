@@ -121,7 +121,9 @@ def _others(cfg, plan: Plan, shape: ModelShape, ref_shape: ModelShape, mem: dict
         else:
             q = dict(w.gen).get("Q_batch_size", cfg.Q_batch_size)  # the worker's own round (its HF engine caps it)
             parts = with_context(hf_worker_parts(shape, _dtype_bytes(cfg.worker_dtype),
-                                                 min(cfg.gen_batch_size, q * cfg.num_pre_Q), seq), True)
+                                                 min(cfg.gen_batch_size, q * cfg.num_pre_Q), seq,
+                                                 cfg.num_pre_Q if cfg.compute_gen_logps else 0, cfg.max_new_tokens,
+                                                 cfg.logp_chunk_tokens), True)
             others.setdefault(g, []).append((w.name, sum(parts.values()), describe_parts(parts)))
     return others, short
 
