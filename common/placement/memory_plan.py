@@ -5,7 +5,7 @@ The formula (docs/gpus.md, "Memory estimate", derives each term and compares it 
     rank        = weights + gradients + optimizer states (under the ZeRO stage and world size)
                   + max(activations + chunked LM-head logits at one micro-batch, the optimizer step's transients,
                         the KV cache of the ranks' own generation)
-                  + ZeRO buffers + CUDA context
+                  + ZeRO buffers + CUDA context and NCCL (RANK_CONTEXT)
     ref server  = weights (its dtype) + one forward's transients + CUDA context
     vLLM worker = vllm_gpu_memory_utilization x the GPU (what vLLM reserves; its weights must leave KV room)
     HF worker   = weights + max(KV cache of one generate call, its logprob forward of one group) + CUDA context
@@ -21,6 +21,10 @@ from pathlib import Path
 
 GIB = 1 << 30
 CUDA_CONTEXT = GIB // 2  # CUDA context + cuBLAS workspace of one process (~0.5 GiB on an H100, CUDA 12)
+# A DeepSpeed rank holds more outside torch's allocator: 1.65 GiB measured on an H200 (torch 2.11+cu130, NCCL 2.28,
+# one rank; nvidia-smi minus max_memory_reserved, the same under ZeRO-2, ZeRO-3 and LoRA): the context, NCCL's
+# communicator, library workspaces (docs/benchmarks.md, the GPU check). More ranks give NCCL more peers to buffer.
+RANK_CONTEXT = int(1.65 * GIB)
 FIT_SHARE = 0.9  # an estimate fits a GPU when it is under this share of it: the caching allocator fragments
 # DeepSpeed's bucket defaults (elements) where ds_config leaves them out (runtime/zero/config.py)
 DS_BUCKET = 500_000_000
@@ -219,8 +223,8 @@ def hf_worker_parts(shape: ModelShape, e: int, rows: int, seq_len: int, group_ro
     return {"weights": shape.params() * e, **({"logprob_forward": fwd} if fwd > kv else {"kv_cache": kv})}
 
 
-def with_context(parts: dict[str, int], on_gpu: bool) -> dict[str, int]:
-    return dict(parts, cuda_context=CUDA_CONTEXT) if on_gpu else dict(parts)
+def with_context(parts: dict[str, int], on_gpu: bool, context: int = CUDA_CONTEXT) -> dict[str, int]:
+    return dict(parts, cuda_context=context) if on_gpu else dict(parts)
 
 
 def micro_candidates(rows: int) -> list[int]:

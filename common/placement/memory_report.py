@@ -19,6 +19,7 @@ from common.placement.memory_plan import (
     CUDA_CONTEXT,
     FIT_SHARE,
     GIB,
+    RANK_CONTEXT,
     ModelShape,
     TrainSettings,
     describe_parts,
@@ -149,7 +150,7 @@ def memory_report(cfg, plan: Plan, ref_model: str | None = None, ref_dtype: str 
 
     def rank_need(micro: int, gc: bool) -> dict[str, int]:
         s = train_settings(cfg, ds, shape, plan.num_ranks, len(plan.workers), micro, gc)
-        return with_context(rank_parts(shape, s), True)
+        return with_context(rank_parts(shape, s), True, RANK_CONTEXT)
 
     def room(g: int) -> int:  # what the ranks may use on GPU g
         return int(FIT_SHARE * mem[g]) - sum(b for _, b, _ in others.get(g, []))
