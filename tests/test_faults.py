@@ -100,8 +100,8 @@ def fault_run(tiny_model_dir, tmp_path_factory):
     run_dir, port = tmp / "run", find_free_port()
     url = f"http://127.0.0.1:{port}"
     tlog, wlog = tmp / "trainer.log", tmp / "worker.log"
-    args = ("--all_steps", str(ALL_STEPS), "--save_steps", str(SAVE_STEPS), "--num_gen_workers", "1",
-            "--get_wait", "3", "--lr", "1e-3")
+    common = ("--all_steps", str(ALL_STEPS), "--save_steps", str(SAVE_STEPS), "--lr", "1e-3")
+    args = (*common, "--num_gen_workers", "1", "--get_wait", "3")
     fig: dict = {}
     trainer = worker = None
     try:
@@ -143,7 +143,10 @@ def fault_run(tiny_model_dir, tmp_path_factory):
             fig["rows_at_trainer_kill"] = rows_of(run_dir)
             fig["trainer_killed_rows"] = [r["step"] for r in fig["rows_at_trainer_kill"]]
             fig["checkpoint"] = (run_dir / "ds" / "latest").read_text().strip()
-            resumed = run_process_group(deepspeed_cmd(run_dir, url, *args, "--resume", "true"), cwd=REPO, env=env(),
+            # the worker is dead: resumed without one, the ranks generate at once instead of waiting get_wait
+            # each step for batches that cannot come (~25 s of the fixture)
+            resumed = run_process_group(deepspeed_cmd(run_dir, url, *common, "--num_gen_workers", "0", "--resume",
+                                                      "true"), cwd=REPO, env=env(),
                                         timeout=400)  # past it: the launcher and its ranks are stopped too
             fig["resume_rc"], fig["resume_out"] = resumed.returncode, resumed.stdout + resumed.stderr
             fig["server_log"] = srv2.log()
