@@ -100,15 +100,14 @@ def fault_run(tiny_model_dir, tmp_path_factory):
     run_dir, port = tmp / "run", find_free_port()
     url = f"http://127.0.0.1:{port}"
     tlog, wlog = tmp / "trainer.log", tmp / "worker.log"
-    common = ("--all_steps", str(ALL_STEPS), "--save_steps", str(SAVE_STEPS), "--lr", "1e-3")
-    args = (*common, "--num_gen_workers", "1", "--get_wait", "3")
+    args = ("--all_steps", str(ALL_STEPS), "--save_steps", str(SAVE_STEPS), "--num_gen_workers", "1", "--lr", "1e-3")
     fig: dict = {}
     trainer = worker = None
     try:
         with start_ref_server(tiny_model_dir, "--device", "cpu", port=port) as srv1:
             # a short queue ahead of the trainer: little of the worker's output outlives it
             worker = spawn(worker_cmd(url, "--worker_max_queued", "2"), wlog)
-            trainer = spawn(deepspeed_cmd(run_dir, url, *args), tlog)
+            trainer = spawn(deepspeed_cmd(run_dir, url, *args, "--get_wait", "3"), tlog)
             wait_for(lambda: len(rows_of(run_dir)) >= 2, 300, "first 2 steps", ((trainer, tlog),))
             st = requests.get(url + "/stats", timeout=10).json()
             fig["in_dead_server"] = st["uploads_accepted"] - st["batches_served"]  # queued or scored, not taken
@@ -143,11 +142,10 @@ def fault_run(tiny_model_dir, tmp_path_factory):
             fig["rows_at_trainer_kill"] = rows_of(run_dir)
             fig["trainer_killed_rows"] = [r["step"] for r in fig["rows_at_trainer_kill"]]
             fig["checkpoint"] = (run_dir / "ds" / "latest").read_text().strip()
-            # the worker is dead: resumed without one, the ranks generate at once instead of waiting get_wait
-            # each step for batches that cannot come (~25 s of the fixture)
-            resumed = run_process_group(deepspeed_cmd(run_dir, url, *common, "--num_gen_workers", "0", "--resume",
-                                                      "true"), cwd=REPO, env=env(),
-                                        timeout=400)  # past it: the launcher and its ranks are stopped too
+            # the worker is dead: a short get_wait, not 3 s a step for batches that cannot come (~35 s of the
+            # fixture); still num_gen_workers 1, so the resumed rank 0 publishes weights (meeting the newer ones)
+            resumed = run_process_group(deepspeed_cmd(run_dir, url, *args, "--get_wait", "0.5", "--resume", "true"),
+                                        cwd=REPO, env=env(), timeout=400)  # past it: the launcher and ranks are stopped too
             fig["resume_rc"], fig["resume_out"] = resumed.returncode, resumed.stdout + resumed.stderr
             fig["server_log"] = srv2.log()
     finally:
