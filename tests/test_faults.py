@@ -145,7 +145,7 @@ def fault_run(tiny_model_dir, tmp_path_factory):
             # the worker is dead: a short get_wait, not 3 s a step for batches that cannot come (~35 s of the
             # fixture); still num_gen_workers 1, so the resumed rank 0 publishes weights (meeting the newer ones)
             resumed = run_process_group(deepspeed_cmd(run_dir, url, *args, "--get_wait", "0.5", "--resume", "true"),
-                                        cwd=REPO, env=env(), timeout=400)  # past it: the launcher and ranks are stopped too
+                                        cwd=REPO, env=env(), timeout=400)  # past it: launcher and ranks stopped too
             fig["resume_rc"], fig["resume_out"] = resumed.returncode, resumed.stdout + resumed.stderr
             fig["server_log"] = srv2.log()
     finally:
