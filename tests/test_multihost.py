@@ -138,7 +138,9 @@ def multihost_run(tiny_model_dir, tmp_path_factory, request):
             fig["diagnosis"] = (c.dirs["t0"] / "diagnosis.txt").read_text() \
                 if (c.dirs["t0"] / "diagnosis.txt").is_file() else ""
             fig["rows_before_resume"] = [r["step"] for r in t0_rows()]
-            t0, t1 = c.trainer_host(0, "--resume", "true"), c.trainer_host(1, "--resume", "true")
+            # the worker host is dead: a short get_wait, not 3 s a step for batches that cannot come
+            resume = ("--resume", "true", "--get_wait", "0.5")
+            t0, t1 = c.trainer_host(0, *resume), c.trainer_host(1, *resume)
             for p in (t0, t1):
                 p.wait(600)
             fig["resume_rc"] = (t0.returncode, t1.returncode)
