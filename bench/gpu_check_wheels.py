@@ -3,10 +3,11 @@ that installs them there and runs the check.
 
 The bare machine has torch, transformers, peft, accelerate, numba and tensorboard (and what they pull in) but none
 of our other pins, and no internet. The wheels to carry are our runtime pins (requirements.txt minus test/lint tools
-and the parts the check does not use) with their dependency closure, minus the closure of the preinstalled: shipping a
-package the machine already has would shadow its copy (the check puts ours first on PYTHONPATH). Closures come
-from the installed distributions' metadata in this venv (which holds exactly our pins), markers evaluated for the
-target (Linux x86_64, CPython 3.12), so the list is computed without network; only `gather` downloads.
+and the parts the check does not use) with their dependency closure, minus what the machine has: the closure of the
+preinstalled, as far as the image's package list (gpu_check_lib/image_packages.txt) names it; shipping a package the
+machine already has would shadow its copy (the check puts ours first on PYTHONPATH). Closures come from the
+installed distributions' metadata in this venv (which holds exactly our pins), markers evaluated for the target
+(Linux x86_64, CPython 3.12), so the list is computed without network; only `gather` downloads.
 
     .venv/bin/python bench/gpu_check_wheels.py gather      # -> .whl/*.whl + .whl/manifest.json (<= 64 MiB)
     .venv/bin/python bench/gpu_check_wheels.py list        # what would be gathered (no network)

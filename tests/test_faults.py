@@ -142,7 +142,7 @@ def fault_run(tiny_model_dir, tmp_path_factory):
             fig["rows_at_trainer_kill"] = rows_of(run_dir)
             fig["trainer_killed_rows"] = [r["step"] for r in fig["rows_at_trainer_kill"]]
             fig["checkpoint"] = (run_dir / "ds" / "latest").read_text().strip()
-            # the worker is dead: a short get_wait, not 3 s a step for batches that cannot come (~35 s of the
+            # the worker is dead: a short get_wait, not 3 s a step for batches that cannot come (~20 s of the
             # fixture); still num_gen_workers 1, so the resumed rank 0 publishes weights (meeting the newer ones)
             resumed = run_process_group(deepspeed_cmd(run_dir, url, *args, "--get_wait", "0.5", "--resume", "true"),
                                         cwd=REPO, env=env(), timeout=400)  # past it: launcher and ranks stopped too
