@@ -84,7 +84,8 @@ def lora_run(toy_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     # save_total_limit 0: every step_N adapter stays (the default keeps the newest 2). train_zero_spread: this run
     # checks metrics, sync, checkpoints and resume, not learning; without it a step waits until some group has
-    # reward spread, and once lr 1e-2 had narrowed the toy model's outputs one resumed step waited 160 s for one.
+    # reward spread, which the saturating toy reward may never give again (test_lora_learns_toy_reward; one
+    # resumed step here once waited 160 s).
     common = ("--Q_batch_size", "2", "--get_wait", "3", "--save_steps", "2", "--save_total_limit", "0", "--lr", "1e-2",
               "--train_zero_spread", "true")
     launch(run_dir, toy_model, 1, *common, "--all_steps", "4")
