@@ -13,12 +13,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, find_free_port, run_process_group, start_ref_server, subprocess_env
+from conftest import REPO, find_free_port, launch_as_user, run_process_group, start_ref_server, subprocess_env
 
 pytestmark = pytest.mark.slow
 
 TOY = ["--model", "tiny", "--data", "arith", "--system_prompt", "", "--reward_fns", "toy_rewards:digit_fraction",
        "--max_new_tokens", "8", "--num_pre_Q", "8", "--temperature", "1.0", "--seed", "1"]
+# the same from a user's folder holding toy_rewards.py and tasks/arith.jsonl (launched_run)
+TOY_USER = [("tasks/arith.jsonl" if a == "arith" else a) for a in TOY]
 
 
 def env() -> dict:
@@ -40,28 +42,36 @@ def leftover_processes(marker: str) -> list[str]:
     return out
 
 
-def launch(run_dir: Path, port: int, *trainer_args: str, timeout: float = 400,
-           launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(REPO / "launch.sh"), "train", *launcher, "--run-dir", str(run_dir), "--workers", "1",
-           "--gpus", "2", "--port", str(port), "--", *TOY, "--Q_batch_size", "2", "--get_wait", "3", *trainer_args]
-    return run_process_group(cmd, cwd=REPO, env=env(), timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def launched_run(tmp_path_factory):
-    """launch.sh: 4 steps with one genonly worker, then --resume to 6 steps."""
-    run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    port = find_free_port()
+    """launch.sh as a user runs it: from a folder outside the checkout, no PYTHONPATH, the reward module and the data
+    in that folder, paths relative to it. 4 steps with one genonly worker and the checks (--run-dir myrun); then a
+    second attempt that names the folder the other way, `-- --output_dir myrun`, and resumes to 6 steps over what a
+    save cut short leaves (a DeepSpeed tag newer than `latest`, an HF `.partial`); then `launch.sh status` there.
+    One run read by this file's tests (pipeline, resume, checkpoints) and by the ones that were tests of their own
+    before (each a whole run): relative paths and log rotation (tests/test_launch.py), output_dir after `--`, cut
+    saves and `status` after the run (tests/test_first_hour.py)."""
+    user = tmp_path_factory.mktemp("e2e")
+    (user / "toy_rewards.py").write_text((REPO / "tests" / "toy_rewards.py").read_text())
+    (user / "tasks").mkdir()
+    (user / "tasks" / "arith.jsonl").write_text("".join(
+        f'{{"prompt": "{a} + {b} = ?", "ground_truth": "{a + b}"}}\n' for a in range(1, 9) for b in range(1, 9)))
+    run_dir, port = user / "myrun", find_free_port()
+    args = [*TOY_USER, "--Q_batch_size", "2", "--get_wait", "3", "--save_steps", "2", "--save_total_limit", "1"]
     t0 = time.time()
-    first = launch(run_dir, port, "--all_steps", "4", "--save_steps", "2")
-    # the checks ran (and are asserted) in the first run; the resumed one is about resuming
-    resumed = launch(run_dir, port, "--all_steps", "6", "--save_steps", "2", "--resume", "true",
-                     launcher=("--skip-checks",))
-    return run_dir, port, first, resumed, time.time() - t0
+    first = launch_as_user(user, "train", "--run-dir", "myrun", "--workers", "1", "--gpus", "2", "--port", str(port),
+                           "--", *args, "--all_steps", "4")
+    (run_dir / "ds" / "step99").mkdir(parents=True, exist_ok=True)  # what an interrupted save leaves
+    (run_dir / "step_7.partial").mkdir()
+    # the checks ran (and are asserted) in the first attempt; the second is about resuming, logs and output_dir
+    resumed = launch_as_user(user, "train", "--skip-checks", "--workers", "1", "--gpus", "2", "--port", str(port),
+                             "--", *args, "--output_dir", "myrun", "--all_steps", "6", "--resume", "true")
+    status = launch_as_user(user, "status", timeout=120)
+    return run_dir, port, first, resumed, time.time() - t0, status
 
 
 def test_pipeline_runs_and_exits_cleanly(launched_run):
-    run_dir, port, first, resumed, seconds = launched_run
+    run_dir, port, first, resumed = launched_run[:4]
     for proc in (first, resumed):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("ref_server.log", "worker0.log", "trainer.log"):
@@ -71,6 +81,33 @@ def test_pipeline_runs_and_exits_cleanly(launched_run):
     assert leftover_processes(f"127.0.0.1:{port}") == []  # server, worker and ranks all gone
     worker_log = (run_dir / "worker0.log").read_text()
     assert "uploaded" in worker_log and "Traceback" not in worker_log
+
+
+def test_paths_are_relative_to_the_caller_and_logs_rotate(launched_run):
+    """Relative --run-dir and --data from the user's folder; `-- --output_dir` names the same folder; the second
+    attempt keeps the first one's logs; save_total_limit 1 keeps one DeepSpeed tag; no HF step_N beside an
+    identical `final`."""
+    run_dir = launched_run[0]
+    assert run_dir.parent.name.startswith("e2e") and not (REPO / "myrun").exists()
+    assert "training done: 4 steps" in (run_dir / "trainer.log.1").read_text()
+    assert "training done: 6 steps" in (run_dir / "trainer.log").read_text()
+    for name in ("ref_server", "worker0"):
+        assert (run_dir / f"{name}.log.1").is_file() and (run_dir / f"{name}.log").is_file()
+    assert sorted(p.name for p in (run_dir / "ds").iterdir() if p.is_dir()) == ["step6"]
+    assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_2"]
+    assert (run_dir / "final" / "config.json").is_file()
+
+
+def test_cut_saves_are_removed_and_status_says_how_the_run_ended(launched_run):
+    """A DeepSpeed tag newer than `latest` and an HF `.partial` (an interrupted save's) are removed before the resume
+    loads `latest`; once the run is over, `launch.sh status` says how it ended from the run directory, rc 0 (before:
+    a ConnectionError, rc 1)."""
+    run_dir, status = launched_run[0], launched_run[5]
+    assert not (run_dir / "ds" / "step99").exists() and not list(run_dir.glob("*.partial")), sorted(run_dir.iterdir())
+    assert status.returncode == 0, status.stdout + status.stderr
+    line = status.stdout.strip().splitlines()[-1]
+    assert "exit 0 (done)" in line and "last step 6" in line and str(run_dir / "final") in line, line
+    assert "Traceback" not in status.stderr and "ConnectionError" not in status.stdout + status.stderr
 
 
 def test_metrics_have_every_step_once(launched_run):
@@ -84,7 +121,7 @@ def test_metrics_have_every_step_once(launched_run):
 
 
 def test_resume_continues_step_count(launched_run):
-    run_dir, _, _, resumed, _ = launched_run
+    run_dir = launched_run[0]
     log = (run_dir / "trainer.log").read_text()
     assert "resumed from" in log and "at step 4" in log
     assert (run_dir / "ds" / "step6").is_dir()

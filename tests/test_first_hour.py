@@ -147,26 +147,8 @@ def test_nothing_spins_and_none_is_shown_as_none(caplog):
         rep.add(_stats(0, {}, skipped_long=1), produced=0)
 
 
-@pytest.mark.slow  # a launch.sh train run
-def test_output_dir_status_after_the_run_and_incomplete_checkpoints(tmp_path):
-    """output_dir after -- (no --run-dir) is honoured, relative to the caller's folder, not the checkout; checkpoints
-    an interrupted save left (a DeepSpeed tag newer than `latest`, an HF `.partial`) are removed; once the run is
-    over, `launch.sh status` says how it ended from the run directory, rc 0 (before: a ConnectionError, rc 1)."""
-    out = tmp_path / "myout"
-    (out / "ds" / "step99").mkdir(parents=True)  # what an earlier attempt's cut save leaves
-    (out / "step_7.partial").mkdir()
-    port = find_free_port()
-    proc = launch(tmp_path, "train", "--port", str(port), "--", *BASE, "--output_dir", "myout", "--all_steps", "1",
-                  "--get_wait", "2", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (out / "final" / "config.json").is_file() and (out / "trainer.log").is_file(), sorted(out.iterdir())
-    assert not (out / "ds" / "step99").exists() and not (out / "step_7.partial").exists()
-    assert not list(out.glob("*.partial")), sorted(out.iterdir())
-    status = launch(tmp_path, "status", timeout=120)
-    assert status.returncode == 0, status.stdout + status.stderr
-    line = status.stdout.strip().splitlines()[-1]
-    assert "exit 0 (done)" in line and "last step 1" in line and str(out / "final") in line, line
-    assert "Traceback" not in status.stderr and "ConnectionError" not in status.stdout + status.stderr
+# output_dir after -- (no --run-dir), the checkpoints a cut save leaves, and `launch.sh status` once the run is over:
+# tests/test_e2e.py's shared run, as a user runs it (test_cut_saves_are_removed_and_status_says_how_the_run_ended).
 
 
 @pytest.mark.slow  # a launch.sh train run

@@ -1,5 +1,6 @@
 """launch.sh as a new user meets it (issue 11): a port held by another run, a ref server that dies, a wrong
-model path, paths relative to where it is run, logs of an earlier attempt, and the stop-and-say-why paths."""
+model path, and the stop-and-say-why paths (paths relative to where it is run and logs of an earlier attempt: read
+from tests/test_e2e.py's shared run)."""
 from __future__ import annotations
 
 import os
@@ -66,31 +67,8 @@ def test_launch_stops_at_once_when_the_server_dies(tmp_path, free_port):
     assert "Traceback" not in log and len(log.strip().splitlines()) <= 3, log
 
 
-def test_paths_are_relative_to_the_caller_and_logs_rotate(tmp_path, free_port):
-    """Relative --run-dir/--data from another directory; a second attempt keeps the first one's logs."""
-    data = tmp_path / "tasks" / "arith.jsonl"
-    data.parent.mkdir()
-    data.write_text("".join(f'{{"prompt": "{a} + {a} = ?", "ground_truth": "{2 * a}"}}\n' for a in range(1, 9)))
-    common = ["--workers", "1", "--gpus", "2", "--port", str(free_port), "--", "--model", "tiny",
-              "--data", "tasks/arith.jsonl", "--reward_fns", "toy_rewards:digit_fraction", "--system_prompt", "",
-              "--max_new_tokens", "8", "--num_pre_Q", "4", "--temperature", "1.0", "--get_wait", "3",
-              "--save_steps", "1", "--save_total_limit", "1"]
-    first = launch("--run-dir", "myrun", *common, "--all_steps", "2", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    run = tmp_path / "myrun"
-    assert (run / "metrics.jsonl").is_file() and not (REPO / "myrun").exists()
-    # the checks (relative --data included) ran in the first attempt; the second is about logs, resume, retention
-    second = launch("--skip-checks", "--run-dir", "myrun", *common, "--all_steps", "3", "--resume", "true",
-                    cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "training done: 2 steps" in (run / "trainer.log.1").read_text()
-    assert "training done: 3 steps" in (run / "trainer.log").read_text()
-    for name in ("ref_server", "worker0"):
-        assert (run / f"{name}.log.1").is_file() and (run / f"{name}.log").is_file()
-    # retention (save_total_limit=1) and no HF step_N next to an identical `final`
-    assert sorted(p.name for p in (run / "ds").iterdir() if p.is_dir()) == ["step3"]
-    assert sorted(p.name for p in run.glob("step_*")) == ["step_1"]
-    assert (run / "final" / "config.json").is_file()
+# Relative --run-dir/--data from another folder and a second attempt keeping the first one's logs: read from
+# tests/test_e2e.py's shared run (test_paths_are_relative_to_the_caller_and_logs_rotate there), one run fewer.
 
 
 @pytest.fixture(scope="module")
