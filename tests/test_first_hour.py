@@ -152,23 +152,52 @@ def test_nothing_spins_and_none_is_shown_as_none(caplog):
 
 
 @pytest.mark.slow  # a launch.sh train run
-def test_ctrl_c_prints_the_exact_resume_command(tmp_path):
+def test_ctrl_c_stops_everything_and_prints_the_exact_resume_command(tmp_path):
+    """Ctrl-C to launch.sh mid-run: exit 130, every process of the run gone, and the last line the command that
+    resumes it."""
+    import os
     import signal
+
+    from test_e2e import leftover_processes
+
+    def run_processes(*markers: str) -> list[str]:
+        return sorted({p for m in markers for p in leftover_processes(m)})
     args = [*BASE, "--all_steps", "50", "--save_steps", "1", "--get_wait", "2"]
     # SIGINT at its default disposition, as a terminal's Ctrl-C finds it: a suite started in the background of a
     # non-interactive shell (nohup ... &) inherits SIGINT ignored, and bash cannot trap a signal ignored on entry
     # (then the run went on to its end and this timed out; test_faults.py does the same)
+    port = find_free_port()
     proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), "train", "--run-dir", "r", "--port",
-                             str(find_free_port()), "--", *args], cwd=tmp_path, env=user_env(),
+                             str(port), "--", *args], cwd=tmp_path, env=user_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = tmp_path / "r" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
-        time.sleep(1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    markers = (f"--port {port}", f"127.0.0.1:{port}", str(tmp_path / "r"))  # server, worker, launcher, ranks
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
+            time.sleep(1)
+        children = run_processes(*markers)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        seconds = time.monotonic() - t0
+        gone = time.monotonic() + 20
+        while run_processes(*markers) and time.monotonic() < gone:
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for line in run_processes(*markers):  # never leave anything behind, even on failure
+            try:
+                os.killpg(int(line.split(":")[0]), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    print(f"\nlaunch.sh: SIGINT -> exit {proc.returncode} in {seconds:.1f} s; {len(children)} processes of the run "
+          f"before, {len(run_processes(*markers))} after")
     assert proc.returncode == 130, err[-3000:]
+    # every child stopped (before: tests/test_faults.py's own run), said on the way out
+    assert "stopped everything" in err and run_processes(*markers) == [], err[-3000:]
     line = err.strip().splitlines()[-1]  # the last line says how to go on
     assert "to continue this run" in line, err[-3000:]
     cmd = line.split("from its last checkpoint: ", 1)[1]
