@@ -46,47 +46,62 @@ def test_latest_is_written_by_other_hosts_leaders_only(tmp_path, monkeypatch):
     assert (ds / "latest").read_text() == "step4"
 
 
-def _agree(rank: int, world: int, port: int, ds_dir: str, q) -> None:
+def _agree(rank: int, world: int, port: int, ds_dirs: list[str], q) -> None:
+    """One 'host': agreed_tag on each case's directory in turn, in one gloo group (every rank gets the same answer
+    or raises the same error, so the group stays in step from one case to the next)."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = []
     try:
-        q.put((rank, nodes.agreed_tag(Path(ds_dir))))
-    except ValueError as e:
-        q.put((rank, f"error: {e}"))
+        for d in ds_dirs:
+            try:
+                out.append(nodes.agreed_tag(Path(d)))
+            except ValueError as e:
+                out.append(f"error: {e}")
     finally:
+        q.put((rank, out))
         dist.destroy_process_group()
 
 
-def _run_agree(dirs: list[Path]) -> dict:
+CASES = [(("step4", "step4"), "step4"), ((None, None), None), (("step4", None), "error"), (("step4", "step8"), "error")]
+
+
+@pytest.fixture(scope="module")
+def agreed(tmp_path_factory) -> tuple[list[list[Path]], dict]:
+    """Every case in one pair of processes (each spawn imports torch: a group per case cost 4x the start-up)."""
     from conftest import find_free_port
+    tmp = tmp_path_factory.mktemp("agree")
+    dirs = []  # dirs[case][host]
+    for c, (tags, _) in enumerate(CASES):
+        dirs.append([])
+        for i, tag in enumerate(tags):
+            d = tmp / f"case{c}" / f"host{i}" / "ds"
+            d.mkdir(parents=True)
+            if tag:
+                (d / "latest").write_text(tag)
+            dirs[-1].append(d)
     ctx, port = mp.get_context("spawn"), find_free_port()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_agree, args=(r, len(dirs), port, str(d), q)) for r, d in enumerate(dirs)]
+    procs = [ctx.Process(target=_agree, args=(r, 2, port, [str(d[r]) for d in dirs], q)) for r in range(2)]
     for p in procs:
         p.start()
     out = dict(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(60)
-    return out
+    return dirs, out
 
 
-@pytest.mark.parametrize("tags,expect", [(("step4", "step4"), "step4"), ((None, None), None),
-                                         (("step4", None), "error"), (("step4", "step8"), "error")])
-def test_resume_tag_must_agree_across_hosts(tmp_path, tags, expect):
-    dirs = []
-    for i, tag in enumerate(tags):
-        d = tmp_path / f"host{i}" / "ds"
-        d.mkdir(parents=True)
-        if tag:
-            (d / "latest").write_text(tag)
-        dirs.append(d)
-    out = _run_agree(dirs)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["same", "none", "one_missing", "different"])
+def test_resume_tag_must_agree_across_hosts(agreed, case):
+    (tags, expect), (dirs, out) = CASES[case], agreed
+    got = {rank: results[case] for rank, results in out.items()}
     if expect == "error":
-        for rank in out:  # every rank raises the same error, listing each host's latest
-            assert out[rank].startswith("error: --resume"), out
-            assert f"{dirs[0]}/latest = step4" in out[rank] and f"{dirs[1]}/latest = {tags[1] or 'none'}" in out[rank]
+        for rank in got:  # every rank raises the same error, listing each host's latest
+            assert got[rank].startswith("error: --resume"), got
+            assert f"{dirs[case][0]}/latest = step4" in got[rank], got
+            assert f"{dirs[case][1]}/latest = {tags[1] or 'none'}" in got[rank], got
     else:
-        assert out == {0: expect, 1: expect}
+        assert got == {0: expect, 1: expect}
 
 
 def test_status_groups_participants_by_host():
