@@ -64,12 +64,12 @@ def notes_seen(completions, environments, level, log_extra, **kwargs):
 '''
 
 
-def train(user, name: str, extra: list[str], rows: list[dict]) -> tuple[list[dict], list[dict]]:
+def train(user, name: str, extra: list[str], rows: list[dict], *launcher: str) -> tuple[list[dict], list[dict]]:
     (user / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["--model", "tiny", "--data", "train.jsonl", "--num_pre_Q", "4", "--Q_batch_size", "1",
             "--max_new_tokens", "12", "--all_steps", "2", "--save_steps", "100", "--get_wait", "2",
             "--train_zero_spread", "true", "--log_completions", "true", "--lr", "1e-5", *extra]
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", name, "--workers", "1", "--gpus", "2",
+    cmd = ["bash", str(REPO / "launch.sh"), "train", *launcher, "--run-dir", name, "--workers", "1", "--gpus", "2",
            "--port", str(find_free_port()), "--", *args]
     proc = run_process_group(cmd, cwd=user, env=user_env(), timeout=900)
     run = user / name
@@ -88,8 +88,10 @@ def test_environment_and_async_and_trainer_state_rewards(tmp_path):
     (user / "my_env.py").write_text(ENV)
     (user / "my_rewards.py").write_text(REWARDS)
 
+    # --skip-checks: the checks' environment path (rows reset, instances copied, one-line refusals) is
+    # tests/test_env_rewards.py's test_launch_check_scores_environment_rewards_...; the second run keeps them
     metrics, done = train(user, "env_run", ["--environment_factory", "my_env:Board", "--reward_fns", "[]"],
-                          [{"level": i} for i in range(8)])  # no prompt: reset() gives it
+                          [{"level": i} for i in range(8)], "--skip-checks")  # no prompt: reset() gives it
     for r in done:  # the only reward: the environment's, read before its episode ended (else None)
         assert set(r["rewards"]) == {"Board"} and r["rewards"]["Board"] is not None and r["rewards"]["Board"] >= 0.5
         assert "user\n Write notes if you like (reset got ['level']).<|im_end|>" in r["prompt"]
