@@ -1,9 +1,10 @@
 """Run by tests/test_eval_shard.py under `deepspeed --num_gpus 2`: the in-training eval (trainer/loop.py
-run_eval) on real DeepSpeed ranks at a ZeRO stage below 3, with a record of the prompts each rank generated
-for, next to one process evaluating the whole set (trainer/evaluate.py evaluate, no collective). Prints one
-line `EVALPROBE {json}` per rank.
+run_eval) on real DeepSpeed ranks at each ZeRO stage of STAGES (below 3; comma-separated, a fresh engine from the
+same weights each: one launch's start-up for all), with a record of the prompts each rank generated for, next to one
+process evaluating the whole set (trainer/evaluate.py evaluate, no collective). Prints one line `EVALPROBE {json}`
+per rank and stage.
 
-    deepspeed --num_gpus 2 tests/eval_shard_probe.py MODEL_DIR ZERO_STAGE
+    deepspeed --num_gpus 2 tests/eval_shard_probe.py MODEL_DIR STAGES
 """
 from __future__ import annotations
 
@@ -26,10 +27,16 @@ N_EXAMPLES = 7  # odd: the ranks' shares differ in size
 
 
 def main() -> None:
-    model, stage = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    cfg = GRPOConfig(model=model, zero_stage=int(stage), data="arith", system_prompt="", eval_max_new_tokens=8,
-                     gen_batch_size=1, dist_timeout=120, output_dir="/nonexistent-not-written").validate()
+    model, stages = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    cfg = GRPOConfig(model=model, data="arith", system_prompt="", eval_max_new_tokens=8, gen_batch_size=1,
+                     dist_timeout=120, output_dir="/nonexistent-not-written").validate()
     deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
+    for stage in map(int, stages.split(",")):
+        probe_stage(replace(cfg, zero_stage=stage).validate(), deepspeed, rank, world, on_gpu)
+
+
+def probe_stage(cfg: GRPOConfig, deepspeed, rank: int, world: int, on_gpu: bool) -> None:
+    model = cfg.model
     engine, zero_stage, _ = build_engine(cfg, deepspeed, model, on_gpu)
     policy, tok = engine.module, load_tokenizer(model)
     examples = load_examples("arith", split="test", limit=N_EXAMPLES)

@@ -16,17 +16,27 @@ from test_e2e import env
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_each_rank_evaluates_its_share_and_the_sum_is_the_whole_set(tiny_model_dir, stage):
+STAGES = (0, 2)
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_model_dir) -> tuple[str, list[dict]]:
+    """ONE launch for both stages (a fresh engine each in the same ranks: a launch each cost a DeepSpeed start-up of
+    two ranks)."""
     cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           str(REPO / "tests" / "eval_shard_probe.py"), str(tiny_model_dir), str(stage)]
-    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=300)
+           str(REPO / "tests" / "eval_shard_probe.py"), str(tiny_model_dir), ",".join(map(str, STAGES))]
+    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=300 * len(STAGES))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     # the launcher may put the two ranks' lines together: read each JSON object after its marker
-    ranks = sorted((json.JSONDecoder().raw_decode(part)[0] for part in proc.stdout.split("EVALPROBE ")[1:]),
-                   key=lambda r: r["rank"])
-    assert [r["rank"] for r in ranks] == [0, 1] and all(r["zero_stage"] == stage for r in ranks)
+    return out, [json.JSONDecoder().raw_decode(part)[0] for part in proc.stdout.split("EVALPROBE ")[1:]]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_rank_evaluates_its_share_and_the_sum_is_the_whole_set(probe, stage):
+    out, lines = probe
+    ranks = sorted((r for r in lines if r["zero_stage"] == stage), key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1], out[-4000:]
     # disjoint shares covering every example once, the same split on every run (rank r: r, r + 2, ...)
     assert ranks[0]["evaluated"] == [0, 2, 4, 6], ranks[0]["evaluated"]
     assert ranks[1]["evaluated"] == [1, 3, 5], ranks[1]["evaluated"]

@@ -107,13 +107,37 @@ def test_bounded_packs_make_the_float64_update(dist, stage, aggregation, tools):
     assert stats["padding_free"] == 1.0 and stats["padding_share"] == 0.0
 
 
+@pytest.fixture(scope="module")
+def two_rank_updates(tmp_path_factory) -> dict:
+    """One real `deepspeed --num_gpus 2` launch (tests/zero3_update_probe.py) for both slow cases below: stage 0,
+    stage 3, and stage 3 with packs of at most PACK tokens, each a fresh engine from the same weights (a launch each
+    cost a DeepSpeed start-up of two ranks)."""
+    return probe_updates(tmp_path_factory.mktemp("probe"), f"0,3,3@{PACK}")
+
+
 @pytest.mark.slow
-def test_two_zero3_ranks_with_different_pack_counts_make_the_float64_update(tmp_path):
+def test_two_zero3_ranks_make_the_zero0_update(two_rank_updates):
+    """Real `deepspeed --num_gpus 2` (gloo) ranks at stages 0 and 3 on the same batches: the ZeRO-3 update
+    (partitioned weights and gradients, reduce-scatter) equals the ZeRO-0 one."""
+    runs = {k: two_rank_updates[k] for k in ("0", "3")}
+    assert runs["0"]["global_steps"] == runs["3"]["global_steps"] == 1
+    assert runs["0"]["zero_stage"] == 0 and runs["3"]["zero_stage"] == 3
+    for n, w0 in runs["0"]["before"].items():
+        assert torch.equal(w0, runs["3"]["before"][n]), n  # the same start
+        want, got = w0 - runs["0"]["after"][n], runs["3"]["before"][n] - runs["3"]["after"][n]
+        assert float(want.abs().max()) > 0, n
+        ulp = torch.finfo(torch.float32).eps * float(w0.abs().max())  # the float32 weights' own rounding
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 2 * ulp,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_with_different_pack_counts_make_the_float64_update(two_rank_updates):
     """`deepspeed --num_gpus 2` at stage 3 (tests/zero3_update_probe.py), dapo over both ranks, packs of at most
     PACK tokens, rank 0's micro-batches needing other pack counts than rank 1's: the update equals the float64
     gradient of the loss over all four batches (DeepSpeed averages the ranks' gradients; dapo's normaliser
     counts both ranks' tokens)."""
-    run = probe_updates(tmp_path, "3", str(PACK))[3]
+    run = two_rank_updates[f"3@{PACK}"]
     assert run["global_steps"] == 1 and run["zero_stage"] == 3
     cfg = config("dapo", "token", grad_accum=2)
     cfg.pack_tokens = PACK

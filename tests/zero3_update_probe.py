@@ -1,15 +1,17 @@
-"""Run by tests/test_microbatch.py under `deepspeed --num_gpus 2`: each rank trains one update on its own two
-batches (grad_accum 2) in micro-batches of 3 rows with plain SGD (lr 1), dapo (a token normaliser over both ranks),
-gradient checkpointing on, at each ZeRO stage of STAGES in turn (comma-separated, a fresh engine from the same weights
-each: one launch's process start-up for all of them); rank 0 writes {stage: the full weights before and after the
-update}.
+"""Run by tests/test_pack_bound.py (test_microbatch.probe_updates) under `deepspeed --num_gpus 2`: each rank
+trains one update on its own two batches (grad_accum 2) in micro-batches of 3 rows with plain SGD (lr 1), dapo (a
+token normaliser over both ranks), gradient checkpointing on, for each entry of STAGES in turn (comma-separated, a
+fresh engine from the same weights each: one launch's process start-up for all of them); rank 0 writes {entry: the
+full weights before and after the update}.
 
-    deepspeed --num_gpus 2 tests/zero3_update_probe.py STAGES OUT_FILE [PACK_TOKENS]
+    deepspeed --num_gpus 2 tests/zero3_update_probe.py STAGES OUT_FILE
 
-PACK_TOKENS: packed forwards of at most that many tokens (tests/test_pack_bound.py), else the default.
+An entry is a ZeRO stage, `S`, or `S@P`: stage S with packed forwards of at most P tokens (pack_tokens), else the
+default.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import deepspeed
@@ -20,22 +22,23 @@ from trainer.objective.update import new_round, train_update
 
 
 def main() -> None:
-    stages, out, *pack = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # launcher: --local_rank=N
+    stages, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # launcher: --local_rank=N
     init_gloo(deepspeed)
     rank = torch.distributed.get_rank()
-    cfg = config("dapo", "token", grad_accum=2)
-    if pack:
-        cfg.pack_tokens = int(pack[0])
     runs = {}
-    for stage in map(int, stages.split(",")):
+    for entry in stages.split(","):
+        stage, _, pack = entry.partition("@")
+        stage, cfg = int(stage), config("dapo", "token", grad_accum=2)
+        if pack:
+            cfg = dataclasses.replace(cfg, pack_tokens=int(pack))
         engine = sgd_engine(deepspeed, stage, grad_accum=2, gradient_checkpointing=True)
         batches = [make_batch(engine.module.config.vocab_size, seed) for seed in (2 * rank + 1, 2 * rank + 2)]
         before = full_weights(deepspeed, engine)  # a collective under ZeRO-3: every rank
         train_update(engine, new_round(batches, cfg, "cpu"), cfg)
         after = full_weights(deepspeed, engine)
-        runs[stage] = {"before": before, "after": after, "global_steps": engine.global_steps,
+        runs[entry] = {"before": before, "after": after, "global_steps": engine.global_steps,
                        "zero_stage": engine.zero_optimization_stage()}
-        print(f"rank{rank} stage {stage} updated", flush=True)
+        print(f"rank{rank} stage {entry} updated", flush=True)
         del engine
     if rank == 0:
         torch.save(runs, out)
