@@ -48,10 +48,9 @@ class Checker:
         except Exception as e:  # every check reports its own failure in one line, and the others still run
             first, *more = str(e).strip().splitlines() or [""]  # details (a reward's row, completion) below it
             detail, ok = " ".join(f"{type(e).__name__}: {first}".split()), False
+            self.failed.append(name)
         else:
             ok = True
-        if not ok:
-            self.failed.append(name)
         print(f"{'ok  ' if ok else 'FAIL'} {name:<8} {detail} ({time.time() - t0:.1f} s)", flush=True)
         for line in more:
             print(f"     | {line}", flush=True)
@@ -327,4 +326,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.fast_exit import exit_cleanly  # scorers, tool boxes, port probe closed: skip the teardown
+    exit_cleanly(main())

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import re
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -259,3 +260,6 @@ def by_reward(res: dict, names: list[str]) -> dict:
 
 if __name__ == "__main__":
     main()
+    if "vllm" not in sys.modules:  # closed: skip the teardown (common/fast_exit.py); vLLM's engine: its own shutdown
+        from common.fast_exit import exit_cleanly
+        exit_cleanly(0)
