@@ -115,3 +115,5 @@ if __name__ == "__main__":
     user, out = Path(sys.argv[1]), Path(sys.argv[2])
     write_user_tools(user)
     sft(out, schemas_of(user))
+    from common.fast_exit import exit_cleanly  # saved: skip the interpreter's teardown (~1 CPU-s)
+    exit_cleanly(0)

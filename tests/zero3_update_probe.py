@@ -49,3 +49,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from common.fast_exit import exit_cleanly  # done: skip the interpreter's teardown (~1 CPU-s a rank)
+    exit_cleanly(0)
