@@ -31,7 +31,7 @@ ARGS = ["--model", "tiny", "--data", "train.json", "--reward_fns", "my_rewards:d
         "--bf16", "false", "--logging_steps", "1", "--reward_timeout", "5"]
 
 
-def test_check_prints_the_trl_prompt_and_refuses_push_to_hub_with_the_reason(folder):
+def test_check_prints_the_trl_prompt_and_refuses_push_to_hub_with_the_reason(folder, monkeypatch, capsys):
     ok = launch(folder, "check", "--config", TRL_DEFAULTS, "--port", str(find_free_port()), "--", *ARGS)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     shown = [line for line in ok.stdout.splitlines() if line.startswith("     | ")]
@@ -40,23 +40,33 @@ def test_check_prints_the_trl_prompt_and_refuses_push_to_hub_with_the_reason(fol
                   "true")
     assert vllm.returncode == 0 and "check: all passed" in vllm.stdout, vllm.stdout + vllm.stderr
     assert "workers generate with vllm" in vllm.stdout, vllm.stdout  # TRL's use_vllm: gen_backend vllm
-    hub = launch(folder, "check", "--port", str(find_free_port()), "--", *ARGS, "--push_to_hub", "true")
-    out = hub.stdout + hub.stderr
-    assert hub.returncode != 0 and "'push_to_hub'=True (pushing to the Hugging Face Hub is not supported" in out, out
+    # the TRL options' refusals and acceptances: through trainer.check itself (what `launch.sh check` execs, in the
+    # folder with its GRPO_USER_DIR), each launch.sh call costing a torch + transformers import for a config line
+    from trainer.check import main as check
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("GRPO_USER_DIR", str(folder))  # as launch.sh sets it (common/user_code.py)
+
+    def run(*args: str) -> tuple[int, str]:
+        code = check(["--port", str(find_free_port()), "--", *ARGS, *args])
+        got = capsys.readouterr()
+        return code, got.out + got.err
+
+    code, out = run("--push_to_hub", "true")
+    assert code != 0 and "'push_to_hub'=True (pushing to the Hugging Face Hub is not supported" in out, out
     assert "unknown option" not in out
     (folder / "hub.json").write_text(json.dumps({"push_to_hub": True}))
-    in_file = launch(folder, "check", "--config", "hub.json", "--port", str(find_free_port()), "--", *ARGS)
-    assert in_file.returncode != 0 and "'push_to_hub'=True (pushing" in in_file.stdout + in_file.stderr
-    fine = launch(folder, "check", "--port", str(find_free_port()), "--", *ARGS, "--push_to_hub", "false",
-                  "--remove_unused_columns", "false", "--shuffle_dataset", "true")
-    assert fine.returncode == 0, fine.stdout + fine.stderr  # what we do anyway: accepted
+    code, out = run("--config", "hub.json")
+    assert code != 0 and "'push_to_hub'=True (pushing" in out, out
+    code, out = run("--push_to_hub", "false", "--remove_unused_columns", "false", "--shuffle_dataset", "true")
+    assert code == 0, out  # what we do anyway: accepted
 
 
 @pytest.mark.slow
 def test_trl_defaults_send_the_text_prompt_as_trl_does(folder):
-    proc = launch(folder, "train", "--config", TRL_DEFAULTS, "--run-dir", "run", "--workers", "1", "--gpus", "2",
-                  "--port", str(find_free_port()), "--", *ARGS, "--max_steps", "1", "--log_completions", "true",
-                  "--get_wait", "240", "--save_steps", "100", timeout=600)
+    # --skip-checks: the checks on this config and these arguments are the test above's first `launch.sh check`
+    proc = launch(folder, "train", "--skip-checks", "--config", TRL_DEFAULTS, "--run-dir", "run", "--workers", "1",
+                  "--gpus", "2", "--port", str(find_free_port()), "--", *ARGS, "--max_steps", "1", "--log_completions",
+                  "true", "--get_wait", "240", "--save_steps", "100", timeout=600)
     run = folder / "run"
     logs = {n: (run / n).read_text() for n in ("trainer.log", "worker0.log") if (run / n).is_file()}
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
