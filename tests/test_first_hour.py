@@ -1,6 +1,7 @@
 """The first hour of a new user (issue 41), run as they run it: launch.sh from a folder outside the checkout, no
-PYTHONPATH. --help through launch.sh, the docs' python commands, a port in TIME-WAIT, a reward that raises, a prompt
-the tools push past max_prompt_length.
+PYTHONPATH (a check's own line: trainer.check in that folder, which is what `launch.sh check` execs). --help through
+launch.sh, the docs' python commands, a port in TIME-WAIT, a reward that raises, a prompt the tools push past
+max_prompt_length.
 
 Before: `launch.sh train -- --help` exited 127 (the help was taken for the model name and eval'ed); `check` bound
 0.0.0.0 without SO_REUSEADDR and called a port in TIME-WAIT taken."""
@@ -55,11 +56,21 @@ def _time_wait_port() -> int:
     return port
 
 
-def test_check_passes_on_a_port_in_time_wait(tmp_path):
+def check_in(folder, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """trainer.check itself, what `launch.sh check` execs, run in `folder` with its GRPO_USER_DIR as launch.sh sets
+    it: for a check's own line, a launch.sh start (a torch + transformers import, ~5 CPU-s) adds nothing."""
+    from trainer.check import main as check
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("GRPO_USER_DIR", str(folder))  # common/user_code.py
+    code = check(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_check_passes_on_a_port_in_time_wait(tmp_path, monkeypatch, capsys):
     port = _time_wait_port()
-    proc = launch(tmp_path, "check", "--port", str(port), "--", *BASE, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert f"ok   port     {port} on 127.0.0.1 is free" in proc.stdout, proc.stdout
+    code, out = check_in(tmp_path, monkeypatch, capsys, "--port", str(port), "--", *BASE)
+    assert code == 0, out
+    assert f"ok   port     {port} on 127.0.0.1 is free" in out, out
 
 
 PICKY = '''def picky(completion, ground_truth):
@@ -75,7 +86,7 @@ def _rows(*answers: int) -> str:
 
 
 @pytest.mark.slow  # a launch.sh train run
-def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path):
+def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, monkeypatch, capsys):
     """check scores whole groups of the first rows: it names the function, the row and ValueError. Past the rows
     check reads, training meets it: the run ends within 120 s, its last line naming the function and ValueError
     (before: `worker0 exited with code 1: <the completion's text>`)."""
@@ -83,10 +94,10 @@ def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path):
     (tmp_path / "early.jsonl").write_text(_rows(2, 8, 4, 6))
     (tmp_path / "late.jsonl").write_text(_rows(2, 4, 6, 8))
     args = [*BASE, "--reward_fns", "my_rewards:picky", "--get_wait", "2"]
-    check = launch(tmp_path, "check", "--port", str(find_free_port()), "--", *args, "--data", "early.jsonl",
-                   timeout=300)
-    fail = next(x for x in check.stdout.splitlines() if x.startswith("FAIL"))
-    assert check.returncode != 0 and fail.startswith("FAIL rewards"), check.stdout
+    code, out = check_in(tmp_path, monkeypatch, capsys, "--port", str(find_free_port()), "--", *args, "--data",
+                         "early.jsonl")
+    fail = next(x for x in out.splitlines() if x.startswith("FAIL"))
+    assert code != 0 and fail.startswith("FAIL rewards"), out
     assert "'picky' failed on row 1 (columns: prompt, ground_truth): ValueError: cannot score" in fail, fail
     t0 = time.time()
     proc = launch(tmp_path, "train", "--run-dir", "run", "--port", str(find_free_port()), "--", *args,
@@ -99,14 +110,14 @@ def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path):
     print(f"reward error ended the run in {seconds:.0f} s: {last}")
 
 
-def test_check_counts_the_tools_section_against_max_prompt_length(tmp_path):
+def test_check_counts_the_tools_section_against_max_prompt_length(tmp_path, monkeypatch, capsys):
     """The arith prompt alone fits 100 tokens; with the calculator's schema rendered by the chat template it does
     not (before: check passed, and every prompt was skipped until stall_timeout)."""
-    proc = launch(tmp_path, "check", "--port", str(find_free_port()), "--", *BASE, "--tools", "calculator",
-                  "--max_prompt_length", "100", timeout=300)
-    fail = next(x for x in proc.stdout.splitlines() if x.startswith("FAIL"))
-    assert proc.returncode != 0 and fail.startswith("FAIL data") and "max_prompt_length 100" in fail, proc.stdout
-    assert "tools section" in fail and "nothing was started" not in proc.stderr
+    code, out = check_in(tmp_path, monkeypatch, capsys, "--port", str(find_free_port()), "--", *BASE, "--tools",
+                         "calculator", "--max_prompt_length", "100")
+    fail = next(x for x in out.splitlines() if x.startswith("FAIL"))
+    assert code != 0 and fail.startswith("FAIL data") and "max_prompt_length 100" in fail, out
+    assert "tools section" in fail, fail
 
 
 def _stats(groups: int, components: dict, skipped_long: int = 0):
