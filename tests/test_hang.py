@@ -4,7 +4,8 @@
   own rollouts, SIGCONT and it rejoins;
 - SIGSTOP the ref server: the run exits non-zero within stall_timeout + a margin, naming the server;
 - SIGKILL one of two ranks: the other exits within dist_timeout + a margin, naming it;
-- SIGKILL the trainer at step k and --resume: the same example indices per step as an uninterrupted run.
+- SIGKILL the trainer at step k and --resume: the same example indices per step as an uninterrupted run (the
+  first steps of the rank-killing run, made on the same arguments).
 Detection times are printed (pytest -s shows them).
 """
 from __future__ import annotations
@@ -164,15 +165,33 @@ def test_stopped_ref_server_ends_the_run_naming_it(tmp_path):
     assert leftover_processes(f"127.0.0.1:{port}") == []
 
 
-@pytest.mark.parametrize("term_first", [False, True], ids=["watchdog_first", "launcher_term_first"])
-def test_killed_rank_ends_its_peer_naming_it(tmp_path, term_first):
+# the SIGKILL-and-resume test's arguments (less all_steps): lr 0 keeps the weights, so which examples each step trains
+# is down to the ranks' samplers and RNG streams alone (see that test)
+SAME_EXAMPLES = ("--save_steps", "2", "--seed", "5", "--lr", "0")
+
+
+@pytest.fixture(scope="module")
+def killed_rank_runs(tmp_path_factory):
+    """run(term_first) -> a rank-killing run's figures, made once per kind. The watchdog_first run is also the
+    uninterrupted run the SIGKILL-and-resume test compares with: its rank 1 is killed only after 6 steps, on that
+    test's arguments (a run of its own cost a whole start-up: ref server, launcher, two ranks)."""
+    made: dict[bool, dict] = {}
+
+    def run(term_first: bool) -> dict:
+        if term_first not in made:
+            made[term_first] = kill_a_rank(tmp_path_factory.mktemp("killed") / "run", term_first,
+                                           rows_first=2 if term_first else 6)
+        return made[term_first]
+    return run
+
+
+def kill_a_rank(run_dir: Path, term_first: bool, rows_first: int, dist_timeout: float = 20.0) -> dict:
     """term_first: rank 0 gets the deepspeed launcher's SIGTERM before its own peer check could run (the
     launcher's 1 s poll can win under load); it must still name the dead rank, not just vanish."""
-    run_dir, port, dist_timeout = tmp_path / "run", find_free_port(), 20.0
-    proc = start_launch(run_dir, port, 0, "--all_steps", "100000", "--save_steps", "100000",
-                        "--dist_timeout", str(dist_timeout))
+    port = find_free_port()
+    proc = start_launch(run_dir, port, 0, "--all_steps", "100000", *SAME_EXAMPLES, "--dist_timeout", str(dist_timeout))
     try:
-        wait_for(lambda: len(rows_now(run_dir)) >= 2, 300, "two training steps", proc)
+        wait_for(lambda: len(rows_now(run_dir)) >= rows_first, 300, f"{rows_first} training steps", proc)
         rank1 = find_proc("trainer/main.py", "--local_rank=1", str(run_dir))
         rank0 = find_proc("trainer/main.py", "--local_rank=0", str(run_dir))
         pid = rank1.pid
@@ -194,14 +213,20 @@ def test_killed_rank_ends_its_peer_naming_it(tmp_path, term_first):
     finally:
         if proc.poll() is None:
             stop(proc)
-    last = err.strip().splitlines()[-1]
-    noticed_after = (run_dir / "diagnosis.txt").stat().st_mtime - wall_kill
-    print(f"\nrank 1 SIGKILL -> rank 0 named it after {noticed_after:.1f} s, launch.sh exited after "
-          f"{exited_after:.1f} s (dist_timeout {dist_timeout} s): {last}")
-    assert rc != 0
-    assert exited_after <= dist_timeout + 30
-    assert "run failed" in last and f"rank 1 (pid {pid}" in last and "is gone" in last
-    assert leftover_processes(f"127.0.0.1:{port}") == []
+    return dict(run_dir=run_dir, port=port, pid=pid, rc=rc, err=err, exited_after=exited_after,
+                noticed_after=(run_dir / "diagnosis.txt").stat().st_mtime - wall_kill, dist_timeout=dist_timeout)
+
+
+@pytest.mark.parametrize("term_first", [False, True], ids=["watchdog_first", "launcher_term_first"])
+def test_killed_rank_ends_its_peer_naming_it(killed_rank_runs, term_first):
+    r = killed_rank_runs(term_first)
+    last = r["err"].strip().splitlines()[-1]
+    print(f"\nrank 1 SIGKILL -> rank 0 named it after {r['noticed_after']:.1f} s, launch.sh exited after "
+          f"{r['exited_after']:.1f} s (dist_timeout {r['dist_timeout']} s): {last}")
+    assert r["rc"] != 0
+    assert r["exited_after"] <= r["dist_timeout"] + 30
+    assert "run failed" in last and f"rank 1 (pid {r['pid']}" in last and "is gone" in last
+    assert leftover_processes(f"127.0.0.1:{r['port']}") == []
 
 
 def trained(run_dir: Path) -> list[list[int]]:
@@ -225,16 +250,16 @@ def assert_same_examples(got: list[list[int]], expected: list[list[int]]) -> Non
     assert len(set(flat) ^ {i for s in expected for i in s}) <= 2, (got, expected)
 
 
-def test_sigkill_and_resume_trains_the_same_examples(tmp_path):
+def test_sigkill_and_resume_trains_the_same_examples(killed_rank_runs, tmp_path):
     # lr 0: which rank takes which batch from the server's queue races, so with a real lr the two runs' weights
     # differ in the last bits after the resumed step; a sampled token that flips then changes which groups have
     # reward spread (a group without is skipped and the rank draws more prompts). Constant weights leave only
-    # what this test checks: each rank's sampler position and RNG streams come back exactly.
-    args = ("--all_steps", "6", "--save_steps", "2", "--seed", "5", "--lr", "0")
-    ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
-    rc, _, err = finish(start_launch(ref_dir, find_free_port(), 0, *args), 400)
-    assert rc == 0, err[-3000:]
-    expected = trained(ref_dir)
+    # what this test checks: each rank's sampler position and RNG streams come back exactly. The uninterrupted
+    # run's first 6 steps: the watchdog_first rank-killing run's, on the same arguments (all_steps aside, which at
+    # lr 0 changes nothing a step trains).
+    args = ("--all_steps", "6", *SAME_EXAMPLES)
+    run_dir = tmp_path / "interrupted"
+    expected = trained(killed_rank_runs(False)["run_dir"])[:6]
     assert len(expected) == 6 and all(expected)
     proc = start_launch(run_dir, find_free_port(), 0, *args)
     wait_for(lambda: len(rows_now(run_dir)) >= 3, 300, "three steps", proc, poll=0.05)
