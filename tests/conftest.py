@@ -225,3 +225,18 @@ def _sys_path_restored(_sys_path_at_start):
     if ours:
         pytest.fail(f"the test or a fixture left {ours} on sys.path: a folder of the checkout shadows the packages; "
                     "use monkeypatch.syspath_prepend (pytest.MonkeyPatch.context() in a module fixture)")
+
+
+@pytest.fixture(autouse=True)
+def _user_modules_dropped(tmp_path_factory):
+    """A user's reward or tool module loaded in this process from a test's folder (`my_rewards:short` is imported
+    by name, and cached in sys.modules by it, as in the product's one-run processes) is dropped after the test: left
+    there, a later test on the same worker asking for its own folder's `my_rewards` got the earlier folder's (CI-like
+    run, test_user_code after test_trl_e2e's in-process checks)."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    folders = tuple({str(base) + os.sep, str(base.resolve()) + os.sep})  # string prefixes: ~5,000 modules a test
+    for name, mod in list(sys.modules.items()):
+        where = getattr(mod, "__file__", None)
+        if isinstance(where, str) and where.startswith(folders):
+            del sys.modules[name]
