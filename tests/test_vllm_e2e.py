@@ -4,6 +4,8 @@ train/inference logprob mismatch (with the truncated-IS correction on), and the 
 in place, by deltas (sync_delta, issue 25) with the same mismatch as full copies."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import REPO, find_free_port, run_process_group
 from test_e2e import TOY, env, leftover_processes, read_rows
@@ -38,8 +40,13 @@ def test_launch_train_with_a_vllm_worker(tmp_path):
     # applies deltas through vLLM's in-place reload, and the fresh-batch mismatch above is the full-sync one
     assert all(r["sync_mb_up_delta"] > 0 and r["sync_mb_up_full"] == 0 for r in rows), rows
     assert all(r["sync_mb"] >= r["sync_mb_up_delta"] for r in rows)
-    assert sum(r["sync_mb_down_delta"] for r in rows) > 0
     assert "(delta, " in worker_log and "refetching the full copy" not in worker_log
+    # a delta the worker fetched while training went on is in the rows' sync_mb_down_delta; the last version's,
+    # published after the last row, cannot be (a suite run: v0, v2, v4 full as it fell behind, v5 by delta after
+    # step 5's row, and nothing to count)
+    fetched = re.findall(r"policy weights v(\d+) applied in \S+ s \(delta", worker_log)
+    if any(int(v) < len(rows) - 1 for v in fetched):
+        assert sum(r["sync_mb_down_delta"] for r in rows) > 0, (fetched, rows)
     assert "Traceback" not in worker_log
     assert leftover_processes(f"127.0.0.1:{port}") == []
     print("mismatch mean/max per step:", [(round(r["logp_mismatch_mean"], 6), round(r["logp_mismatch_max"], 6),
