@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -42,8 +42,16 @@ def leftover_processes(marker: str) -> list[str]:
     return out
 
 
+class LaunchedRun(NamedTuple):
+    run_dir: Path
+    port: int
+    first: subprocess.CompletedProcess  # launch.sh train, the checks included
+    resumed: subprocess.CompletedProcess  # launch.sh train --skip-checks ... --resume true
+    status: subprocess.CompletedProcess  # launch.sh status, after
+
+
 @pytest.fixture(scope="module")
-def launched_run(tmp_path_factory):
+def launched_run(tmp_path_factory) -> LaunchedRun:
     """launch.sh as a user runs it: from a folder outside the checkout, no PYTHONPATH, the reward module and the data
     in that folder, paths relative to it. 4 steps with one genonly worker and the checks (--run-dir myrun); then a
     second attempt that names the folder the other way, `-- --output_dir myrun`, and resumes to 6 steps over what a
@@ -58,7 +66,6 @@ def launched_run(tmp_path_factory):
         f'{{"prompt": "{a} + {b} = ?", "ground_truth": "{a + b}"}}\n' for a in range(1, 9) for b in range(1, 9)))
     run_dir, port = user / "myrun", find_free_port()
     args = [*TOY_USER, "--Q_batch_size", "2", "--get_wait", "3", "--save_steps", "2", "--save_total_limit", "1"]
-    t0 = time.time()
     first = launch_as_user(user, "train", "--run-dir", "myrun", "--workers", "1", "--gpus", "2", "--port", str(port),
                            "--", *args, "--all_steps", "4")
     (run_dir / "ds" / "step99").mkdir(parents=True, exist_ok=True)  # what an interrupted save leaves
@@ -67,11 +74,11 @@ def launched_run(tmp_path_factory):
     resumed = launch_as_user(user, "train", "--skip-checks", "--workers", "1", "--gpus", "2", "--port", str(port),
                              "--", *args, "--output_dir", "myrun", "--all_steps", "6", "--resume", "true")
     status = launch_as_user(user, "status", timeout=120)
-    return run_dir, port, first, resumed, time.time() - t0, status
+    return LaunchedRun(run_dir, port, first, resumed, status)
 
 
 def test_pipeline_runs_and_exits_cleanly(launched_run):
-    run_dir, port, first, resumed = launched_run[:4]
+    run_dir, port, first, resumed, _ = launched_run
     for proc in (first, resumed):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("ref_server.log", "worker0.log", "trainer.log"):
@@ -102,7 +109,7 @@ def test_cut_saves_are_removed_and_status_says_how_the_run_ended(launched_run):
     """A DeepSpeed tag newer than `latest` and an HF `.partial` (an interrupted save's) are removed before the resume
     loads `latest`; once the run is over, `launch.sh status` says how it ended from the run directory, rc 0 (before:
     a ConnectionError, rc 1)."""
-    run_dir, status = launched_run[0], launched_run[5]
+    run_dir, status = launched_run.run_dir, launched_run.status
     assert not (run_dir / "ds" / "step99").exists() and not list(run_dir.glob("*.partial")), sorted(run_dir.iterdir())
     assert status.returncode == 0, status.stdout + status.stderr
     line = status.stdout.strip().splitlines()[-1]
