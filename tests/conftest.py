@@ -153,6 +153,21 @@ def free_port() -> int:
     return find_free_port()
 
 
+@pytest.fixture
+def check_in(monkeypatch, capsys):
+    """check_in(folder, *args) -> (exit code, stdout, stderr): trainer.check itself, what `launch.sh check` execs, run
+    in `folder` with its GRPO_USER_DIR as launch.sh sets it (common/user_code.py). For a check's own line a launch.sh
+    start (a torch + transformers import, ~5 CPU-s) adds nothing; keep one launch.sh check per file for its path."""
+    def run(folder, *args: str) -> tuple[int, str, str]:
+        from trainer.check import main as check
+        monkeypatch.chdir(folder)
+        monkeypatch.setenv("GRPO_USER_DIR", str(folder))
+        code = check([str(a) for a in args])
+        got = capsys.readouterr()
+        return code, got.out, got.err
+    return run
+
+
 @pytest.fixture(scope="session")
 def start_server():
     """The start_ref_server context manager, as a fixture (usable from module-scoped fixtures)."""

@@ -43,7 +43,7 @@ def folder(tmp_path):
     return tmp_path
 
 
-def test_check_passes_on_a_good_run_and_names_each_problem(folder, monkeypatch, capsys):
+def test_check_passes_on_a_good_run_and_names_each_problem(folder, check_in):
     """The good run through launch.sh as the user runs it; the three bad ones through trainer.check itself (what
     `launch.sh check` execs, in the folder with its GRPO_USER_DIR): each launch.sh call costs a torch +
     transformers import (~5 CPU-s) and these test the checks' lines, not launch.sh."""
@@ -60,29 +60,22 @@ def test_check_passes_on_a_good_run_and_names_each_problem(folder, monkeypatch, 
     bad = {"rewards": (["--reward_fns", "no_such_rewards:fn"], "cannot import module 'no_such_rewards'"),
            "model": (["--model", "missing_model_dir/"], "missing_model_dir"),
            "data": (["--data", "missing.jsonl"], "missing.jsonl")}
-    from trainer.check import main as check
-    monkeypatch.chdir(folder)
-    monkeypatch.setenv("GRPO_USER_DIR", str(folder))  # as launch.sh sets it (common/user_code.py)
     for name, (args, words) in bad.items():
-        code = check(["--port", str(find_free_port()), "--", *BASE, "--data", "train.jsonl", *args])
-        out = capsys.readouterr().out
+        code, out, _ = check_in(folder, "--port", str(find_free_port()), "--", *BASE, "--data", "train.jsonl", *args)
         fails = [line for line in out.splitlines() if line.startswith("FAIL")]
         assert code != 0 and len(fails) == 1, (name, out)
         assert fails[0].startswith(f"FAIL {name}") and words in fails[0], fails
 
 
-def test_check_refuses_a_taken_port_and_train_runs_the_checks_first(folder, monkeypatch, capsys):
+def test_check_refuses_a_taken_port_and_train_runs_the_checks_first(folder, check_in):
     """The port check through trainer.check itself (what `launch.sh check` execs); `train` through launch.sh."""
     import socket
 
-    from trainer.check import main as check
-    monkeypatch.chdir(folder)
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        code = check(["--port", str(port), "--", *BASE])
-        out = capsys.readouterr().out
+        code, out, _ = check_in(folder, "--port", str(port), "--", *BASE)
         line = next(x for x in out.splitlines() if x.startswith("FAIL port"))
         assert code != 0 and f"port {port} is taken" in line and "--port" in line, out
     run_dir = folder / "run"

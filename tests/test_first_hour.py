@@ -56,19 +56,9 @@ def _time_wait_port() -> int:
     return port
 
 
-def check_in(folder, monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """trainer.check itself, what `launch.sh check` execs, run in `folder` with its GRPO_USER_DIR as launch.sh sets
-    it: for a check's own line, a launch.sh start (a torch + transformers import, ~5 CPU-s) adds nothing."""
-    from trainer.check import main as check
-    monkeypatch.chdir(folder)
-    monkeypatch.setenv("GRPO_USER_DIR", str(folder))  # common/user_code.py
-    code = check(list(args))
-    return code, capsys.readouterr().out
-
-
-def test_check_passes_on_a_port_in_time_wait(tmp_path, monkeypatch, capsys):
+def test_check_passes_on_a_port_in_time_wait(tmp_path, check_in):
     port = _time_wait_port()
-    code, out = check_in(tmp_path, monkeypatch, capsys, "--port", str(port), "--", *BASE)
+    code, out, _ = check_in(tmp_path, "--port", str(port), "--", *BASE)
     assert code == 0, out
     assert f"ok   port     {port} on 127.0.0.1 is free" in out, out
 
@@ -86,7 +76,7 @@ def _rows(*answers: int) -> str:
 
 
 @pytest.mark.slow  # a launch.sh train run
-def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, monkeypatch, capsys):
+def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, check_in):
     """check scores whole groups of the first rows: it names the function, the row and ValueError. Past the rows
     check reads, training meets it: the run ends within 120 s, its last line naming the function and ValueError
     (before: `worker0 exited with code 1: <the completion's text>`)."""
@@ -94,7 +84,7 @@ def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, monkeypatch,
     (tmp_path / "early.jsonl").write_text(_rows(2, 8, 4, 6))
     (tmp_path / "late.jsonl").write_text(_rows(2, 4, 6, 8))
     args = [*BASE, "--reward_fns", "my_rewards:picky", "--get_wait", "2"]
-    code, out = check_in(tmp_path, monkeypatch, capsys, "--port", str(find_free_port()), "--", *args, "--data",
+    code, out, _ = check_in(tmp_path, "--port", str(find_free_port()), "--", *args, "--data",
                          "early.jsonl")
     fail = next(x for x in out.splitlines() if x.startswith("FAIL"))
     assert code != 0 and fail.startswith("FAIL rewards"), out
@@ -110,10 +100,10 @@ def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, monkeypatch,
     print(f"reward error ended the run in {seconds:.0f} s: {last}")
 
 
-def test_check_counts_the_tools_section_against_max_prompt_length(tmp_path, monkeypatch, capsys):
+def test_check_counts_the_tools_section_against_max_prompt_length(tmp_path, check_in):
     """The arith prompt alone fits 100 tokens; with the calculator's schema rendered by the chat template it does
     not (before: check passed, and every prompt was skipped until stall_timeout)."""
-    code, out = check_in(tmp_path, monkeypatch, capsys, "--port", str(find_free_port()), "--", *BASE, "--tools",
+    code, out, _ = check_in(tmp_path, "--port", str(find_free_port()), "--", *BASE, "--tools",
                          "calculator", "--max_prompt_length", "100")
     fail = next(x for x in out.splitlines() if x.startswith("FAIL"))
     assert code != 0 and fail.startswith("FAIL data") and "max_prompt_length 100" in fail, out

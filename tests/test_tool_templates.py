@@ -82,20 +82,16 @@ def test_a_template_of_no_known_family_is_refused_in_one_line(tiny_tok):
     assert ToolBox(load_tools([], None), tokenizer=tok).family is None  # no tools: nothing to parse, no refusal
 
 
-def test_check_refuses_a_tool_config_whose_template_cannot_be_parsed(tmp_path, monkeypatch, capsys):
+def test_check_refuses_a_tool_config_whose_template_cannot_be_parsed(tmp_path, check_in):
     """Through trainer.check in the user's folder (what `launch.sh check` execs, GRPO_USER_DIR set as launch.sh
     sets it): the check's own line is the subject, a launch.sh start would add a torch import and nothing else."""
     from common.modeling import resolve_model_path
-    from trainer.check import main as check
     model = tmp_path / "odd_model"
     shutil.copytree(resolve_model_path("tiny"), model)
     (model / "chat_template.jinja").write_text((model / "chat_template.jinja").read_text() + "{# changed #}")
     (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "2+2", "ground_truth": "4"}) + "\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("GRPO_USER_DIR", str(tmp_path))
     args = ["--model", str(model), "--data", "train.jsonl", "--tools", "calculator", "--max_new_tokens", "8"]
-    code = check(["--port", str(find_free_port()), "--", *args])
-    out = capsys.readouterr().out
+    code, out, _ = check_in(tmp_path, "--port", str(find_free_port()), "--", *args)
     fails = [line for line in out.splitlines() if line.startswith("FAIL")]
     assert code != 0 and len(fails) == 1, out
     assert fails[0].startswith("FAIL tools") and f"model {model}: its chat template is none of" in fails[0], fails

@@ -31,7 +31,7 @@ ARGS = ["--model", "tiny", "--data", "train.json", "--reward_fns", "my_rewards:d
         "--bf16", "false", "--logging_steps", "1", "--reward_timeout", "5"]
 
 
-def test_check_prints_the_trl_prompt_and_refuses_push_to_hub_with_the_reason(folder, monkeypatch, capsys):
+def test_check_prints_the_trl_prompt_and_refuses_push_to_hub_with_the_reason(folder, check_in):
     ok = launch(folder, "check", "--config", TRL_DEFAULTS, "--port", str(find_free_port()), "--", *ARGS)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     shown = [line for line in ok.stdout.splitlines() if line.startswith("     | ")]
@@ -42,14 +42,9 @@ def test_check_prints_the_trl_prompt_and_refuses_push_to_hub_with_the_reason(fol
     assert "workers generate with vllm" in vllm.stdout, vllm.stdout  # TRL's use_vllm: gen_backend vllm
     # the TRL options' refusals and acceptances: through trainer.check itself (what `launch.sh check` execs, in the
     # folder with its GRPO_USER_DIR), each launch.sh call costing a torch + transformers import for a config line
-    from trainer.check import main as check
-    monkeypatch.chdir(folder)
-    monkeypatch.setenv("GRPO_USER_DIR", str(folder))  # as launch.sh sets it (common/user_code.py)
-
     def run(*args: str) -> tuple[int, str]:
-        code = check(["--port", str(find_free_port()), "--", *ARGS, *args])
-        got = capsys.readouterr()
-        return code, got.out + got.err
+        code, out, err = check_in(folder, "--port", str(find_free_port()), "--", *ARGS, *args)
+        return code, out + err
 
     code, out = run("--push_to_hub", "true")
     assert code != 0 and "'push_to_hub'=True (pushing to the Hugging Face Hub is not supported" in out, out
