@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from common.gc_pause import imports_without_gc
 from common.paths import check_model_path
 from ref_server.config import check_bind, load_server_config, resolve_token
 
@@ -18,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad settings: one clear line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from ref_server.serve import serve  # imported late: --help and bad flags answer without loading torch
+    with imports_without_gc():  # torch and transformers (common/gc_pause.py)
+        from ref_server.serve import serve  # imported late: --help and bad flags answer without loading torch
 
     return serve(cfg)
 

@@ -66,12 +66,9 @@ def check_config(c: Checker, argv: list[str]) -> str:
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("gen_backend vllm (TRL: use_vllm true) but vLLM is not installed in this environment")
-    return (f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, _specs(c.cfg)))}, workers "
-            f"generate with {c.cfg.gen_backend}")
-
-
-def _specs(cfg: GRPOConfig) -> list[str]:
-    return cfg.reward_specs() + [f"{n} (get_reward)" for n in cfg.env_reward_names()]
+    specs = c.cfg.reward_specs() + [f"{n} (get_reward)" for n in c.cfg.env_reward_names()]
+    return f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, specs))}, workers " \
+           f"generate with {c.cfg.gen_backend}"
 
 
 def check_model(c: Checker) -> str:
@@ -326,5 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from common.fast_exit import exit_cleanly  # scorers, tool boxes, port probe closed: skip the teardown
-    exit_cleanly(main())
+    from common.fast_exit import exit_cleanly
+    from common.gc_pause import imports_without_gc
+    with imports_without_gc():  # a check is mostly imports: torch, transformers, the user's modules
+        code = main()
+    exit_cleanly(code)  # scorers, tool boxes, port probe closed: skip the teardown

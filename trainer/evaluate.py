@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.config import GRPOConfig
+from common.gc_pause import imports_without_gc
 from common.settings.cli import ArgumentParser
 from common.settings.knobs import load_config, parse_bool, parse_dict
 
@@ -183,11 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                                               "(a JSON object).")
     a = p.parse_args(argv)
     a.split = _split(p, a.data, a.split)
-    from common.modeling import load_model, load_tokenizer, resolve_model_path
-    from trainer.data.loading import ColumnSpec, load_examples
-    from trainer.engines import make_engine
-    from trainer.rewards.scoring import RewardScorer
-    from trainer.tools import ToolBox
+    with imports_without_gc():  # torch and transformers (common/gc_pause.py)
+        from common.modeling import load_model, load_tokenizer, resolve_model_path
+        from trainer.data.loading import ColumnSpec, load_examples
+        from trainer.engines import make_engine
+        from trainer.rewards.scoring import RewardScorer
+        from trainer.tools import ToolBox
     run_cfg = load_config(GRPOConfig, ["--config", a.config]) if a.config else GRPOConfig()
     specs = a.reward_fns or run_cfg.reward_specs()  # reward_fns null: the built-ins (or an environment's)
     path = resolve_model_path(a.model)

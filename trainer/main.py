@@ -21,6 +21,7 @@ if sys.path and os.path.abspath(sys.path[0]) == _HERE:
     sys.path[0] = os.path.dirname(_HERE)
 
 from common.config import GRPOConfig  # noqa: E402
+from common.gc_pause import imports_without_gc  # noqa: E402
 from common.settings.knobs import load_config_or_exit  # noqa: E402
 
 DESCRIPTION = """GRPO trainer: the DeepSpeed ranks (started by `deepspeed trainer/main.py`), or with `genonly`
@@ -46,10 +47,12 @@ def main(argv: list[str] | None = None, exit_when_done: bool = False) -> None:
                               description=DESCRIPTION, epilog=EPILOG)
     try:
         if mode == "genonly":
-            from trainer.worker import genonly
+            with imports_without_gc():  # torch and transformers: common/gc_pause.py
+                from trainer.worker import genonly
             genonly(cfg)
         else:
-            from trainer.loop import train
+            with imports_without_gc():  # torch, transformers and DeepSpeed
+                from trainer.loop import train
             train(cfg)
     except Exception as e:  # noqa: BLE001 - the traceback is logged; the last line names the process and the cause
         sys.exit(die(cfg, mode, e))
