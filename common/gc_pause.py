@@ -1,8 +1,8 @@
 """Import the heavy libraries with the cyclic garbage collector paused, then keep their objects out of it.
 
 Importing torch, transformers, DeepSpeed or vLLM makes some 370,000 long-lived objects and next to no garbage, yet
-the collector, run every 700 allocations, walks the growing heap again and again while they load: ~20 % of
-`import trainer.loop` (measured 3.7 -> 3.0 CPU-s), paid by every rank, worker, ref server and check at every
+the collector, run every 700 allocations, walks the growing heap again and again while they load: ~17 % of
+`python -c "import trainer.loop"` (4.2 -> 3.5 CPU-s), paid by every rank, worker, ref server and check at every
 start. And after the imports every full collection walks those objects once more: 2 million small allocations
 after `import trainer.loop` cost 2.4 CPU-s with them in the heap, 0.8 with them frozen.
 
