@@ -26,13 +26,13 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
    spread_groups_per_cpu_s_ratio (ours / TRL), accuracy_ours, accuracy_trl and the raw figures.
 
 --smoke (the suite's size): SFT 2 steps, 3 GRPO steps each side, 8 held-out problems, the first 64 train prompts
-written for TRL, TRL on 1 thread (the suite's box is shared), our `launch.sh train` with --skip-checks (the checks
-are not what is measured; a smoke run is mostly start-up), and without --run-dir a temporary run folder, removed at
-the end (nothing left in the checkout). The suite has no network, so --smoke never creates TRL's environment: it
-runs our side (SFT, `launch.sh train`, the evaluation, the measurement) and then the TRL side only where TRL's
-environment is already there; where it is not, it exits 77 (the suite's "skipped: this machine lacks ...") with the
-reason as its last line, after our side ran. Run the bench once without --smoke (or with --setup-trl) on a machine
-that reaches the package registry to create it.
+written for TRL, TRL on 1 thread (the suite's box is shared), our `launch.sh train` with --skip-checks and one rank
+(neither the checks nor a second rank is what a smoke run looks at; it is mostly start-up), and without --run-dir a
+temporary run folder, removed at the end (nothing left in the checkout). The suite has no network, so --smoke never
+creates TRL's environment: it runs our side (SFT, `launch.sh train`, the evaluation, the measurement) and then the
+TRL side only where TRL's environment is already there; where it is not, it exits 77 (the suite's "skipped: this
+machine lacks ...") with the reason as its last line, after our side ran. Run the bench once without --smoke (or
+with --setup-trl) on a machine that reaches the package registry to create it.
 The machine is shared: compare CPU-seconds, and note the load average printed at start and end.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both",
                    help="run one side only (no ratios then; for profiling); default both")
     p.add_argument("--ranks", type=int, default=None,
-                   help="our trainer ranks (launch.sh --gpus N; default: launch.sh's, 2 on CPU)")
+                   help="our trainer ranks (launch.sh --gpus N; default: launch.sh's, 2 on CPU; 1 with --smoke)")
     p.add_argument("--ours-args", default="",
                    help="extra trainer arguments for our side, one string, after configs/demo.json's (e.g. "
                         "\"--Q_batch_size 16\"): to measure a variant; the default run is the issue's")
@@ -96,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.trl_threads = 1 if a.smoke else 2
     if a.smoke:
         a.eval_limit = SMOKE["eval_limit"]
+        a.ranks = a.ranks or 1  # as bench/memory_qwen05b.py's smoke: a second rank's start-up measures nothing there
     if a.steps < 1 or a.eval_limit < 1:
         p.error("--steps and --eval-limit must be >= 1")
     if a.ranks is not None and a.ranks < 1:

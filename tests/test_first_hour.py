@@ -89,8 +89,13 @@ def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, check_in):
     fail = next(x for x in out.splitlines() if x.startswith("FAIL"))
     assert code != 0 and fail.startswith("FAIL rewards"), out
     assert "'picky' failed on row 1 (columns: prompt, ground_truth): ValueError: cannot score" in fail, fail
+    # late.jsonl's first rows score: check passes (here, in this process), and train skips the same checks
+    port = find_free_port()
+    code, out, err = check_in(tmp_path, "--run-dir", "run", "--port", str(port), "--", *args, "--data", "late.jsonl",
+                              "--all_steps", "50")
+    assert code == 0 and "check: all passed" in out, out + err
     t0 = time.time()
-    proc = launch(tmp_path, "train", "--run-dir", "run", "--port", str(find_free_port()), "--", *args,
+    proc = launch(tmp_path, "train", "--skip-checks", "--run-dir", "run", "--port", str(port), "--", *args,
                   "--data", "late.jsonl", "--all_steps", "50", timeout=400)
     seconds = time.time() - t0
     last = proc.stderr.strip().splitlines()[-1]
