@@ -103,8 +103,9 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port, 
     trainer = ["--system_prompt", "none"] if variant == "base_bf16" else \
         ["--bf16", "true", "--gradient_checkpointing", "true"]
     run = tmp_path / "run"
-    # the checks of `launch.sh check` (the real chat template's prompt, stop ids, memory), in this process, on the
-    # arguments launch.sh hands them (its --worker-dtype becomes --worker_dtype); train then skips them
+    # the checks of `launch.sh check` (the real tokenizer, the first prompt through its chat template, the rewards,
+    # disk for twice the model), in this process, on the arguments launch.sh hands them (its --worker-dtype becomes
+    # --worker_dtype); train then skips them
     worker_dtype = ["--worker_dtype", "bfloat16"] if "--worker-dtype" in launcher else []
     code, out, err = check_in(REPO, "--run-dir", str(run), "--port", str(free_port), "--", "--model", str(model),
                               *REAL, *trainer, *worker_dtype)
