@@ -12,6 +12,7 @@ from common.weights.blob import parameters_blob
 from common.weights.sync import WeightSync, load_parameters
 from common.wire.client import RefClient, RefServerError
 from common.wire.protocol import RolloutBatch, ScoredBatch
+from trainer.worker import newer
 
 
 def fixed_sequence():
@@ -52,11 +53,15 @@ def test_worker_matches_trainer_after_http_sync(server, tiny_model_dir):
     seconds, nbytes = pub.publish(trainer_model, version=10)
     assert nbytes > 1_000_000 and seconds >= 0
     assert client.weights_version() == 10
+    def announced() -> int | None:  # what a worker paused by worker_max_queued reads off /health to follow it
+        return requests.get(server.url + "/health").json()["policy_version"]
+
+    assert newer(announced(), sub.version) and not newer(None, sub.version)
     assert sub.follow(worker_model) == 10
     after = (logps(worker_model) - logps(trainer_model)).abs().max().item()
     assert after <= 1e-5
     assert sub.follow(worker_model) is None  # nothing newer: no fetch
-    assert requests.get(server.url + "/health").json()["policy_version"] == 10
+    assert announced() == 10 and not newer(announced(), sub.version) and not newer(9, sub.version)
 
 
 def test_successive_publishes_reuse_memory_and_deliver_each_version(server, tiny_model_dir):
