@@ -97,8 +97,9 @@ def status(port: int, stall_warn: float) -> dict:
 
 def test_stopped_worker_is_flagged_ranks_carry_on_and_it_rejoins(tmp_path):
     run_dir, port, stall_warn = tmp_path / "run", find_free_port(), 4.0
-    # 25 steps: ~14 are made by the worker's rejoin on an idle box (2, the queue's 8 batches, 3 of the ranks' own,
-    # the flag's and the rejoin's seconds); a loaded box makes fewer in those seconds. The rest end the run normally.
+    # 25 steps (40 before): on an idle box the worker was back uploading by step 9 (2 before the stop, the queued
+    # batches, the ranks' own while it was flagged); a loaded box makes fewer steps in those seconds. The rest show
+    # the run ending normally after the stall.
     proc = start_launch(run_dir, port, 1, "--all_steps", "25", "--save_steps", "1000", "--get_wait", "1",
                         "--stall_warn", str(stall_warn), "--stall_timeout", "120", "--sync_steps", "1")
     try:
