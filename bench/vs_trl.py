@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))  # before bench/: the project's packages (ref_serv
 
 from vs_trl_lib import trl_env  # noqa: E402
 from vs_trl_lib.cpu_meter import run_measured  # noqa: E402
+from vs_trl_lib.report import figures, ratio, role, say, table  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "demo.json"
 TRL_SCRIPT = REPO / "bench" / "vs_trl_lib" / "trl_grpo.py"
@@ -107,10 +108,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.run_dir = tempfile.mkdtemp(prefix="vs_trl-smoke-")
     a.run_dir = Path(a.run_dir or REPO / "runs" / f"vs_trl-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     return a
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def load() -> str:
@@ -170,34 +167,6 @@ def write_prompts(cfg, model_dir: str, path: Path, limit: int | None = None) -> 
     return len(rows)
 
 
-def role(cmd: str) -> str:
-    """Which part of a run a process is, from its command line (the ranks' carry --ref_server URL: ranks first)."""
-    words = cmd.split()
-    rank = [w.split("=", 1)[1] for w in words if w.startswith("--local_rank=")]
-    if "trl_grpo.py" in cmd:
-        return "trl"
-    if rank:
-        return f"rank {rank[0]}"
-    if "genonly" in words:
-        return "worker"
-    if "deepspeed" in cmd:
-        return "deepspeed launcher"
-    if "-m ref_server " in cmd + " ":
-        return "ref server"
-    if "launch.sh" in cmd:
-        return "launch.sh"
-    if "-m" in words[:-1]:
-        return words[words.index("-m") + 1]  # launch.sh's checks and placement plan: python -m <module>
-    return (words[0].rsplit("/", 1)[-1] if words else "") or "?"
-
-
-def by_role(per_process: list[dict]) -> dict:
-    out: dict = {}
-    for r in per_process:
-        out[r["role"]] = round(out.get(r["role"], 0.0) + r["cpu_s"], 1)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 def run_trl(a, python: Path, sft: str, prompts: Path, out: Path) -> dict:
     cmd = [str(python), str(TRL_SCRIPT), "--model", sft, "--data", str(prompts), "--out", str(out),
            "--steps", str(a.steps), "--seed", str(a.seed), "--threads", str(a.trl_threads)]
@@ -242,39 +211,6 @@ def evaluate(model_dir: str, cfg, limit: int) -> float:
     from trainer.demo.cli import DEFAULTS
     from trainer.demo.phases import run_eval
     return run_eval(model_dir, cfg.data, cfg.eval_split, limit, cfg, DEFAULTS["eval_batch_size"], "auto")["accuracy"]
-
-
-def figures(r: dict, acc: float) -> dict:
-    m = r["measured"]
-    cpu = max(m.cpu_s, m.rusage_children_cpu_s)
-    return dict(cpu_s=round(cpu, 1), cpu_s_sampled=m.cpu_s, cpu_s_rusage_children=m.rusage_children_cpu_s,
-                wall_s=m.wall_s, steps=r["steps"], steps_per_cpu_s=r["steps"] / cpu,
-                spread_groups=r["spread_groups"], spread_groups_per_cpu_s=r["spread_groups"] / cpu, accuracy=acc,
-                reward_first_step=r["reward_first"], reward_last_step=r["reward_last"],
-                cpu_s_by_role=by_role(m.per_process),
-                per_process=[{"role": p["role"], "pid": p["pid"], "cpu_s": p["cpu_s"], "cmd": p["cmd"][:160]}
-                             for p in m.per_process if p["cpu_s"] >= 0.1])
-
-
-def ratio(runs: dict, key: str) -> float | None:
-    """ours / TRL; None where TRL's figure is 0 (a smoke run's untrained model: no group with spread)."""
-    if "trl" not in runs or "ours" not in runs or not runs["trl"][key]:
-        return None
-    return runs["ours"][key] / runs["trl"][key]
-
-
-def table(runs: dict, acc_sft: float, n: int) -> None:
-    base = runs.get("trl")
-    say(f"\n{'run':<10}{'CPU-s':>9}{'wall s':>9}{'steps/CPU-s':>13}{'vs TRL':>8}{'spread groups/CPU-s':>21}"
-        f"{'vs TRL':>8}{f'accuracy ({n}, greedy)':>24}")
-    for name, f in runs.items():
-        r1, r2 = (f"{f[k] / base[k]:.2f}x" if base and base[k] else "-"
-                  for k in ("steps_per_cpu_s", "spread_groups_per_cpu_s"))
-        say(f"{name:<10}{f['cpu_s']:>9.1f}{f['wall_s']:>9.1f}{f['steps_per_cpu_s']:>13.4f}{r1:>8}"
-            f"{f['spread_groups_per_cpu_s']:>21.4f}{r2:>8}{100 * f['accuracy']:>23.1f}%")
-    say(f"{'SFT start':<10}{'':>78}{100 * acc_sft:>23.1f}%")
-    for name, f in runs.items():
-        say(f"CPU-s by process, {name}: " + ", ".join(f"{k} {v}" for k, v in f["cpu_s_by_role"].items()))
 
 
 def _interrupt(*_) -> None:

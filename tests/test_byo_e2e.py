@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_reasonrl_jsonl_and_trl_rewards_through_launch(tmp_path, check_in):
+def test_reasonrl_jsonl_and_trl_rewards_through_launch(tmp_path, checks_pass):
     data = tmp_path / "train.jsonl"
     rows = [{"prompt": TEMPLATE.format(q), "ground_truth": gt, "level": i}
             for i, (q, gt) in enumerate([("3+4", "7"), ("2+2", "hang"), ("5+1", "hang"), ("9-3", "6")])]
@@ -31,12 +31,9 @@ def test_reasonrl_jsonl_and_trl_rewards_through_launch(tmp_path, check_in):
             "--temperature", "1.0", "--Q_batch_size", "2", "--get_wait", "3", "--max_steps", "3", "--save_steps", "100"]
     env = subprocess_env(PYTHONPATH=f"{REPO / 'tests'}:{REPO}",
                          PATH=f"{REPO / '.venv' / 'bin'}:{subprocess_env()['PATH']}")
-    # the checks of `launch.sh check` on these arguments, in this process (trainer.check, ~0.3 CPU-s here against a
-    # ~3 CPU-s interpreter start); train then skips them (--skip-checks, said in its output)
-    code, out, err = check_in(REPO, "--run-dir", str(run_dir), "--port", str(port), "--", *args)
-    assert code == 0 and "check: all passed" in out, out + err
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", str(run_dir), "--workers", "1",
-           "--gpus", "2", "--port", str(port), "--", *args]
+    skip = checks_pass(REPO, "--run-dir", str(run_dir), "--port", str(port), "--", *args)
+    cmd = ["bash", str(REPO / "launch.sh"), "train", *skip, "--run-dir", str(run_dir), "--workers", "1", "--gpus", "2",
+           "--port", str(port), "--", *args]
     t0 = time.time()
     proc = run_process_group(cmd, cwd=REPO, env=env, timeout=600)
     seconds = time.time() - t0

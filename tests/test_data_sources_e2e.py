@@ -16,14 +16,10 @@ from conftest import REPO, find_free_port, subprocess_env
 pytestmark = pytest.mark.slow
 
 
-def launch(tmp_path, name: str, args: list[str], check_in=None) -> tuple[subprocess.CompletedProcess, str]:
-    """`launch.sh train`; with `check_in` (the conftest fixture) the checks of `launch.sh check` on the same arguments
-    run first in this process and train skips them (--skip-checks)."""
-    run_dir, port, skip = tmp_path / name, find_free_port(), []
-    if check_in is not None:
-        code, out, err = check_in(REPO, "--run-dir", str(run_dir), "--port", str(port), "--", *args)
-        assert code == 0 and "check: all passed" in out, out + err
-        skip = ["--skip-checks"]
+def launch(tmp_path, name: str, args: list[str], checks_pass=None) -> tuple[subprocess.CompletedProcess, str]:
+    """`launch.sh train`; with `checks_pass` (tests/conftest.py) the checks run here first."""
+    run_dir, port = tmp_path / name, find_free_port()
+    skip = checks_pass(REPO, "--run-dir", str(run_dir), "--port", str(port), "--", *args) if checks_pass else []
     env = subprocess_env(PYTHONPATH=f"{REPO / 'tests'}:{REPO}",
                          PATH=f"{REPO / '.venv' / 'bin'}:{subprocess_env()['PATH']}")
     cmd = ["bash", str(REPO / "launch.sh"), "train", *skip, "--run-dir", str(run_dir), "--workers", "1", "--gpus",
@@ -40,7 +36,7 @@ def launch(tmp_path, name: str, args: list[str], check_in=None) -> tuple[subproc
     return proc, logs
 
 
-def test_prompt_only_conversational_json_with_eval_data(tmp_path, check_in):
+def test_prompt_only_conversational_json_with_eval_data(tmp_path, checks_pass):
     prompts = [[{"role": "user", "content": f"Say something about {w}."}] for w in ("cats", "rain", "tea", "maps")]
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps([{"prompt": p, "id": i} for i, p in enumerate(prompts)], indent=1))
@@ -54,7 +50,7 @@ def test_prompt_only_conversational_json_with_eval_data(tmp_path, check_in):
             "--num_generations", "4", "--max_completion_length", "8", "--learning_rate", "1e-4",
             "--temperature", "1.0", "--Q_batch_size", "2", "--get_wait", "3", "--max_steps", "2", "--save_steps", "100",
             "--train_zero_spread", "true"]  # the random tiny model's completions may all be as long: train anyway
-    proc, logs = launch(tmp_path, "run", args, check_in)
+    proc, logs = launch(tmp_path, "run", args, checks_pass)
     assert proc.returncode == 0, proc.stderr[-3000:] + logs[-3000:]
     metrics = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [m["step"] for m in metrics] == [1, 2]

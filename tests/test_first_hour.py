@@ -76,7 +76,7 @@ def _rows(*answers: int) -> str:
 
 
 @pytest.mark.slow  # a launch.sh train run
-def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, check_in):
+def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, check_in, checks_pass):
     """check scores whole groups of the first rows: it names the function, the row and ValueError. Past the rows
     check reads, training meets it: the run ends within 120 s, its last line naming the function and ValueError
     (before: `worker0 exited with code 1: <the completion's text>`)."""
@@ -91,11 +91,10 @@ def test_a_reward_that_raises_on_one_row_is_the_last_line(tmp_path, check_in):
     assert "'picky' failed on row 1 (columns: prompt, ground_truth): ValueError: cannot score" in fail, fail
     # late.jsonl's first rows score: check passes (here, in this process), and train skips the same checks
     port = find_free_port()
-    code, out, err = check_in(tmp_path, "--run-dir", "run", "--port", str(port), "--", *args, "--data", "late.jsonl",
-                              "--all_steps", "50")
-    assert code == 0 and "check: all passed" in out, out + err
+    skip = checks_pass(tmp_path, "--run-dir", "run", "--port", str(port), "--", *args, "--data", "late.jsonl",
+                       "--all_steps", "50")
     t0 = time.time()
-    proc = launch(tmp_path, "train", "--skip-checks", "--run-dir", "run", "--port", str(port), "--", *args,
+    proc = launch(tmp_path, "train", *skip, "--run-dir", "run", "--port", str(port), "--", *args,
                   "--data", "late.jsonl", "--all_steps", "50", timeout=400)
     seconds = time.time() - t0
     last = proc.stderr.strip().splitlines()[-1]

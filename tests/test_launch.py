@@ -90,7 +90,7 @@ REAL = ["--data", str(GSM8K_DIR), "--reward_fns", "toy_rewards:digit_fraction", 
 
 
 @pytest.mark.parametrize("variant", ["base_bf16", "instruct"])
-def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port, check_in):
+def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port, checks_pass):
     """launch.sh train on a Qwen2.5-vocabulary checkpoint: checkpoints keep eos, pad, template and dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -107,10 +107,9 @@ def test_launch_train_on_real_vocabulary(variant, request, tmp_path, free_port, 
     # disk for twice the model), in this process, on the arguments launch.sh hands them (its --worker-dtype becomes
     # --worker_dtype); train then skips them
     worker_dtype = ["--worker_dtype", "bfloat16"] if "--worker-dtype" in launcher else []
-    code, out, err = check_in(REPO, "--run-dir", str(run), "--port", str(free_port), "--", "--model", str(model),
-                              *REAL, *trainer, *worker_dtype)
-    assert code == 0 and "check: all passed" in out, out + err
-    proc = launch("--skip-checks", "--run-dir", str(run), "--workers", "1", "--port", str(free_port), *launcher, "--",
+    skip = checks_pass(REPO, "--run-dir", str(run), "--port", str(free_port), "--", "--model", str(model), *REAL,
+                       *trainer, *worker_dtype)
+    proc = launch(*skip, "--run-dir", str(run), "--workers", "1", "--port", str(free_port), *launcher, "--",
                   "--model", str(model), *REAL, *trainer, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in _read_rows(run)] == [1, 2]

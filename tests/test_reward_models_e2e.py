@@ -22,29 +22,25 @@ pytestmark = pytest.mark.slow
 QUESTIONS = [f"Say a number near {i}." for i in range(8)]
 
 
-def launch(user, name: str, reward_fns: list[str], check_in=None) -> subprocess.CompletedProcess:
-    """`launch.sh train` from the user's folder; with `check_in` (the conftest fixture) the checks of `launch.sh
-    check` on the same arguments run first in this process and train skips them (--skip-checks)."""
+def launch(user, name: str, reward_fns: list[str], checks_pass=None) -> subprocess.CompletedProcess:
+    """`launch.sh train` from the user's folder; with `checks_pass` (tests/conftest.py) the checks run here first."""
     rows = [{"prompt": [{"role": "user", "content": q}], "answer": str(i)} for i, q in enumerate(QUESTIONS)]
     (user / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["--model", "tiny", "--data", "train.jsonl", "--reward_fns", json.dumps(reward_fns), "--num_pre_Q", "4",
             "--Q_batch_size", "1", "--max_new_tokens", "12", "--all_steps", "3", "--save_steps", "100",
             "--get_wait", "2", "--train_zero_spread", "true", "--log_completions", "true", "--lr", "1e-5"]
-    port, skip = find_free_port(), []
-    if check_in is not None:
-        code, out, err = check_in(user, "--run-dir", name, "--port", str(port), "--", *args)
-        assert code == 0 and "check: all passed" in out, out + err
-        skip = ["--skip-checks"]
+    port = find_free_port()
+    skip = checks_pass(user, "--run-dir", name, "--port", str(port), "--", *args) if checks_pass else []
     cmd = ["bash", str(REPO / "launch.sh"), "train", *skip, "--run-dir", name, "--workers", "1", "--gpus", "2",
            "--port", str(port), "--", *args]
     return run_process_group(cmd, cwd=user, env=user_env(), timeout=900)
 
 
-def test_reward_model_served_by_the_ref_server(tmp_path, check_in):
+def test_reward_model_served_by_the_ref_server(tmp_path, checks_pass):
     user = tmp_path / "user"
     user.mkdir()
     rm = build_rm(user / "tiny-rm")
-    proc = launch(user, "run", ["tiny-rm", "format"], check_in)
+    proc = launch(user, "run", ["tiny-rm", "format"], checks_pass)
     run = user / "run"
     logs = {n: (run / f"{n}.log").read_text(errors="replace") for n in ("ref_server", "trainer", "worker0")}
     assert proc.returncode == 0, proc.stderr[-3000:] + logs["trainer"][-3000:] + logs["worker0"][-3000:]

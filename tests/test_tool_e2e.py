@@ -70,7 +70,7 @@ def test_the_loop_on_real_hf_and_vllm_engines(tool_model):
 
 
 @pytest.mark.slow
-def test_tools_end_to_end_from_a_user_folder(tool_model, check_in):
+def test_tools_end_to_end_from_a_user_folder(tool_model, checks_pass):
     user, model = tool_model
     env = user_env()
     (user / "my_rewards.py").write_text(REWARDS)
@@ -85,13 +85,10 @@ def test_tools_end_to_end_from_a_user_folder(tool_model, check_in):
             "--worker_rounds", "3",  # then the worker stops: the ranks generate (HF) the rest of the batches
             "--get_wait", "0.5", "--gen_backend", "vllm", "--vllm_dtype", "float32", "--log_completions", "true",
             "--lr", "1e-5", "--seed", "1", "--temperature", "0.5"]
-    # the checks of `launch.sh check` on these arguments (tools, environment, rewards, template), in this process;
-    # train then skips them (--skip-checks)
-    port = find_free_port()
-    code, out, err = check_in(user, "--run-dir", "run", "--port", str(port), "--", *args)
-    assert code == 0 and "check: all passed" in out, out + err
-    cmd = ["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", "run", "--workers", "1", "--gpus",
-           "2", "--port", str(port), "--", *args]
+    port = find_free_port()  # the checks (tools, environment, rewards, template) here; train skips them
+    skip = checks_pass(user, "--run-dir", "run", "--port", str(port), "--", *args)
+    cmd = ["bash", str(REPO / "launch.sh"), "train", *skip, "--run-dir", "run", "--workers", "1", "--gpus", "2",
+           "--port", str(port), "--", *args]
     proc = run_process_group(cmd, cwd=user, env=env, timeout=900)
     run = user / "run"
     logs = {n: (run / n).read_text() for n in ("trainer.log", "worker0.log") if (run / n).is_file()}

@@ -1,0 +1,68 @@
+"""bench/vs_trl.py's report of a run: which part of it each process is, the figures of one side, the ratios and the
+table it prints."""
+from __future__ import annotations
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def role(cmd: str) -> str:
+    """Which part of a run a process is, from its command line (the ranks' carry --ref_server URL: ranks first)."""
+    words = cmd.split()
+    rank = [w.split("=", 1)[1] for w in words if w.startswith("--local_rank=")]
+    if "trl_grpo.py" in cmd:
+        return "trl"
+    if rank:
+        return f"rank {rank[0]}"
+    if "genonly" in words:
+        return "worker"
+    if "deepspeed" in cmd:
+        return "deepspeed launcher"
+    if "-m ref_server " in cmd + " ":
+        return "ref server"
+    if "launch.sh" in cmd:
+        return "launch.sh"
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]  # launch.sh's checks and placement plan: python -m <module>
+    return (words[0].rsplit("/", 1)[-1] if words else "") or "?"
+
+
+def by_role(per_process: list[dict]) -> dict:
+    out: dict = {}
+    for r in per_process:
+        out[r["role"]] = round(out.get(r["role"], 0.0) + r["cpu_s"], 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def figures(r: dict, acc: float) -> dict:
+    m = r["measured"]
+    cpu = max(m.cpu_s, m.rusage_children_cpu_s)
+    return dict(cpu_s=round(cpu, 1), cpu_s_sampled=m.cpu_s, cpu_s_rusage_children=m.rusage_children_cpu_s,
+                wall_s=m.wall_s, steps=r["steps"], steps_per_cpu_s=r["steps"] / cpu,
+                spread_groups=r["spread_groups"], spread_groups_per_cpu_s=r["spread_groups"] / cpu, accuracy=acc,
+                reward_first_step=r["reward_first"], reward_last_step=r["reward_last"],
+                cpu_s_by_role=by_role(m.per_process),
+                per_process=[{"role": p["role"], "pid": p["pid"], "cpu_s": p["cpu_s"], "cmd": p["cmd"][:160]}
+                             for p in m.per_process if p["cpu_s"] >= 0.1])
+
+
+def ratio(runs: dict, key: str) -> float | None:
+    """ours / TRL; None where TRL's figure is 0 (a smoke run's untrained model: no group with spread)."""
+    if "trl" not in runs or "ours" not in runs or not runs["trl"][key]:
+        return None
+    return runs["ours"][key] / runs["trl"][key]
+
+
+def table(runs: dict, acc_sft: float, n: int) -> None:
+    base = runs.get("trl")
+    say(f"\n{'run':<10}{'CPU-s':>9}{'wall s':>9}{'steps/CPU-s':>13}{'vs TRL':>8}{'spread groups/CPU-s':>21}"
+        f"{'vs TRL':>8}{f'accuracy ({n}, greedy)':>24}")
+    for name, f in runs.items():
+        r1, r2 = (f"{f[k] / base[k]:.2f}x" if base and base[k] else "-"
+                  for k in ("steps_per_cpu_s", "spread_groups_per_cpu_s"))
+        say(f"{name:<10}{f['cpu_s']:>9.1f}{f['wall_s']:>9.1f}{f['steps_per_cpu_s']:>13.4f}{r1:>8}"
+            f"{f['spread_groups_per_cpu_s']:>21.4f}{r2:>8}{100 * f['accuracy']:>23.1f}%")
+    say(f"{'SFT start':<10}{'':>78}{100 * acc_sft:>23.1f}%")
+    for name, f in runs.items():
+        say(f"CPU-s by process, {name}: " + ", ".join(f"{k} {v}" for k, v in f["cpu_s_by_role"].items()))
