@@ -6,7 +6,9 @@
 """
 from __future__ import annotations
 
+import fcntl
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -147,6 +149,43 @@ def tiny_model_dir() -> Path:
     """Directory of the embedded tiny Qwen2 model (built once, cached)."""
     from common.tiny_model import ensure_tiny_model
     return ensure_tiny_model()
+
+
+@dataclass
+class RankProbes:
+    """What tests/rank_probes.py's one launch left: its exit status, its output, and its folder (updates.pt)."""
+    returncode: int | None  # None: stopped at the timeout
+    out: str  # stdout, then stderr
+    stdout: str
+    folder: Path
+
+
+@pytest.fixture(scope="session")
+def rank_probes(tiny_model_dir, tmp_path_factory) -> RankProbes:
+    """ONE `deepspeed --num_gpus 2` launch of tests/rank_probes.py for the 2-rank probes of test_eval_shard.py,
+    test_pack_bound.py and test_zero3_lockstep.py, across the suite's xdist workers too (each runs its files'
+    session fixtures on its own): the first to ask runs it under a file lock in the run's shared temporary folder,
+    a worker asking meanwhile waits on the lock, and every later one reads what the first left."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/: this run's, every worker's
+    folder, result = shared / "rank_probes", shared / "rank_probes" / "result.json"
+    with open(shared / "rank_probes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.is_file():
+            folder.mkdir(exist_ok=True)
+            cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
+                   str(REPO / "tests" / "rank_probes.py"), str(tiny_model_dir), str(folder)]
+            env = subprocess_env(PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")  # this checkout, the probes
+            timeout = 1800  # the three launches' own limits were 600, 800 and 1200 s; past it the ranks are stopped
+            try:
+                proc = run_process_group(cmd, cwd=REPO, env=env, timeout=timeout)
+                done = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            except subprocess.TimeoutExpired as e:  # recorded: the other files fail on it too, without a rerun
+                out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+                done = {"returncode": None, "stdout": out, "stderr": f"stopped after {timeout} s"}
+            result.write_text(json.dumps(done))
+    done = json.loads(result.read_text())
+    return RankProbes(done["returncode"], done["stdout"] + done["stderr"], done["stdout"], folder)
 
 
 @pytest.fixture

@@ -1,15 +1,11 @@
-"""Run by tests/test_eval_shard.py under `deepspeed --num_gpus 2`: the in-training eval (trainer/loop.py
-run_eval) on real DeepSpeed ranks at each ZeRO stage of STAGES (below 3; comma-separated, a fresh engine from the
-same weights each: one launch's start-up for all), with a record of the prompts each rank generated for, next to one
-process evaluating the whole set (trainer/evaluate.py evaluate, no collective). Prints one line `EVALPROBE {json}`
-per rank and stage.
-
-    deepspeed --num_gpus 2 tests/eval_shard_probe.py MODEL_DIR STAGES
+"""Read by tests/test_eval_shard.py, run in tests/rank_probes.py's two real DeepSpeed ranks: the in-training eval
+(trainer/loop.py run_eval) at each ZeRO stage of `stages` (below 3; a fresh engine from the same weights each), with
+a record of the prompts each rank generated for, next to one process evaluating the whole set (trainer/evaluate.py
+evaluate, no collective). Prints one line `EVALPROBE {json}` per rank and stage.
 """
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
 
 import torch
@@ -17,7 +13,7 @@ import torch
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer
 from trainer.data.loading import load_examples
-from trainer.engine import build_engine, init_deepspeed
+from trainer.engine import build_engine
 from trainer.engines.hf import HFEngine
 from trainer.evaluate import evaluate
 from trainer.loop import run_eval
@@ -26,12 +22,10 @@ from trainer.rollout import encode_prompts
 N_EXAMPLES = 7  # odd: the ranks' shares differ in size
 
 
-def main() -> None:
-    model, stages = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+def run(model: str, stages, deepspeed, rank: int, world: int, on_gpu: bool) -> None:
     cfg = GRPOConfig(model=model, data="arith", system_prompt="", eval_max_new_tokens=8, gen_batch_size=1,
                      dist_timeout=120, output_dir="/nonexistent-not-written").validate()
-    deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
-    for stage in map(int, stages.split(",")):
+    for stage in stages:
         probe_stage(replace(cfg, zero_stage=stage).validate(), deepspeed, rank, world, on_gpu)
 
 
@@ -69,9 +63,3 @@ def probe_stage(cfg: GRPOConfig, deepspeed, rank: int, world: int, on_gpu: bool)
     print("EVALPROBE " + json.dumps({"rank": rank, "world": world, "zero_stage": zero_stage, "evaluated": evaluated,
                                      "result": res, "reference": {k: reference[k] for k in (
                                          "accuracy", "format_rate", "n", "correct", "formatted")}}), flush=True)
-
-
-if __name__ == "__main__":
-    main()
-    from common.fast_exit import exit_cleanly  # done: skip the interpreter's teardown (~1 CPU-s a rank)
-    exit_cleanly(0)

@@ -2,34 +2,27 @@
 used to evaluate the whole set while the other ranks waited in a barrier under dist_timeout (600 s by default,
 less than a 7B model's GSM8K eval). Now each rank evaluates its own share and the counts are summed.
 
-Real DeepSpeed ranks (gloo, 2 CPU processes, tests/eval_shard_probe.py). On the old code run_eval at stage 2
-evaluated all 7 examples on each rank (rank 0: [0..6]), so the shares were not disjoint.
+Real DeepSpeed ranks (gloo, 2 CPU processes, tests/eval_shard_probe.py in tests/rank_probes.py's launch). On the
+old code run_eval at stage 2 evaluated all 7 examples on each rank (rank 0: [0..6]), so the shares were not
+disjoint.
 """
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import REPO, find_free_port, run_process_group
-from test_e2e import env
+from rank_probes import EVAL_STAGES as STAGES
 
 pytestmark = pytest.mark.slow
 
 
-STAGES = (0, 2)
-
-
 @pytest.fixture(scope="module")
-def probe(tiny_model_dir) -> tuple[str, list[dict]]:
-    """ONE launch for both stages (a fresh engine each in the same ranks: a launch each cost a DeepSpeed start-up of
-    two ranks)."""
-    cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           str(REPO / "tests" / "eval_shard_probe.py"), str(tiny_model_dir), ",".join(map(str, STAGES))]
-    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=300 * len(STAGES))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+def probe(rank_probes) -> tuple[str, list[dict]]:
+    """Both stages in the one 2-rank launch of the suite's probes (a fresh engine each in the same ranks)."""
+    out = rank_probes.out
+    assert rank_probes.returncode == 0, out[-4000:]
     # the launcher may put the two ranks' lines together: read each JSON object after its marker
-    return out, [json.JSONDecoder().raw_decode(part)[0] for part in proc.stdout.split("EVALPROBE ")[1:]]
+    return out, [json.JSONDecoder().raw_decode(part)[0] for part in rank_probes.stdout.split("EVALPROBE ")[1:]]
 
 
 @pytest.mark.parametrize("stage", STAGES)

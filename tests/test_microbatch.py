@@ -18,8 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import REPO, find_free_port, run_process_group
-from test_e2e import env
+from conftest import find_free_port
 
 from common.config import GRPOConfig
 from common.modeling import load_model, resolve_model_path
@@ -209,20 +208,15 @@ def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggre
         assert 0 < stats["padding_share"] < 0.2
 
 
-def probe_updates(tmp_path, stages: str) -> dict:
-    """One real `deepspeed --num_gpus 2` (gloo) launch of tests/zero3_update_probe.py: its ranks make the update
-    for each entry of `stages` ("0,3,3@12": stage 0, then a fresh stage-3 engine in the same ranks, then one with
-    packs of at most 12 tokens); {entry: weights}. Read by tests/test_pack_bound.py's two 2-rank cases."""
-    out = tmp_path / "probe.pt"
-    cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           str(REPO / "tests" / "zero3_update_probe.py"), stages, str(out)]
-    # 400 s an entry, as one launch each had; past it the launcher and its ranks are stopped whole
-    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=400 * len(stages.split(",")))
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "rank1 PROBE DONE" in log, log[-4000:]
-    for stage in stages.split(","):
-        assert f"rank0 stage {stage} updated" in log and f"rank1 stage {stage} updated" in log, log[-4000:]
-    return torch.load(out)
+def probe_updates(rank_probes, entries) -> dict:
+    """{entry: weights} of `entries` from the suite's one real `deepspeed --num_gpus 2` (gloo) launch of 2-rank probes
+    (conftest.py rank_probes; tests/zero3_update_probe.py: stage 0, then a fresh stage-3 engine in the same ranks,
+    then one with packs of at most 12 tokens). Read by tests/test_pack_bound.py's two 2-rank cases."""
+    log = rank_probes.out
+    assert rank_probes.returncode == 0 and "rank1 PROBES DONE" in log, log[-4000:]
+    for entry in entries:
+        assert f"rank0 stage {entry} updated" in log and f"rank1 stage {entry} updated" in log, log[-4000:]
+    return torch.load(rank_probes.folder / "updates.pt")
 
 
 # Two real ZeRO-3 ranks make the ZeRO-0 update: tests/test_pack_bound.py (test_two_zero3_ranks_make_the_zero0_update),

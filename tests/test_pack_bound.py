@@ -108,11 +108,11 @@ def test_bounded_packs_make_the_float64_update(dist, stage, aggregation, tools):
 
 
 @pytest.fixture(scope="module")
-def two_rank_updates(tmp_path_factory) -> dict:
-    """One real `deepspeed --num_gpus 2` launch (tests/zero3_update_probe.py) for both slow cases below: stage 0,
-    stage 3, and stage 3 with packs of at most PACK tokens, each a fresh engine from the same weights (a launch each
-    cost a DeepSpeed start-up of two ranks)."""
-    return probe_updates(tmp_path_factory.mktemp("probe"), f"0,3,3@{PACK}")
+def two_rank_updates(rank_probes) -> dict:
+    """Real `deepspeed --num_gpus 2` ranks (tests/zero3_update_probe.py in the suite's one launch of 2-rank probes,
+    tests/rank_probes.py) for both slow cases below: stage 0, stage 3, and stage 3 with packs of at most PACK tokens,
+    each a fresh engine from the same weights."""
+    return probe_updates(rank_probes, ("0", "3", f"3@{PACK}"))
 
 
 @pytest.mark.slow

@@ -18,15 +18,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def probe(tiny_model_dir) -> tuple[int, str]:
-    """ONE launch of real DeepSpeed ZeRO-3 engines on 2 ranks (tests/zero3_probe.py) for both probe tests below:
-    scenario 0 as the trainer chooses its forwards, scenario 1 packed (a fresh engine in the same ranks)."""
-    cmd = [str(REPO / ".venv" / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           str(REPO / "tests" / "zero3_probe.py"), str(tiny_model_dir), "2", "micro_batch_size", "3",
-           "+", "micro_batch_size", "3",
-           "pack_tokens", "64", "padding_free", "true"]  # scenario 1: packed whatever auto would choose
-    proc = run_process_group(cmd, cwd=REPO, env=env(), timeout=800)  # 400 a scenario
-    return proc.returncode, proc.stdout + proc.stderr
+def probe(rank_probes) -> tuple[int, str]:
+    """Real DeepSpeed ZeRO-3 engines on 2 ranks (tests/zero3_probe.py in the suite's one launch of 2-rank probes,
+    tests/rank_probes.py) for both probe tests below: scenario 0 as the trainer chooses its forwards, scenario 1
+    packed (a fresh engine in the same ranks)."""
+    return rank_probes.returncode, rank_probes.out
 
 
 def test_ranks_with_different_completion_lengths_train_in_micro_batches(probe):

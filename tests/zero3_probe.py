@@ -1,21 +1,16 @@
-"""Run by tests/test_zero3_lockstep.py under `deepspeed --num_gpus 2`: real ZeRO-3 ranks train on batches
-whose longest completion differs between ranks (rank r: 64 - 40 r tokens), so the per-rank LM-head chunk
-counts differ. Each scenario (its GRPOConfig overrides; scenarios separated by `+`) gets a fresh engine from the
-model in the same ranks (one launch's process start-up for all): after `steps` train_step calls and a barrier every
-rank prints "scenario I DONE", and PROBE DONE after the last; a rank out of lockstep hangs (until dist_timeout) or
-fails instead.
-
-    deepspeed --num_gpus 2 tests/zero3_probe.py MODEL_DIR STEPS [GRPOConfig overrides...] [+ overrides...]...
+"""Read by tests/test_zero3_lockstep.py, run in tests/rank_probes.py's two real DeepSpeed ranks: ZeRO-3 ranks
+train on batches whose longest completion differs between ranks (rank r: 64 - 40 r tokens), so the per-rank LM-head
+chunk counts differ. Each scenario (a list of GRPOConfig overrides, name then value) gets a fresh engine from the
+model in the same ranks: after `steps` train_step calls and a barrier every rank prints "scenario I DONE", and
+"PROBE DONE" after the last; a rank out of lockstep hangs (until dist_timeout) or fails instead.
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from common.config import GRPOConfig
 from common.wire.protocol import ScoredBatch
-from trainer.engine import build_engine, init_deepspeed
+from trainer.engine import build_engine
 from trainer.objective.update import train_step
 
 
@@ -40,26 +35,15 @@ def probe_config(model: str, over: list[str]) -> GRPOConfig:
     return cfg
 
 
-def main() -> None:
-    model, steps, *over = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    scenarios = [[]]
-    for a in over:
-        scenarios[-1:] = [scenarios[-1], []] if a == "+" else [scenarios[-1] + [a]]
-    deepspeed, rank, world, on_gpu = init_deepspeed(probe_config(model, scenarios[0]))
+def run(model: str, steps: int, scenarios, deepspeed, rank: int, on_gpu: bool) -> None:
     for i, scenario in enumerate(scenarios):
         cfg = probe_config(model, scenario)
         engine, _, _ = build_engine(cfg, deepspeed, model, on_gpu)
         vocab = engine.module.config.vocab_size
-        for step in range(int(steps)):
+        for step in range(steps):
             stats = train_step(engine, batch_for(rank, cfg.num_pre_Q * cfg.train_batch_groups, vocab), cfg)
             print(f"rank{rank} scenario {i} step {step + 1} loss {stats['loss']:.6f}", flush=True)
         torch.distributed.barrier()
         print(f"rank{rank} scenario {i} DONE", flush=True)
         del engine
     print(f"rank{rank} PROBE DONE", flush=True)
-
-
-if __name__ == "__main__":
-    main()
-    from common.fast_exit import exit_cleanly  # done: skip the interpreter's teardown (~1 CPU-s a rank)
-    exit_cleanly(0)

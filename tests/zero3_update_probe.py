@@ -1,10 +1,7 @@
-"""Run by tests/test_pack_bound.py (test_microbatch.probe_updates) under `deepspeed --num_gpus 2`: each rank
-trains one update on its own two batches (grad_accum 2) in micro-batches of 3 rows with plain SGD (lr 1), dapo (a
-token normaliser over both ranks), gradient checkpointing on, for each entry of STAGES in turn (comma-separated, a
-fresh engine from the same weights each: one launch's process start-up for all of them); rank 0 writes {entry: the
-full weights before and after the update}.
-
-    deepspeed --num_gpus 2 tests/zero3_update_probe.py STAGES OUT_FILE
+"""Read by tests/test_pack_bound.py, run in tests/rank_probes.py's two real DeepSpeed ranks: each rank trains one
+update on its own two batches (grad_accum 2) in micro-batches of 3 rows with plain SGD (lr 1), dapo (a token
+normaliser over both ranks), gradient checkpointing on, for each entry of `entries` in turn (a fresh engine from the
+same weights each); rank 0 writes {entry: the full weights before and after the update} to `out`.
 
 An entry is a ZeRO stage, `S`, or `S@P`: stage S with packed forwards of at most P tokens (pack_tokens), else the
 default.
@@ -12,21 +9,16 @@ default.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
-import deepspeed
 import torch
-from test_microbatch import config, full_weights, init_gloo, make_batch, sgd_engine
+from test_microbatch import config, full_weights, make_batch, sgd_engine
 
 from trainer.objective.update import new_round, train_update
 
 
-def main() -> None:
-    stages, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # launcher: --local_rank=N
-    init_gloo(deepspeed)
-    rank = torch.distributed.get_rank()
+def run(entries, out: str, deepspeed, rank: int) -> None:
     runs = {}
-    for entry in stages.split(","):
+    for entry in entries:
         stage, _, pack = entry.partition("@")
         stage, cfg = int(stage), config("dapo", "token", grad_accum=2)
         if pack:
@@ -43,11 +35,3 @@ def main() -> None:
     if rank == 0:
         torch.save(runs, out)
     torch.distributed.barrier()
-    print(f"rank{rank} PROBE DONE", flush=True)
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-    from common.fast_exit import exit_cleanly  # done: skip the interpreter's teardown (~1 CPU-s a rank)
-    exit_cleanly(0)
