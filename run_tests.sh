@@ -32,6 +32,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 # Two test files at a time (pytest-xdist; a file's tests stay together, so a module's shared run is made
 # once): an end-to-end test spends much of its time waiting on its processes, and one file at a time left
 # half of 2 cores idle (measured 102% CPU, 1113 s; two at a time 166%, 709 s). GRPO_TEST_WORKERS=0: one.
+# Three at a time: -3% of wall for +4% of CPU, each test ~45% longer under its timeouts (docs/benchmarks.md).
 # A test past 15 minutes is stuck (the slowest takes ~2.5): its stacks go to the log, so CI shows where.
 # --no-loadscope-reorder: xdist otherwise hands out the files with the most tests first, which undid the slow-first
 # order of tests/conftest.py and left the one- and two-test end-to-end files to the end, one worker running on alone.
