@@ -16,6 +16,7 @@ Then `rank{r} PROBES DONE`.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 EVAL_STAGES = (0, 2)
 UPDATES = ("0", "3", "3@12")  # ZeRO stage [@ pack_tokens]: 12 is tests/test_pack_bound.py's PACK
@@ -26,8 +27,7 @@ DIST_TIMEOUT = 120  # s: a rank out of lockstep fails after this instead of hang
 
 
 def main() -> None:
-    from pathlib import Path
-
+    # imported here: the test files import this module's constants in pytest's own process, without the probes
     import eval_shard_probe
     import torch
     import zero3_probe
