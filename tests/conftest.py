@@ -303,10 +303,13 @@ def _user_modules_dropped(tmp_path_factory):
     yield
     base = tmp_path_factory.getbasetemp()
     folders = tuple({str(base) + os.sep, str(base.resolve()) + os.sep})  # string prefixes: ~5,000 modules a test
-    for name, mod in list(sys.modules.items()):
+    # a copy, not list(sys.modules.items()): a thread the test left running (a server's, a loader's) may import
+    # meanwhile, and iterating the live dict then raised "dictionary changed size during iteration" at teardown (an
+    # ERROR in tests/test_weight_sync.py, twice); dict.copy() runs without letting another thread in
+    for name, mod in sys.modules.copy().items():
         where = getattr(mod, "__file__", None)
         if isinstance(where, str) and where.startswith(folders):
-            del sys.modules[name]
+            sys.modules.pop(name, None)
 
 
 def pytest_collection_finish(session):
