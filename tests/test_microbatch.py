@@ -208,17 +208,6 @@ def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggre
         assert 0 < stats["padding_share"] < 0.2
 
 
-def probe_updates(rank_probes, entries) -> dict:
-    """{entry: weights} of `entries` from the suite's one real `deepspeed --num_gpus 2` (gloo) launch of 2-rank probes
-    (conftest.py rank_probes; tests/zero3_update_probe.py: stage 0, then a fresh stage-3 engine in the same ranks,
-    then one with packs of at most 12 tokens). Read by tests/test_pack_bound.py's two 2-rank cases."""
-    log = rank_probes.out
-    assert rank_probes.returncode == 0 and "rank1 PROBES DONE" in log, log[-4000:]
-    for entry in entries:
-        assert f"rank0 stage {entry} updated" in log and f"rank1 stage {entry} updated" in log, log[-4000:]
-    return torch.load(rank_probes.folder / "updates.pt")
-
-
 # Two real ZeRO-3 ranks make the ZeRO-0 update: tests/test_pack_bound.py (test_two_zero3_ranks_make_the_zero0_update),
 # in the same 2-rank launch as its packed case.
 

@@ -12,7 +12,6 @@ from common.weights.blob import parameters_blob
 from common.weights.sync import WeightSync, load_parameters
 from common.wire.client import RefClient, RefServerError
 from common.wire.protocol import RolloutBatch, ScoredBatch
-from trainer.worker import newer
 
 
 def fixed_sequence():
@@ -56,12 +55,12 @@ def test_worker_matches_trainer_after_http_sync(server, tiny_model_dir):
     def announced() -> int | None:  # what a worker paused by worker_max_queued reads off /health to follow it
         return requests.get(server.url + "/health").json()["policy_version"]
 
-    assert newer(announced(), sub.version) and not newer(None, sub.version)
+    assert sub.is_newer(announced()) and not sub.is_newer(None)
     assert sub.follow(worker_model) == 10
     after = (logps(worker_model) - logps(trainer_model)).abs().max().item()
     assert after <= 1e-5
     assert sub.follow(worker_model) is None  # nothing newer: no fetch
-    assert announced() == 10 and not newer(announced(), sub.version) and not newer(9, sub.version)
+    assert announced() == 10 and not sub.is_newer(announced()) and not sub.is_newer(9)
 
 
 def test_successive_publishes_reuse_memory_and_deliver_each_version(server, tiny_model_dir):

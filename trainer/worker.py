@@ -90,7 +90,7 @@ def genonly(cfg: GRPOConfig) -> None:
             q = health.get("queues", {})
             if q.get("input", 0) + q.get("output", 0) >= cfg.worker_max_queued:
                 doing["now"] = "paused: the server holds enough batches"
-                if syncer is not None and newer(health.get("policy_version"), syncer.version):
+                if syncer is not None and syncer.is_newer(health.get("policy_version")):
                     # follow the policy while paused, each version as it comes: the next round starts on the
                     # newest weights, and a worker waiting out two publishes fetched the full copy, not a delta
                     syncer.follow(apply=load_policy, retries=cfg.weight_fetch_retries)
@@ -135,11 +135,6 @@ def genonly(cfg: GRPOConfig) -> None:
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
              "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,
              gen_tokens / max(gen_s, 1e-9))
-
-
-def newer(published: int | None, held: int | None) -> bool:
-    """The server holds a policy version this worker has not applied (None: nothing published, or nothing held)."""
-    return published is not None and (held is None or published > held)
 
 
 def ready_ranks(status: dict, fresh_s: float) -> list[str]:

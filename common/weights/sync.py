@@ -148,6 +148,10 @@ class WeightSync:
                 old.unlink(missing_ok=True)
 
     # ---- worker side --------------------------------------------------------------------
+    def is_newer(self, published: int | None) -> bool:
+        """`published` is a version this process has not applied (None: nothing published; nothing held yet: any)."""
+        return published is not None and (self.version is None or published > self.version)
+
     def latest_version(self) -> int | None:
         if self.client is not None:
             return self.client.weights_version()
@@ -198,8 +202,7 @@ class WeightSync:
         A download that breaks, stalls or fails its checksum is logged and retried up to `retries`
         times; the model keeps its current weights meanwhile (and after the last failure). A delta that
         does not rebuild the trainer's weights exactly is never loaded: the full copy is fetched instead."""
-        latest = self.latest_version()
-        if latest is None or (self.version is not None and latest <= self.version):
+        if not self.is_newer(self.latest_version()):
             return None
         t0 = time.time()
         got = self._fetch_retrying(retries, backoff)
