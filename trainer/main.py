@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None, exit_when_done: bool = False) -> None:
             train(cfg)
     except Exception as e:  # noqa: BLE001 - the traceback is logged; the last line names the process and the cause
         sys.exit(die(cfg, mode, e))
-    if exit_when_done and (mode == "train" or cfg.gen_backend == "hf"):
-        # done and closed: skip the ~2 s interpreter teardown (common/fast_exit.py); a vLLM worker's engine
-        # processes are left to vLLM's own shutdown as it runs at a normal exit
+    if exit_when_done and (mode == "train" or cfg.gen_backend == "hf" or cfg.vllm_tensor_parallel_size == 1):
+        # done and closed: skip the ~2 s interpreter teardown (common/fast_exit.py; vLLM's own shutdown is an
+        # atexit finalizer, which runs). A tensor-parallel vLLM engine's worker processes are left to a normal exit
         from common.fast_exit import exit_cleanly
         exit_cleanly(0)
 

@@ -126,11 +126,11 @@ def ref_server(args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
 
 def trainer_host(args: argparse.Namespace, extra: list[str], env: dict) -> list[str]:
     """deepspeed in its per-node mode: a hostfile naming every node (slots = ranks per node), this node's rank."""
-    import torch
+    from common.placement.cuda import device_count  # torch's count; no torch import on a CPU build (then exec'd)
 
     if not 0 <= args.node_rank < args.nodes:
         raise SystemExit(f"--node-rank must be in 0..{args.nodes - 1}, got {args.node_rank}")
-    gpus = args.gpus or torch.cuda.device_count() or 1
+    gpus = args.gpus or device_count() or 1
     run_dir = Path(caller_path(args.run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     hostfile = run_dir / "hostfile"
