@@ -70,6 +70,13 @@ def test_each_prompt_gets_its_own_token_budget_with_prefix_caching_on(probe):
 
 
 @pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
+def test_an_eager_cpu_engine_compiles_nothing(probe):
+    """common/compile_off.py: the sampler's rank count, which vLLM torch.compile's at import, is left a plain
+    function on an eager CPU engine (no dynamo trace, no C++ build at the first logprobs); the variable is gone."""
+    assert probe["rank_count_compiled"] is False and probe["dynamo_disable_after"] is None
+
+
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
 def test_a_model_vllm_cannot_serve_gets_a_clear_error(probe):
     assert "vLLM cannot serve model" in probe["bad_model_error"] and "gen_backend='hf'" in probe["bad_model_error"]
 

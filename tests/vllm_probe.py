@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -112,6 +113,9 @@ def main() -> None:
     samples = engine.generate(prompts[:2], 2, max_new_tokens=[3, 7])
     res["budget_lengths"] = [len(s.completion_ids) for s in samples]
     res["prefix_caching"] = engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than  # torch.compile'd where vLLM imports it
+    res["rank_count_compiled"] = hasattr(batched_count_greater_than, "_torchdynamo_orig_callable")
+    res["dynamo_disable_after"] = os.environ.get("TORCHDYNAMO_DISABLE")
     # a model vLLM cannot serve: a clear error naming it, not a crash deep inside vLLM
     bad = work / "bad_model"
     shutil.copytree(model_dir, bad, dirs_exist_ok=True)

@@ -7,10 +7,12 @@ import json
 import logging
 import math
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from common.compile_off import compile_off
 from common.config import GRPOConfig
 from common.modeling import load_model
 from trainer.dist import nodes
@@ -66,6 +68,14 @@ def skip_shm_op(deepspeed) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def muon_left_uncompiled(ds_cfg: dict):
+    """Around deepspeed.initialize: DeepSpeed's ZeRO code imports its Muon optimizer module (to list Muon as
+    supported, and for isinstance checks), and that import torch.compile's Muon's kernels: inductor's import, ~1 CPU-s
+    and ~1 s at every rank's start, for an optimizer the run does not use. Left uncompiled (common/compile_off.py)
+    unless ds_config's optimizer is Muon."""
+    return nullcontext() if "muon" in str(ds_cfg.get("optimizer", {}).get("type", "")).lower() else compile_off()
+
+
 def init_deepspeed(cfg: GRPOConfig):
     import deepspeed
 
@@ -112,9 +122,10 @@ def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
     model = prepare_policy(load_model(model_path, device="cpu", dtype="bfloat16" if bf16 else "float32",
                                       trainable=True, options=cfg.load_options()), cfg)
     zero_stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
+    with muon_left_uncompiled(ds_cfg):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
     start_step = 0
     if cfg.resume:
         ds_dir = Path(cfg.output_dir) / "ds"

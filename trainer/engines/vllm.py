@@ -16,9 +16,11 @@ import os
 import sys
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 
+from common.compile_off import compile_off
 from common.gc_pause import imports_without_gc
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_tokenizer
@@ -138,7 +140,11 @@ class VLLMEngine(GenEngine):
             cfg, _ = resolve_generation(cfg, cuda=on_cuda(cfg.device))
         _set_cpu_env(cfg)
         llvmlite_survives_vllm_scan()
-        LLM, _, _ = import_vllm()
+        # eager on CPU: nothing is meant to compile; vLLM's sampler would still compile a one-line rank count
+        # (a dynamo trace and a C++ build: ~2.5 CPU-s of a CPU engine's start, measured with tests/vllm_probe.py)
+        eager_cpu = cfg.vllm_eager is True and not on_cuda(cfg.device)
+        with compile_off() if eager_cpu else nullcontext():  # common/compile_off.py
+            LLM, _, _ = import_vllm()
         tok = tokenizer or load_tokenizer(model_path, cfg.load_options())
         hub = tokenizer_options(cfg.load_options())  # trust_remote_code, revision (validated: nothing else)
         try:
@@ -153,13 +159,14 @@ class VLLMEngine(GenEngine):
                                                                          cfg.eval_max_new_tokens or 0)
         t0 = time.time()
         try:
-            llm = LLM(model=model_path, tokenizer=model_path, dtype=cfg.vllm_dtype, enforce_eager=cfg.vllm_eager,
-                      max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                      logprobs_mode=logprobs_mode(cfg), generation_config="vllm", seed=cfg.seed + cfg.worker_id,
-                      enable_prefix_caching=cfg.vllm_enable_prefix_caching,
-                      trust_remote_code=bool(hub.get("trust_remote_code")), revision=hub.get("revision"),
-                      tokenizer_revision=hub.get("revision"),
-                      tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+            with compile_off() if eager_cpu else nullcontext():
+                llm = LLM(model=model_path, tokenizer=model_path, dtype=cfg.vllm_dtype, enforce_eager=cfg.vllm_eager,
+                          max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                          logprobs_mode=logprobs_mode(cfg), generation_config="vllm", seed=cfg.seed + cfg.worker_id,
+                          enable_prefix_caching=cfg.vllm_enable_prefix_caching,
+                          trust_remote_code=bool(hub.get("trust_remote_code")), revision=hub.get("revision"),
+                          tokenizer_revision=hub.get("revision"),
+                          tensor_parallel_size=cfg.vllm_tensor_parallel_size)
         except Exception as e:  # vLLM raises many types; name the model and the fix, keep the cause
             cause = " ".join(str(e).split())  # vLLM's message may list every supported architecture
             raise RuntimeError(f"vLLM cannot serve model {model_path!r}: use gen_backend='hf' for it, or check "
