@@ -5,6 +5,8 @@ uploads are gone must not wait for them, only one whose uploads the server still
 over HTTP); uploads that died with a server are counted as lost and generated anew."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import start_ref_server
@@ -135,3 +137,55 @@ def test_batches_it_can_never_use_end_the_rank_with_the_reason(tiny_model_dir):
 def test_max_rejected_batches_is_checked():
     with pytest.raises(ValueError, match="max_rejected_batches"):
         load_config(GRPOConfig, ["--max_rejected_batches", "-1"])
+
+
+class NoWorkerClient:
+    """A server that no worker feeds: /get long-polls run to their end empty; the rank's own uploads come back."""
+    urls = ["http://127.0.0.1:1"]
+    outages = 0
+
+    def __init__(self):
+        self.waits: list[float] = []
+        self.uploaded: list = []
+
+    def get(self, timeout=0.0):
+        self.waits.append(timeout)
+        if self.uploaded:
+            return ScoredBatch.from_rollout(self.uploaded.pop(0), -torch.rand(1, 3))
+        time.sleep(timeout)
+        return None
+
+    def upload(self, b):
+        self.uploaded.append(b)
+
+    def health(self, *a, **k):
+        return {"queues": {"input": 0, "output": 0, "scoring": False}}
+
+
+@pytest.mark.parametrize("get_wait, waits", [(0.5, [0.5]), (3.0, [2.0, 1.0])])
+def test_a_rank_whose_workers_are_gone_generates_when_get_wait_ends(own_uploads, get_wait, waits):
+    """The long-poll for a worker's batch goes in slices of at most 2 s, the last ending with get_wait: a whole
+    2 s slice past it made such a rank wait get_wait 0.5 -> 2 s and 3 -> 4 s every step (what it does once its
+    worker died: tests/test_faults.py)."""
+    from trainer.batches import BatchSource
+
+    cfg = load_config(GRPOConfig, ["--num_gen_workers", "1", "--get_wait", str(get_wait), "--max_new_tokens", "8",
+                                   "--temperature", "1.0"])
+    client = NoWorkerClient()
+    src = BatchSource(cfg, client, None, None, Sampler(), [], [], VOCAB, producer_id="trainer-rank0")
+    t0 = time.monotonic()
+    batch, info = src.next(policy_version=0)
+    took = time.monotonic() - t0
+    assert batch.batch_id == own_uploads[0].batch_id
+    assert client.waits[:len(waits)] == pytest.approx(waits, abs=0.05) and client.waits[len(waits)] == 0.0, client.waits
+    assert get_wait <= took < get_wait + 0.5, took
+
+
+def test_waiting_for_workers_only_or_while_they_start_polls_in_whole_slices():
+    from trainer.batches import BatchSource
+
+    for get_wait in ("0", "0.5"):
+        cfg = load_config(GRPOConfig, ["--num_gen_workers", "1", "--get_wait", get_wait, "--temperature", "1.0"])
+        src = BatchSource(cfg, NoWorkerClient(), None, None, Sampler(), [], [], VOCAB, producer_id="trainer-rank0")
+        src.idle_since -= 10  # past get_wait: a rank that may not generate yet (its workers still start)
+        assert src._worker_slice() == 2.0

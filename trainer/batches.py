@@ -102,7 +102,7 @@ class BatchSource:
             # Long-poll while the server still holds work that may be our uploads; another rank may have
             # taken them already, and a blind wait then cost a second per step. With workers, poll in slices.
             pending = self.in_flight > 0 and self._server_busy()
-            wait = 1.0 if pending else (2.0 if cfg.num_gen_workers and not self.in_flight else 0.0)
+            wait = 1.0 if pending else (self._worker_slice() if cfg.num_gen_workers and not self.in_flight else 0.0)
             got = self._take(policy_version, info, wait)
             if got is not None:
                 if got is not False:
@@ -130,7 +130,8 @@ class BatchSource:
             idle = False
             if short:
                 pending = self.in_flight > 0 and self._server_busy()
-                got = self._take(policy_version, info, 1.0 if (pending or cfg.num_gen_workers) else 0.0)
+                got = self._take(policy_version, info, 1.0 if pending else
+                                 min(1.0, self._worker_slice()) if cfg.num_gen_workers else 0.0)
                 if got:
                     groups.append(got)
                 short = len(groups) < cfg.train_batch_groups
@@ -179,6 +180,14 @@ class BatchSource:
             log.warning("%d uploaded batch(es) lost with the ref server; generating new ones", self.in_flight)
             info["lost_batches"] += self.in_flight
         self.in_flight = 0  # nothing pending: what we uploaded went to another rank (or was lost)
+
+    def _worker_slice(self) -> float:
+        """The next long-poll for a worker's batch: 2 s slices, the last one ending when get_wait does. A whole
+        2 s slice past get_wait made a rank whose workers were gone wait up to 2 s longer than asked every step
+        (get_wait 3: 4 s; 0.5: 2 s). With get_wait 0 (workers only), or past it while the rank may not generate
+        yet (workers still starting), whole slices: a short one would only poll the server more often."""
+        left = self.cfg.get_wait - (time.time() - self.idle_since)
+        return min(2.0, max(0.05, left)) if self.cfg.get_wait > 0 and left > 0 else 2.0
 
     def _may_generate(self) -> bool:
         cfg = self.cfg
