@@ -1,4 +1,4 @@
-"""Run by tests/test_tool_engines.py in its own process (vLLM sets up its own torch.distributed group): the tool
+"""Run by tests/test_tool_e2e.py in its own process (vLLM sets up its own torch.distributed group): the tool
 loop over the real HF and vLLM engines with the real ToolBox (the user's `add`, the Counter environment), on a
 model fine-tuned to call them (tests/tool_sft.py). Prints one JSON line per engine.
 
@@ -39,6 +39,7 @@ def check(engine, tok, box, greedy: bool) -> dict:
                                              max_iterations=3,
                                              greedy=greedy)
     rows = []
+    later = [(pp, c) for call in rec.out[1:] for (pp, c) in call]  # every later turn the engine returned, once each
     for i, (s, msgs) in enumerate(zip(samples, messages)):
         # rebuild the completion from what the engine returned, turn by turn, and the template's tool turns
         ctx, built, tools = p, [], [m for m in msgs if m["role"] == "tool"]
@@ -50,8 +51,16 @@ def check(engine, tok, box, greedy: bool) -> dict:
             if turn_msgs:
                 built += tool_suffix_ids(tok, turn_msgs)
                 turn_msgs = []
-            turn = rec.out[0][i][1] if not built else \
-                next(c for call in rec.out[1:] for (pp, c) in call if pp == ctx + built)
+            if not built:
+                turn = rec.out[0][i][1]
+            else:
+                # sampled rollouts that made the same turns so far share a context: any of the engine's turns from
+                # it may be this rollout's, so take the one its completion goes on with (each used once); none
+                # fits when the completion is not the engine's turns plus the tool turns, and then ids_exact fails
+                fits = [k for k, (pp, c) in enumerate(later) if pp == ctx + built]
+                k = next((k for k in fits if s.completion_ids.tolist()[len(built):len(built) + len(later[k][1])]
+                          == later[k][1][:400 - len(built)]), fits[0])
+                turn = later.pop(k)[1]
             built += turn[:400 - len(built)]
         rows.append({"ids_exact": s.completion_ids.tolist() == built, "n_ids": len(built),
                      "mask_false": int((~s.loss_mask).sum()), "tool_contents": [t["content"] for t in tools],
