@@ -14,6 +14,7 @@ from trainer.lora.adapters import (
     adapter_metadata,
     adapter_tensors,
     base_name,
+    is_lora,
     merged_tensors,
     trainable_summary,
     wrap_lora,
@@ -113,3 +114,18 @@ def test_follower_without_adapter_loader_refuses_adapter_blobs(tiny_model_dir, t
                                                metadata=adapter_metadata(policy))
     with pytest.raises(ValueError, match="adapter"):
         WeightSync(sync_dir=str(tmp_path)).follow(load_model(str(tiny_model_dir), dtype="float32"))
+
+
+def test_is_lora_without_importing_peft(tiny_model_dir):
+    """A run without LoRA never imports peft to ask (each rank's is_lora did: ~0.2 CPU-s); a LoRA policy is one."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+    code = ("import sys\nfrom common.modeling import load_model\nfrom trainer.lora.adapters import is_lora\n"
+            f"m = load_model({str(tiny_model_dir)!r}, dtype='float32')\n"
+            "print(is_lora(m), 'peft' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr[-2000:]
+    assert is_lora(lora_policy(tiny_model_dir)) and not is_lora(load_model(str(tiny_model_dir), dtype="float32"))
