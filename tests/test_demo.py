@@ -87,6 +87,8 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     assert any("eval_accuracy" in r for r in rows)
     assert all(r["kl"] >= 0 for r in rows if "kl" in r)
     assert (grpo / "final" / "config.json").is_file()
+    cfg = json.loads((grpo / "config.json").read_text())  # --quick: a quarter of a step's work, the same plumbing
+    assert (cfg["Q_batch_size"], cfg["train_batch_groups"], cfg["num_pre_Q"]) == (2, 1, 8), cfg
     for name in ("demo.log",):
         assert (run_dir / name).stat().st_size > 0
     for name in ("ref_server.log", "worker0.log", "trainer.log"):

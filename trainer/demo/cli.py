@@ -46,7 +46,10 @@ TOOLS_CONFIG = REPO / "configs" / "demo_tools.json"
 # The demo's own settings (the GRPO phase's live in configs/demo.json); --quick shrinks them for CI.
 DEFAULTS = dict(sft_steps=400, sft_batch_size=64, sft_lr=1e-3, sft_target=0.40, sft_check_from=160, sft_check_every=20,
                 sft_dev=200, eval_limit=1000, eval_batch_size=250)
-QUICK = dict(sft_steps=30, eval_limit=100, grpo_steps=6, grpo_eval_steps=3, grpo_eval_limit=50)
+# --quick's GRPO steps are 2 prompts x 8 answers a round and one group a rank a step (the configs' 8 and 4): the
+# plumbing is the same, each step a quarter of the work
+QUICK = dict(sft_steps=30, eval_limit=100, grpo_steps=6, grpo_eval_steps=3, grpo_eval_limit=50, grpo_prompts=2,
+             grpo_groups=1)
 # --tools: sized from SFT probes and full runs on 2 CPU cores (docs/benchmarks.md#the-tool-demo): fewer or larger
 # steps (250 x 32 at lr 3e-3) left the calls' expressions or the copied results wrong
 TOOLS = dict(sft_steps=500, sft_batch_size=64, sft_lr=1e-3, sft_tool_share=0.35, eval_limit=200, eval_batch_size=100)
@@ -69,8 +72,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                                                     "here and in --config/--model/--data, from where you run it).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the model init, SFT and GRPO (default 0).")
     p.add_argument("--quick", action="store_true",
-                   help=f"CI-sized run: {QUICK['sft_steps']} SFT steps, {QUICK['grpo_steps']} GRPO steps, "
-                        f"{QUICK['eval_limit']} eval examples (checks the plumbing, not the learning).")
+                   help=f"CI-sized run: {QUICK['sft_steps']} SFT steps, {QUICK['grpo_steps']} GRPO steps of "
+                        f"{QUICK['grpo_groups']} group a rank, {QUICK['eval_limit']} eval examples (checks the "
+                        "plumbing, not the learning).")
     p.add_argument("--tools", action="store_true",
                    help="The tool demo (issue 32): ab*cd+e with the built-in calculator; SFT on traces with and "
                         "without a call, GRPO with multi-turn rollouts (configs/demo_tools.json); summary.json adds "
@@ -181,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.tiny and not on_gpu:
         trainer_args += cpu_precision_args(log)
     if a.quick:
-        trainer_args += ["--all_steps", str(a.quick_sizes["grpo_steps"]), "--eval_steps",
-                         str(a.quick_sizes["grpo_eval_steps"]), "--eval_limit", str(a.quick_sizes["grpo_eval_limit"])]
+        q = a.quick_sizes
+        trainer_args += ["--all_steps", str(q["grpo_steps"]), "--eval_steps", str(q["grpo_eval_steps"]),
+                         "--eval_limit", str(q["grpo_eval_limit"]), "--Q_batch_size", str(q["grpo_prompts"]),
+                         "--train_batch_groups", str(q["grpo_groups"])]
     if a.grpo_steps is not None:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
