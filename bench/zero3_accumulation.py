@@ -29,7 +29,7 @@ def update(deepspeed, stage: int, optimizer: str) -> dict:
     from test_microbatch import LR, config, full_weights, make_batch, sgd_engine
 
     from common.modeling import load_model, resolve_model_path
-    from trainer.engine import ds_config_for, muon_left_uncompiled
+    from trainer.engine import ds_config_for, initialize
     from trainer.objective.update import train_step
 
     torch.manual_seed(0)
@@ -41,8 +41,7 @@ def update(deepspeed, stage: int, optimizer: str) -> dict:
         ds["zero_optimization"]["stage"] = stage
         ds["optimizer"]["params"]["lr"] = 1e-3
         model = load_model(resolve_model_path("tiny"), device="cpu", dtype="float32", trainable=True)
-        with muon_left_uncompiled(ds):  # as the trainer's build_engine
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+        engine, *_ = initialize(deepspeed, ds, model=model, model_parameters=list(model.parameters()))
     b = make_batch(engine.module.config.vocab_size)
     before = full_weights(deepspeed, engine)
     train_step(engine, b, cfg)

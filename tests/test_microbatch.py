@@ -23,7 +23,7 @@ from conftest import find_free_port
 from common.config import GRPOConfig
 from common.modeling import load_model, resolve_model_path
 from common.wire.protocol import ScoredBatch
-from trainer.engine import ds_config_for, muon_left_uncompiled, prepare_policy, skip_shm_op
+from trainer.engine import ds_config_for, initialize, prepare_policy, skip_shm_op
 from trainer.objective import microbatch
 from trainer.objective.grpo import grpo_loss
 from trainer.objective.offpolicy import importance_weights
@@ -129,9 +129,7 @@ def sgd_engine(deepspeed, stage: int, grad_accum: int = 1, gradient_checkpointin
     ds["zero_allow_untested_optimizer"] = True  # plain SGD: DeepSpeed tests only its own optimizers under ZeRO
     model = prepare_policy(tiny_float32(), cfg)
     params = list(model.parameters())
-    with muon_left_uncompiled(ds):  # as the trainer's build_engine
-        eng, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
-                                       optimizer=torch.optim.SGD(params, lr=LR))
+    eng, *_ = initialize(deepspeed, ds, model=model, model_parameters=params, optimizer=torch.optim.SGD(params, lr=LR))
     return eng
 
 

@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
     from common.config import GRPOConfig
     from common.modeling import load_model
     from trainer.checkpoint import save_hf
-    from trainer.engine import init_deepspeed, muon_left_uncompiled
+    from trainer.engine import init_deepspeed, initialize
     from trainer.publish import Publisher
 
     deepspeed, *_ = init_deepspeed(GRPOConfig(dist_timeout=120))
@@ -77,9 +77,7 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
 
     for stage in (0, 3):
         model = load_model(model_dir, device="cpu", dtype="float32", trainable=True)
-        with muon_left_uncompiled(_ds_config(stage)):  # as the trainer's build_engine
-            eng, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                           config=_ds_config(stage))
+        eng, *_ = initialize(deepspeed, _ds_config(stage), model=model, model_parameters=list(model.parameters()))
         seen["model"] = eng.module
         run("publish", stage, publish, eng, stage, f"sync{stage}", worker_dtype="bfloat16")
         run("save_bf16_", stage, save_hf, eng, tok, out / f"hf_bf16_{stage}", rank, stage, torch.bfloat16,
@@ -88,9 +86,8 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
 
         torch.manual_seed(3)  # peft draws lora_A at random: the same A for both stages, on both ranks
         lora = lora_policy(model_dir, seed=3)
-        with muon_left_uncompiled(_ds_config(stage)):
-            leng, *_ = deepspeed.initialize(model=lora, model_parameters=[p for p in lora.parameters()
-                                                                          if p.requires_grad], config=_ds_config(stage))
+        leng, *_ = initialize(deepspeed, _ds_config(stage), model=lora,
+                              model_parameters=[p for p in lora.parameters() if p.requires_grad])
         seen["model"] = leng.module
         run("lora_publish", stage, publish, leng, stage, f"lora_sync{stage}")
         run("lora_adapter", stage, save_hf, leng, tok, out / f"lora_adapter{stage}", rank, stage, budget=BUDGET)

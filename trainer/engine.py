@@ -76,6 +76,13 @@ def muon_left_uncompiled(ds_cfg: dict):
     return nullcontext() if "muon" in str(ds_cfg.get("optimizer", {}).get("type", "")).lower() else compile_off()
 
 
+def initialize(deepspeed, config: dict, **kw):
+    """deepspeed.initialize(config=config, **kw), Muon's kernels left uncompiled as above: the one way every
+    caller (the trainer, tests, benches) builds an engine."""
+    with muon_left_uncompiled(config):
+        return deepspeed.initialize(config=config, **kw)
+
+
 def init_deepspeed(cfg: GRPOConfig):
     import deepspeed
 
@@ -122,10 +129,9 @@ def build_engine(cfg: GRPOConfig, deepspeed, model_path: str, on_gpu: bool):
     model = prepare_policy(load_model(model_path, device="cpu", dtype="bfloat16" if bf16 else "float32",
                                       trainable=True, options=cfg.load_options()), cfg)
     zero_stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
-    with muon_left_uncompiled(ds_cfg):
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
+    engine, _, _, _ = initialize(deepspeed, ds_cfg, model=model,
+                                 model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)))
     start_step = 0
     if cfg.resume:
         ds_dir = Path(cfg.output_dir) / "ds"

@@ -60,7 +60,7 @@ def one_update(deepspeed, model_dir: str, stage: int, a) -> dict:
     """The weights' change (fp32, on the device) after one SGD update at `stage`."""
     from common.config import GRPOConfig
     from common.modeling import load_model
-    from trainer.engine import ds_config_for, muon_left_uncompiled, prepare_policy
+    from trainer.engine import ds_config_for, initialize, prepare_policy
     from trainer.objective.update import new_round, train_update
     cfg = GRPOConfig(model=model_dir, num_pre_Q=ROWS, micro_batch_size=MICRO, max_new_tokens=a.completion,
                      grad_clip=1e9, beta=0.04, bf16=False, padding_free="true").validate()
@@ -73,9 +73,8 @@ def one_update(deepspeed, model_dir: str, stage: int, a) -> dict:
     torch.manual_seed(0)
     model = prepare_policy(load_model(model_dir, device=a.device, dtype="float32", trainable=True), cfg)
     params = list(model.parameters())
-    with muon_left_uncompiled(ds):  # as the trainer's build_engine
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
-                                          optimizer=torch.optim.SGD(params, lr=a.lr))
+    engine, *_ = initialize(deepspeed, ds, model=model, model_parameters=params,
+                            optimizer=torch.optim.SGD(params, lr=a.lr))
     named = list(engine.module.named_parameters())
     z3 = hasattr(named[0][1], "ds_id")
     with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=z3):
