@@ -8,6 +8,8 @@
 #   ./run_tests.sh --help     this text (pytest's own options: .venv/bin/python -m pytest --help)
 #
 # GRPO_TEST_WORKERS=N: test files run N at a time (default 2; 0: in this process, which -s needs).
+# GRPO_TEST_FILLER=0: no filler worker, which the whole suite runs besides those N (unit and component files
+# only, at a lower CPU priority: tests/xdist_filler.py).
 # Each run prints its wall time and its 25 slowest tests.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -36,5 +38,13 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 # A test past 15 minutes is stuck (the slowest takes ~2.5): its stacks go to the log, so CI shows where.
 # --no-loadscope-reorder: xdist otherwise hands out the files with the most tests first, which undid the slow-first
 # order of tests/conftest.py and left the one- and two-test end-to-end files to the end, one worker running on alone.
-exec .venv/bin/python -m pytest -q -ra --durations=25 -o faulthandler_timeout=900 -n "${GRPO_TEST_WORKERS:-2}" \
+# The whole suite (not --fast) runs one more worker, the filler: it takes only files with no slow or multiproc test,
+# at a lower CPU priority, so it runs them in the seconds both end-to-end tests wait on their processes
+# (tests/xdist_filler.py; ~12 % of 2 cores idled without it: docs/benchmarks.md#test-suite).
+WORKERS=${GRPO_TEST_WORKERS:-2}
+FILLER=()
+if [[ " $* " != *" --fast "* ]] && [[ "$WORKERS" != 0 ]] && [[ "${GRPO_TEST_FILLER:-1}" != 0 ]]; then
+  WORKERS=$((WORKERS + 1)); FILLER=(--filler-worker)
+fi
+exec .venv/bin/python -m pytest -q -ra --durations=25 -o faulthandler_timeout=900 -n "$WORKERS" "${FILLER[@]}" \
     --dist loadfile --no-loadscope-reorder "${ARGS[@]}"

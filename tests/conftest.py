@@ -10,6 +10,7 @@ import fcntl
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import xdist_filler
 
 REPO = Path(__file__).resolve().parent.parent
 # The venv's bin/ first, as launch.sh does for its processes. torch JIT-builds DeepSpeed's CPU op
@@ -255,13 +257,53 @@ def pytest_configure(config):
                                        "suite, left out of ./run_tests.sh --fast")
     config.addinivalue_line("markers", "registry: asks the package registry (network, minutes); skipped unless "
                                        "selected with -m registry, so ./run_tests.sh and CI never run it")
+    if getattr(config, "workerinput", {}).get(xdist_filler.FILLER_KEY):
+        xdist_filler.lower_priority()
+
+
+def pytest_addoption(parser):
+    parser.addoption(xdist_filler.OPTION, action="store_true",
+                     help="with -n N (N >= 2): the last worker runs only the files with no slow or multiproc test, "
+                          "at a lower CPU priority, while the others run those first (tests/xdist_filler.py); "
+                          "./run_tests.sh passes it for the whole suite")
+
+
+def _filling(config) -> bool:
+    return bool(config.getoption(xdist_filler.OPTION)) and int(config.getoption("numprocesses") or 0) >= 2
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Controller: tell each worker where to list its heavy files, and the last one that it fills."""
+    if _filling(node.config):
+        if not hasattr(node.config, "_grpo_plan_dir"):
+            node.config._grpo_plan_dir = tempfile.mkdtemp(prefix="grpo-test-plan-")
+        node.workerinput[xdist_filler.PLAN_KEY] = os.path.join(node.config._grpo_plan_dir, "heavy.json")
+        node.workerinput[xdist_filler.FILLER_KEY] = node.gateway.id == xdist_filler.filler_id(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if _filling(config) and config.getvalue("dist") == "loadfile":
+        plan_dir = getattr(config, "_grpo_plan_dir", None)
+        return xdist_filler.FillerScheduling(config, log, os.path.join(plan_dir or "", "heavy.json"))
+    return None  # xdist's own
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_grpo_plan_dir", None):
+        shutil.rmtree(config._grpo_plan_dir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
     """End-to-end (slow) files first: with two files at a time (run_tests.sh), the short files then fill
     in at the end instead of one long file running on alone. The sort is stable: order within a file holds.
-    `registry` tests are skipped, with the reason, unless the -m expression names them."""
+    `registry` tests are skipped, with the reason, unless the -m expression names them. With --filler-worker, a
+    worker lists the files the filler may not run (tests/xdist_filler.py)."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+    plan = getattr(config, "workerinput", {}).get(xdist_filler.PLAN_KEY)
+    if plan:
+        xdist_filler.write_heavy_files(items, plan)
     if "registry" not in (config.getoption("markexpr") or ""):
         skip = pytest.mark.skip(reason="asks the package registry: run with -m registry")
         for item in items:
