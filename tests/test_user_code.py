@@ -76,7 +76,9 @@ def test_errors_are_one_line_and_name_the_problem(user_dir, spec, msg):
 TRL_CONFIG = {  # TRL GRPOConfig names (issue 31's done-when: a TRL-named config)
     "num_generations": 8, "max_completion_length": 8, "learning_rate": 1e-4, "max_steps": 2, "temperature": 1.0,
     "gradient_accumulation_steps": 1, "lr_scheduler_type": "linear", "log_completions": True,
-    "num_completions_to_print": 2, "report_to": "tensorboard", "eval_steps": 2, "seed": 1}
+    "num_completions_to_print": 2, "report_to": "tensorboard", "eval_steps": 2, "seed": 1, "logging_steps": 1,
+    "bf16": False, "save_steps": 100}
+TRL_DEFAULTS = REPO / "configs" / "trl_defaults.json"
 
 
 @pytest.mark.slow
@@ -86,18 +88,22 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     config in TRL's names; `./launch.sh check` passes on the same arguments, then `launch.sh train` runs with one
     genonly worker. get_wait is long, so the ranks never generate for themselves: every trained batch came from the
     worker (its reward process loaded the user's rewards too). The run shows what it trained on: completions.jsonl
-    (log_completions) and an eval scored with the user's rewards."""
-    (user_dir / "train.json").write_text(json.dumps([{"prompt": f"Write the number {n} in digits."}
-                                                     for n in range(20)]))
+    (log_completions) and an eval scored with the user's rewards.
+
+    The config is configs/trl_defaults.json (TRL 1.16's defaults) with the user's changes on top, as a TRL user
+    starts from it: issue 40's done-when, that a text prompt reaches the model as TRL sends it (no chat template,
+    no system prompt: completions.jsonl's `prompt` is the user's text exactly), is checked on the same run."""
+    prompts = [f"Write the number {n} in digits." for n in range(20)]
+    (user_dir / "train.json").write_text(json.dumps([{"prompt": p} for p in prompts]))
     (user_dir / "eval.json").write_text(json.dumps([{"prompt": f"Count to {n}."} for n in range(4)]))
-    (user_dir / "trl_config.json").write_text(json.dumps(TRL_CONFIG))
+    (user_dir / "trl_config.json").write_text(json.dumps({**json.loads(TRL_DEFAULTS.read_text()), **TRL_CONFIG}))
     run_dir = tmp_path / "run"
     env = subprocess_env()
     for k in ("PYTHONPATH", USER_DIR_ENV):
         env.pop(k, None)
-    args = ["--model", "tiny", "--data", "train.json", "--eval_data", "eval.json", "--system_prompt", "",
+    args = ["--model", "tiny", "--data", "train.json", "--eval_data", "eval.json",
             "--Q_batch_size", "2", "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits",
-            "--reward_timeout", "5", "--get_wait", "240", "--save_steps", "100", "--eval_limit", "4",
+            "--reward_timeout", "5", "--get_wait", "240", "--eval_limit", "4",
             "--eval_max_new_tokens", "8"]
     launch = ["bash", str(REPO / "launch.sh")]
     check = run_process_group([*launch, "check", "--config", "trl_config.json", "--port", str(find_free_port()), "--",
@@ -111,6 +117,7 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["num_pre_Q"] == 8 and cfg["all_steps"] == 2 and cfg["lr_schedule"] == "linear", cfg
+    assert cfg["prompt_format"] == "trl" and cfg["use_bias_correction_kl"] is True, cfg  # trl_defaults.json's
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -121,7 +128,7 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     done = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in done] == [1] * 16 + [2] * 16
     assert all(set(r["rewards"]) == {"short", "digits"} and r["producer"].startswith("worker") for r in done), done[0]
-    assert all("Write the number" in r["prompt"] for r in done)  # the user's prompt-only rows
+    assert all(r["prompt"] in prompts for r in done), done[0]["prompt"]  # the user's text, exactly (TRL's)
     assert "completions trained at step 2 (2 of 16" in logs["trainer.log"]
     # in-training eval on the held-out rows, scored with the run's own rewards: no correctness reward, no accuracy
     assert {"eval_reward/short", "eval_reward/digits", "eval_reward_mean"} <= set(rows[1]), rows[1]
