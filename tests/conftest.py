@@ -259,6 +259,9 @@ def pytest_configure(config):
                                        "selected with -m registry, so ./run_tests.sh and CI never run it")
     if getattr(config, "workerinput", {}).get(xdist_filler.FILLER_KEY):
         xdist_filler.lower_priority()
+    elif not hasattr(config, "workerinput") and config.getoption(xdist_filler.OPTION) and not _filling(config):
+        raise pytest.UsageError(f"{xdist_filler.OPTION} needs -n 2 or more and --dist loadfile (./run_tests.sh "
+                                "passes all three)")
 
 
 def pytest_addoption(parser):
@@ -269,7 +272,8 @@ def pytest_addoption(parser):
 
 
 def _filling(config) -> bool:
-    return bool(config.getoption(xdist_filler.OPTION)) and int(config.getoption("numprocesses") or 0) >= 2
+    return (bool(config.getoption(xdist_filler.OPTION)) and int(config.getoption("numprocesses", 0) or 0) >= 2
+            and config.getoption("dist", "no") == "loadfile")  # defaults: with -p no:xdist neither option exists
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -284,9 +288,8 @@ def pytest_configure_node(node):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    if _filling(config) and config.getvalue("dist") == "loadfile":
-        plan_dir = getattr(config, "_grpo_plan_dir", None)
-        return xdist_filler.FillerScheduling(config, log, os.path.join(plan_dir or "", "heavy.json"))
+    if _filling(config):  # the nodes were configured first: the plan's folder is there
+        return xdist_filler.FillerScheduling(config, log, os.path.join(config._grpo_plan_dir, "heavy.json"))
     return None  # xdist's own
 
 

@@ -39,3 +39,13 @@ def test_the_filler_runs_in_a_session_of_its_own_at_a_lower_priority():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(REPO / "tests")), timeout=60)
     assert out.stdout.split() == ["True", str(xdist_filler.NICE), str(xdist_filler.NICE)], out.stderr
+
+
+@pytest.mark.parametrize("args", [["-n", "1"], ["-n", "2", "--dist", "load"], ["-p", "no:xdist"]],
+                         ids=["one_worker", "dist_load", "no_xdist"])
+def test_the_filler_without_the_workers_it_needs_is_a_usage_error(args):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "--filler-worker",
+                           "tests/test_cli.py"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--filler-worker needs -n 2 or more and --dist loadfile" in proc.stderr, proc.stderr[-2000:]
