@@ -93,7 +93,16 @@ def serve(cfg: ServerConfig) -> int:
     left = state.scorer.depths()["output"]
     if left:
         log.warning("exiting with %d scored batch(es) not fetched", left)
-    server.close()
-    server.task_dispatcher.shutdown(timeout=2)
+    stop_http(server)
     log.info("ref server stopped")
     return 0
+
+
+def stop_http(server) -> None:
+    """Stop waitress: its request threads first, each finishing the request it serves (up to 2 s), then its sockets
+    and trigger pipe. The other way round, a request that finished after close() pulled the trigger on the closed
+    pipe (EBADF, a traceback in ref_server.log: a reward-model run in a CI-like suite run, 2026-11-29). A request
+    still running past 2 s keeps them open: the process's exit, right after, closes them."""
+    server.task_dispatcher.shutdown(timeout=2)
+    if not server.task_dispatcher.threads:
+        server.close()

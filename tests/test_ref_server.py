@@ -18,6 +18,7 @@ from common.modeling import load_model
 from common.wire.client import RefClient
 from common.wire.protocol import CONTENT_TYPE, RolloutBatch, decode_scored, encode_rollout
 from ref_server.config import ServerConfig, check_bind, load_server_config
+from ref_server.serve import stop_http
 
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -280,3 +281,39 @@ def test_cli_help_and_refusals():
     r = subprocess.run([sys.executable, "-m", "ref_server", "--model", "tiny", "--host", "0.0.0.0"], cwd=REPO,
                        env=subprocess_env(GRPO_REF_TOKEN=""), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "refusing to bind" in r.stderr
+
+
+def test_stopping_waitress_with_a_request_in_flight_logs_no_traceback(caplog):
+    """ref_server/serve.py's stop_http on a real waitress server while a request is being served: the request
+    finishes and nothing is logged with a traceback. Closing the server first made the finishing request pull
+    waitress's trigger on the closed pipe (EBADF, "Exception when servicing" with its traceback)."""
+    import bottle
+    from waitress import create_server
+
+    app, started = bottle.Bottle(), threading.Event()
+
+    @app.route("/slow")
+    def slow():
+        started.set()
+        time.sleep(0.5)
+        return "done"
+
+    server = create_server(app, host="127.0.0.1", port=0, threads=2)
+    threading.Thread(target=server.run, daemon=True).start()
+    answers: list = []
+
+    def ask() -> None:
+        try:
+            answers.append(requests.get(f"http://127.0.0.1:{server.effective_port}/slow", timeout=10).text)
+        except requests.RequestException as e:
+            answers.append(e)
+
+    client = threading.Thread(target=ask)
+    client.start()
+    assert started.wait(10)
+    with caplog.at_level(logging.WARNING, logger="waitress"):
+        stop_http(server)
+        client.join(10)
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    assert answers == ["done"], answers
+    assert not server.task_dispatcher.threads
