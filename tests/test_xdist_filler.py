@@ -49,3 +49,12 @@ def test_the_filler_without_the_workers_it_needs_is_a_usage_error(args):
                           timeout=120)
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "--filler-worker needs -n 2 or more and --dist loadfile" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_refused_priority_change_is_one_line_and_the_filler_runs_on():
+    # a session leader may not call setsid() again (EPERM): the refusal the filler must survive
+    code = "import os, xdist_filler; os.setsid(); xdist_filler.lower_priority(); print('ran on')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO / "tests")), timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ran on", out.stderr
+    assert out.stderr.count("\n") == 1 and "could not lower the filler's CPU priority" in out.stderr, out.stderr
