@@ -10,7 +10,6 @@ import fcntl
 import gc
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,12 @@ from pathlib import Path
 import pytest
 import requests
 import xdist_filler
+from xdist_filler import (  # noqa: F401 - the filler's hooks: pytest finds them in this module
+    pytest_addoption,
+    pytest_configure_node,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 # The venv's bin/ first, as launch.sh does for its processes. torch JIT-builds DeepSpeed's CPU op
@@ -257,45 +262,7 @@ def pytest_configure(config):
                                        "suite, left out of ./run_tests.sh --fast")
     config.addinivalue_line("markers", "registry: asks the package registry (network, minutes); skipped unless "
                                        "selected with -m registry, so ./run_tests.sh and CI never run it")
-    if getattr(config, "workerinput", {}).get(xdist_filler.FILLER_KEY):
-        xdist_filler.lower_priority()
-    elif not hasattr(config, "workerinput") and config.getoption(xdist_filler.OPTION) and not _filling(config):
-        raise pytest.UsageError(f"{xdist_filler.OPTION} needs -n 2 or more and --dist loadfile (./run_tests.sh "
-                                "passes all three)")
-
-
-def pytest_addoption(parser):
-    parser.addoption(xdist_filler.OPTION, action="store_true",
-                     help="with -n N (N >= 2): the last worker runs only the files with no slow or multiproc test, "
-                          "at a lower CPU priority, while the others run those first (tests/xdist_filler.py); "
-                          "./run_tests.sh passes it for the whole suite")
-
-
-def _filling(config) -> bool:
-    return (bool(config.getoption(xdist_filler.OPTION)) and int(config.getoption("numprocesses", 0) or 0) >= 2
-            and config.getoption("dist", "no") == "loadfile")  # defaults: with -p no:xdist neither option exists
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """Controller: tell each worker where to list its heavy files, and the last one that it fills."""
-    if _filling(node.config):
-        if not hasattr(node.config, "_grpo_plan_dir"):
-            node.config._grpo_plan_dir = tempfile.mkdtemp(prefix="grpo-test-plan-")
-        node.workerinput[xdist_filler.PLAN_KEY] = os.path.join(node.config._grpo_plan_dir, "heavy.json")
-        node.workerinput[xdist_filler.FILLER_KEY] = node.gateway.id == xdist_filler.filler_id(node.config)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if _filling(config):  # the nodes were configured first: the plan's folder is there
-        return xdist_filler.FillerScheduling(config, log, os.path.join(config._grpo_plan_dir, "heavy.json"))
-    return None  # xdist's own
-
-
-def pytest_unconfigure(config):
-    if getattr(config, "_grpo_plan_dir", None):
-        shutil.rmtree(config._grpo_plan_dir, ignore_errors=True)
+    xdist_filler.configure(config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -304,9 +271,7 @@ def pytest_collection_modifyitems(config, items):
     `registry` tests are skipped, with the reason, unless the -m expression names them. With --filler-worker, a
     worker lists the files the filler may not run (tests/xdist_filler.py)."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
-    plan = getattr(config, "workerinput", {}).get(xdist_filler.PLAN_KEY)
-    if plan:
-        xdist_filler.write_heavy_files(items, plan)
+    xdist_filler.write_heavy_files(config, items)
     if "registry" not in (config.getoption("markexpr") or ""):
         skip = pytest.mark.skip(reason="asks the package registry: run with -m registry")
         for item in items:

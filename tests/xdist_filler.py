@@ -1,6 +1,6 @@
 """The filler worker: one extra pytest-xdist worker that runs only the unit and component test files, at a lower CPU
 priority, in the time the end-to-end files' workers wait on their processes (`pytest --filler-worker`, which
-./run_tests.sh passes for the whole suite; the hooks are in tests/conftest.py).
+./run_tests.sh passes for the whole suite; tests/conftest.py imports the hooks below, pytest finds them there).
 
 Why: two files at a time (run_tests.sh) left ~12 % of 2 cores idle, a few seconds here and there while both end-to-end
 tests waited on their ref servers, ranks and workers; a third worker taking any file ran three end-to-end runs at once,
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
 from xdist.scheduler import LoadFileScheduling
 
 OPTION = "--filler-worker"
@@ -34,9 +37,56 @@ def filler_id(config) -> str:
     return f"gw{int(config.getoption('numprocesses')) - 1}"
 
 
-def write_heavy_files(items, path: str) -> None:
-    """Worker side, at collection: the files with a slow or multiproc test. Every worker writes the same list;
-    written whole and renamed into place, so the controller never reads half of one."""
+def pytest_addoption(parser):
+    parser.addoption(OPTION, action="store_true",
+                     help="with -n N (N >= 2): the last worker runs only the files with no slow or multiproc test, "
+                          "at a lower CPU priority, while the others run those first (tests/xdist_filler.py); "
+                          "./run_tests.sh passes it for the whole suite")
+
+
+def filling(config) -> bool:
+    return (bool(config.getoption(OPTION)) and int(config.getoption("numprocesses", 0) or 0) >= 2
+            and config.getoption("dist", "no") == "loadfile")  # defaults: with -p no:xdist neither option exists
+
+
+def configure(config) -> None:
+    """From conftest's pytest_configure. The filler worker: lower its priority. The controller: refuse the option
+    where it cannot work."""
+    if getattr(config, "workerinput", {}).get(FILLER_KEY):
+        lower_priority()
+    elif not hasattr(config, "workerinput") and config.getoption(OPTION) and not filling(config):
+        raise pytest.UsageError(f"{OPTION} needs -n 2 or more and --dist loadfile (./run_tests.sh passes all three)")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Controller: tell each worker where to list its heavy files, and the last one that it fills."""
+    if filling(node.config):
+        if not hasattr(node.config, "_grpo_plan_dir"):
+            node.config._grpo_plan_dir = tempfile.mkdtemp(prefix="grpo-test-plan-")
+        node.workerinput[PLAN_KEY] = os.path.join(node.config._grpo_plan_dir, "heavy.json")
+        node.workerinput[FILLER_KEY] = node.gateway.id == filler_id(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if filling(config):  # the nodes were configured first: the plan's folder is there
+        return FillerScheduling(config, log, os.path.join(config._grpo_plan_dir, "heavy.json"))
+    return None  # xdist's own
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_grpo_plan_dir", None):
+        shutil.rmtree(config._grpo_plan_dir, ignore_errors=True)
+
+
+def write_heavy_files(config, items) -> None:
+    """Worker side, at collection (from conftest's pytest_collection_modifyitems), with --filler-worker: the files
+    with a slow or multiproc test. Every worker writes the same list; written whole and renamed into place, so the
+    controller never reads half of one."""
+    path = getattr(config, "workerinput", {}).get(PLAN_KEY)
+    if not path:
+        return
     heavy = sorted({item.nodeid.split("::", 1)[0] for item in items
                     if any(item.get_closest_marker(m) for m in HEAVY_MARKS)})
     tmp = f"{path}.{os.getpid()}"
