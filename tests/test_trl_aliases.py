@@ -195,7 +195,7 @@ def test_use_vllm_maps_to_gen_backend(tmp_path):
     path.write_text(json.dumps({"use_vllm": True}))
     assert load_config(GRPOConfig, ["--config", str(path)]).gen_backend == "vllm"
     with pytest.raises(ValueError, match="'use_vllm'.*'gen_backend'"):
-        load_config(GRPOConfig, ["--use_vllm", "true", "--gen_backend", "vllm"])
+        load_config(GRPOConfig, ["--use_vllm", "true", "--gen_backend", "hf"])
     with pytest.raises(ValueError, match="use_vllm='maybe'"):
         load_config(GRPOConfig, ["--use_vllm", "maybe"])
 
@@ -233,6 +233,40 @@ def test_new_data_and_reward_fields_validate():
 
 
 # --- issue 31: TRL's defaults in one file, and the ones that differ from ours documented ---------------------------
+def test_both_names_with_the_same_meaning_are_accepted(tmp_path):
+    """Issue 60: `--use_vllm true --gen_backend vllm` says one thing twice: accepted; a real conflict is refused."""
+    assert load_config(GRPOConfig, ["--use_vllm", "true", "--gen_backend", "vllm"]).gen_backend == "vllm"
+    assert load_config(GRPOConfig, ["--learning_rate", "1e-5", "--lr", "1e-5"]).lr == 1e-5
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"num_generations": 4, "num_pre_Q": 4, "epsilon": 0.1, "gspo_eps_low": 0.1}))
+    c = load_config(GRPOConfig, ["--config", str(path)])
+    assert (c.num_pre_Q, c.eps_low, c.gspo_eps_low) == (4, 0.1, 0.1)
+    with pytest.raises(ValueError, match="'use_vllm'.*'gen_backend'.*different values"):
+        load_config(GRPOConfig, ["--use_vllm", "true", "--gen_backend", "hf"])
+
+
+def test_reward_funcs_is_trls_name_of_reward_fns(tmp_path):
+    """Issue 60: GRPOTrainer's `reward_funcs` (used in docs/trl.md's own table) was refused, 'did you mean'."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"reward_funcs": ["format", "correct"]}))
+    assert load_config(GRPOConfig, ["--config", str(path)]).reward_fns == ["format", "correct"]
+    assert load_config(GRPOConfig, ["--reward_funcs", "format"]).reward_fns == ["format"]
+    with pytest.raises(ValueError, match="'reward_funcs'.*'reward_fns'"):
+        load_config(GRPOConfig, ["--reward_funcs", "format", "--reward_fns", "correct"])
+
+
+def test_command_line_epsilon_keeps_the_files_epsilon_high(tmp_path):
+    """Issue 60: TRL's epsilon_high defaults to epsilon only where no source gave it; a CLI --epsilon used to
+    overwrite the file's explicit epsilon_high (and its sequence clip)."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"epsilon_high": 0.28}))
+    c = load_config(GRPOConfig, ["--config", str(path), "--epsilon", "0.1"])
+    assert (c.eps_low, c.eps_high, c.gspo_eps_low, c.gspo_eps_high) == (0.1, 0.28, 0.1, 0.28)
+    path.write_text(json.dumps({"epsilon": 0.3}))  # the file's eps_high came from its epsilon: the CLI's wins
+    c = load_config(GRPOConfig, ["--config", str(path), "--epsilon", "0.1"])
+    assert (c.eps_low, c.eps_high, c.gspo_eps_high) == (0.1, 0.1, 0.1)
+
+
 TRL_DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "trl_defaults.json"
 
 
@@ -263,7 +297,7 @@ def test_gradient_accumulation_steps_says_how_it_differs_from_trl():
     assert "gradient_accumulation_steps" not in trl_aliases.REFUSED and "model_init_kwargs" not in trl_aliases.REFUSED
     # both names for one knob is still an error
     with pytest.raises(ValueError, match="'gradient_accumulation_steps'.*'grad_accum'"):
-        load_config(GRPOConfig, ["--gradient_accumulation_steps", "2", "--grad_accum", "2"])
+        load_config(GRPOConfig, ["--gradient_accumulation_steps", "2", "--grad_accum", "3"])
 
 
 def test_model_init_kwargs_is_a_json_object_and_owned_keys_are_refused(tmp_path):

@@ -196,6 +196,7 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
     for name in ignore_unknown:
         ns.pop(name, None)
     values: dict = {}
+    file_values: dict = {}
     cfg_file = ns.pop("config", None)
     if cfg_file:
         path = Path(cfg_file)
@@ -210,7 +211,7 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
         # Aliases are resolved per source: both names in one place is an error; the CLI overrides the file.
         values.update(trl_aliases.resolve_for(cls, file_values, str(path)) if _has_aliases(cls) else file_values)
     if _has_aliases(cls):  # the CLI's warmup_steps overrides the file's warmup_ratio, and so on
-        values = trl_aliases.merge(values, trl_aliases.resolve_for(cls, ns, "command line"))
+        values = trl_aliases.merge(values, trl_aliases.resolve_for(cls, ns, "command line", frozenset(file_values)))
     else:
         values.update(ns)
     cfg = from_dict(cls, values, source=str(cfg_file or "command line"))

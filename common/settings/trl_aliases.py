@@ -3,7 +3,8 @@
 Every alias maps to exactly one of our fields (some with a value translation); names TRL shares with us
 (`beta`, `temperature`, `seed`, `loss_type`, `top_entropy_quantile`, the `vllm_importance_sampling_*` fields,
 `trust_remote_code`, `model_init_kwargs`, `vllm_tensor_parallel_size`, ...) need no alias. A TRL name we cannot
-honour is refused by name, never ignored; giving an alias and our own name for the same knob in one place is an error.
+honour is refused by name, never ignored; giving an alias and our own name for the same knob in one place with
+different values is an error (the same value under both names, `--use_vllm true --gen_backend vllm`, is accepted).
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ ALIASES: dict[str, tuple[str, Any, str]] = {
     "dataset_name": ("data", None, "training data: hub id, folder or file"),
     "dataset_train_split": ("data_split", None, "training split"),
     "dataset_test_split": ("eval_split", None, "evaluation split"),
+    "reward_funcs": ("reward_fns", None, "GRPOTrainer's argument: the reward functions (built-ins, dotted paths, "
+                     "reward models)"),
     "num_generations": ("num_pre_Q", None, "completions per prompt"),
     "max_completion_length": ("max_new_tokens", None, "completion length cap"),
     "learning_rate": ("lr", None, "peak learning rate"),
@@ -173,8 +176,11 @@ def help_lines() -> list[str]:
     return [f"--{a} -> --{f}: {h}" for a, (f, _, h) in ALIASES.items()]
 
 
-def resolve(values: dict, defaults: dict, field_names: set[str], source: str) -> dict:
-    """Translate TRL names in one source's values (a JSON file or the CLI) into ours."""
+def resolve(values: dict, defaults: dict, field_names: set[str], source: str, given_before: frozenset = frozenset()
+            ) -> dict:
+    """Translate TRL names in one source's values (a JSON file or the CLI) into ours. given_before: the names an
+    earlier source (the file, under the CLI) gave explicitly: TRL's epsilon_high defaults to epsilon only where no
+    source gave it, so a command-line --epsilon leaves the file's epsilon_high as it is."""
     out = dict(values)
     for k in [k for k in out if k in REFUSED and k not in field_names and _matches(k, out[k])]:
         out.pop(k)  # what we do anyway (a TRL recipe's `remove_unused_columns: false`)
@@ -194,20 +200,22 @@ def resolve(values: dict, defaults: dict, field_names: set[str], source: str) ->
     for alias, (target, conv, _) in ALIASES.items():
         if alias not in out or alias in field_names:
             continue
-        if target in out:
-            raise ValueError(f"{source}: both the TRL name {alias!r} and our {target!r} are given for one knob; "
-                             f"give one")
-        value = out.pop(alias)
-        out[target] = conv(value) if conv is not None and value is not None else value
-    if "epsilon" in values and "eps_high" not in values and "epsilon_high" not in values:
-        out["eps_high"] = out["eps_low"]  # TRL: epsilon_high defaults to epsilon
+        raw = out.pop(alias)
+        value = conv(raw) if conv is not None and raw is not None else raw
+        if target in out and out[target] != value:  # the same meaning under both names is no conflict
+            raise ValueError(f"{source}: the TRL name {alias!r} ({raw!r}) and our {target!r} ({out[target]!r}) are "
+                             f"given for one knob with different values; give one")
+        out[target] = value
+    high_given = {"eps_high", "epsilon_high"} & (set(values) | set(given_before))
+    if "epsilon" in values and not high_given:
+        out["eps_high"] = out["eps_low"]  # TRL: epsilon_high defaults to epsilon (where no source gave it)
     # TRL's epsilon / epsilon_high clip at whichever importance_sampling_level: also our sequence clip
     for trl, ours, mine in (("epsilon", "gspo_eps_low", "eps_low"), ("epsilon_high", "gspo_eps_high", "eps_high"),
                             ("epsilon", "gspo_eps_high", "eps_high")):
-        if trl in values and trl not in field_names:
-            if ours in values:
-                raise ValueError(f"{source}: both the TRL name {trl!r} and our {ours!r} are given for the sequence "
-                                 f"clip; give one")
+        if trl in values and trl not in field_names and mine in out:
+            if ours in values and values[ours] != out[mine]:
+                raise ValueError(f"{source}: the TRL name {trl!r} and our {ours!r} are given for the sequence "
+                                 f"clip with different values; give one")
             out[ours] = out[mine]
     return out
 
@@ -228,7 +236,7 @@ def merge(earlier: dict, later: dict) -> dict:
     return out
 
 
-def resolve_for(cls: type, values: dict, source: str) -> dict:
+def resolve_for(cls: type, values: dict, source: str, given_before: frozenset = frozenset()) -> dict:
     fields = dataclasses.fields(cls)
     defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-    return resolve(values, defaults, {f.name for f in fields}, source)
+    return resolve(values, defaults, {f.name for f in fields}, source, given_before)
