@@ -256,8 +256,9 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, Start
     sapo_temperature_pos: float = knob(1.0, "TRL name: SAPO gate temperature for positive advantages.")
     sapo_temperature_neg: float = knob(1.05, "TRL name: SAPO gate temperature for negative advantages.")
     top_entropy_quantile: float = knob(1.0, "TRL name: train the policy term only on the completion tokens in this "
-                                            "top quantile of entropy (per training batch; 0.2 = the 80/20 rule of "
-                                            "arXiv:2506.01939). 1 = all tokens.")
+                                            "top quantile of entropy (as TRL: cut per micro-batch over every rank; "
+                                            "0.2 = the 80/20 rule of arXiv:2506.01939). 1 = all tokens, 0 = the "
+                                            "highest only.")
     off_policy_mask_threshold: float | None = knob(None, "TRL name (DeepSeek-V3.2 off-policy sequence masking): "
                                                          "drop completions with negative advantage whose mean "
                                                          "per-token KL(engine || policy) exceeds this. null = off.")

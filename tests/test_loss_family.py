@@ -199,3 +199,55 @@ def test_loss_type_sets_objective_and_aggregation():
         load_config(GRPOConfig, ["--loss_type", "bnpo", "--aggregation", "dr_grpo"])
     with pytest.raises(ValueError, match="unknown loss_type"):
         load_config(GRPOConfig, ["--loss_type", "gmpo"])
+
+
+def test_entropy_quantile_zero_is_accepted_and_keeps_the_highest(tmp_path):
+    """Issue 60: TRL accepts top_entropy_quantile 0.0 (its threshold quantile 1.0: the highest-entropy tokens)."""
+    assert load_config(GRPOConfig, ["--top_entropy_quantile", "0"]).top_entropy_quantile == 0.0
+    ent = torch.tensor([[0.1, 0.9, 0.5], [0.3, 0.7, 0.2]])
+    assert entropy_mask(ent, torch.ones(2, 3, dtype=torch.bool), 0.0).tolist() == [[0, 1, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        load_config(GRPOConfig, ["--top_entropy_quantile", "1.5"])
+
+
+def _entropy_rank(rank: int, port: int, q) -> None:
+    """One of two gloo ranks: its own tokens' entropies, cut with the other rank's (comm.all_gather_values)."""
+    import torch.distributed as dist
+
+    from trainer.dist import comm
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ent = [torch.tensor([[0.1, 0.2, 0.3, 0.4]]), torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])][rank]
+    mask = torch.ones_like(ent, dtype=torch.bool)
+    mask[-1, -1] = False  # ragged: rank 0 sends 3 values, rank 1 7
+    q.put((rank, entropy_mask(ent, mask, 0.5, comm.all_gather_values).tolist()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_entropy_cut_is_over_every_rank_as_trl():
+    """Issue 60: TRL's get_high_entropy_mask gathers the entropies of every process before the cut. Two real gloo
+    ranks: rank 0's low entropies all fall under the joint median (before: each rank cut its own, keeping half)."""
+    import torch.multiprocessing as mp
+    from conftest import find_free_port
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), find_free_port()
+    procs = [ctx.Process(target=_entropy_rank, args=(r, port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    # the union of valid values: 0.1 0.2 0.3 1 2 3 4 5 6 7, median 2.5: rank 0 keeps nothing, rank 1 from 3
+    assert got[0] == [[0.0, 0.0, 0.0, 0.0]]
+    assert got[1] == [[0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]]
+
+
+def test_cispo_at_sequence_level_caps_with_epsilon_high():
+    """Issue 60: TRL's CISPO caps the weight with epsilon_high at either importance_sampling_level; the sequence
+    level took GSPO's gspo_eps_high (4e-4), which capped every weight near 0."""
+    from trainer.objective.update import _eps
+    c = load_config(GRPOConfig, ["--loss_type", "cispo", "--eps_high", "5.0", "--importance_sampling_level",
+                                 "sequence", "--gspo_eps_high", "4e-4"])
+    assert _eps(c)["eps_high"] == 5.0
+    c = load_config(GRPOConfig, ["--importance_sampling_level", "sequence"])  # GSPO's clip unchanged
+    assert _eps(c) == {"eps_low": 3e-4, "eps_high": 4e-4}

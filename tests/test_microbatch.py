@@ -25,7 +25,7 @@ from common.modeling import load_model, resolve_model_path
 from common.wire.protocol import ScoredBatch
 from trainer.engine import ds_config_for, initialize, prepare_policy, skip_shm_op
 from trainer.objective import microbatch
-from trainer.objective.grpo import grpo_loss
+from trainer.objective.grpo import entropy_mask, grpo_loss
 from trainer.objective.offpolicy import importance_weights
 from trainer.objective.update import metric_keys, new_round, train_step, train_update
 
@@ -46,8 +46,9 @@ def make_batch(vocab: int, seed: int = 0) -> ScoredBatch:
                        ref_logps=-torch.rand(ROWS, T, generator=g) * 2 - 6)
 
 
-def reference_loss(m, b: ScoredBatch, cfg: GRPOConfig, aggregation: str) -> torch.Tensor:
-    """One batch's loss in float64: full logits, log-softmax, the loss over all rows at once."""
+def reference_loss(m, b: ScoredBatch, cfg: GRPOConfig, aggregation: str, whole: bool = False) -> torch.Tensor:
+    """One batch's loss in float64: full logits, log-softmax, the loss over all rows at once (bnpo and the entropy
+    cut: per micro-batch, as TRL's; whole: dapo's token sum over the whole batch)."""
     L = b.input_ids.shape[1]
     att = (torch.arange(L)[None] < (b.prompt_lens + b.completion_lens)[:, None]).long()
     logp_all = torch.log_softmax(m(input_ids=b.input_ids, attention_mask=att).logits.double(), -1)
@@ -58,6 +59,8 @@ def reference_loss(m, b: ScoredBatch, cfg: GRPOConfig, aggregation: str) -> torc
     pos = (b.prompt_lens[:, None] + torch.arange(T)[None]).clamp(max=L - 1)
     tgt = b.input_ids.gather(1, pos)
     logps = logp_all[torch.arange(ROWS)[:, None], pos - 1, tgt].masked_fill(~mask, 0.0)
+    rows = torch.arange(ROWS)[:, None]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)[rows, pos - 1].detach()
     seq = cfg.importance_sampling_level == "sequence"
     gen = b.gen_logps.double()
     weights = None
@@ -65,11 +68,26 @@ def reference_loss(m, b: ScoredBatch, cfg: GRPOConfig, aggregation: str) -> torc
         weights, _ = importance_weights(logps.detach(), gen, mask, cfg.vllm_importance_sampling_mode,
                                         cfg.vllm_importance_sampling_clip_max)
         gen = logps.detach()
-    return grpo_loss(logps, b.ref_logps.double(), gen, b.advantages.double(), mask, beta=cfg.beta, is_weights=weights,
-                     bias_correction_kl=cfg.use_bias_correction_kl,
-                     eps_low=cfg.gspo_eps_low if seq else cfg.eps_low,
-                     eps_high=cfg.gspo_eps_high if seq else cfg.eps_high, aggregation=aggregation,
-                     max_new_tokens=cfg.max_new_tokens, importance_sampling_level=cfg.importance_sampling_level)
+
+    def loss(r):  # the loss of rows r
+        w = None if weights is None else weights[r]
+        if cfg.top_entropy_quantile < 1.0:  # TRL's cut over the rows of one micro-batch (one rank here)
+            em = entropy_mask(entropy[r], mask[r], cfg.top_entropy_quantile)
+            w = em if w is None else w * em
+        return grpo_loss(logps[r], b.ref_logps.double()[r], gen[r], b.advantages.double()[r], mask[r], beta=cfg.beta,
+                         is_weights=w, bias_correction_kl=cfg.use_bias_correction_kl,
+                         eps_low=cfg.gspo_eps_low if seq else cfg.eps_low,
+                         eps_high=cfg.gspo_eps_high if seq else cfg.eps_high, aggregation=aggregation,
+                         max_new_tokens=cfg.max_new_tokens, importance_sampling_level=cfg.importance_sampling_level)
+    if cfg.top_entropy_quantile >= 1.0 and (whole or aggregation != "token_mean"):
+        return loss(slice(0, ROWS))
+    # TRL's bnpo and entropy cut are per micro-batch (per_device_train_batch_size = micro_batch_size rows, in order)
+    parts = [slice(s, min(s + cfg.micro_batch_size, ROWS)) for s in range(0, ROWS, cfg.micro_batch_size)]
+    if whole:  # dapo: the token mean over the batch's tokens, the cut per micro-batch
+        return sum(loss(r) * mask[r].sum() for r in parts) / mask.sum()
+    if aggregation == "token_mean":  # each micro-batch's token mean, averaged over the micro-batches
+        return sum(loss(r) for r in parts) / len(parts)
+    return sum(loss(r) * (r.stop - r.start) for r in parts) / ROWS
 
 
 def reference_grads(model, batches: list[ScoredBatch], cfg: GRPOConfig) -> dict:
@@ -79,7 +97,8 @@ def reference_grads(model, batches: list[ScoredBatch], cfg: GRPOConfig) -> dict:
     m.zero_grad()
     if cfg.aggregation == "dapo":
         tokens = [int(b.completion_lens.sum() if b.loss_mask is None else b.loss_mask.sum()) for b in batches]
-        loss = sum(reference_loss(m, b, cfg, "token_mean") * n for b, n in zip(batches, tokens)) / sum(tokens)
+        loss = sum(reference_loss(m, b, cfg, "token_mean", whole=True) * n
+                   for b, n in zip(batches, tokens)) / sum(tokens)
     else:
         loss = sum(reference_loss(m, b, cfg, cfg.aggregation) for b in batches) / len(batches)
     loss.backward()
@@ -205,6 +224,22 @@ def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggre
         assert stats["padding_share"] == 0.0
     else:  # rows grouped by length: 0.10 here, 0.26 in row order
         assert 0 < stats["padding_share"] < 0.2
+
+
+@pytest.mark.parametrize("stage,aggregation,quantile,padding_free", [
+    (0, "seq_mean", 0.5, "false"), (2, "dapo", 0.25, "true"), (3, "token_mean", 0.5, "false")])
+def test_bnpo_and_entropy_cut_per_micro_batch_as_trl(dist, stage, aggregation, quantile, padding_free):
+    """Issue 60: TRL's bnpo is each micro-batch's token mean (not the rank batch's; every stage: the test above),
+    its top_entropy_quantile is cut per micro-batch (TRL's per_device_train_batch_size, ours micro_batch_size:
+    3 + 3 + 2 rows in order; over every rank: tests/test_loss_family.py); grad_accum 2 at ZeRO 0/2/3 against the
+    float64 re-derivation, padded rows kept in order."""
+    cfg = config(aggregation, "token", grad_accum=2, padding_free=padding_free)
+    cfg.top_entropy_quantile = quantile
+    eng = sgd_engine(dist, stage, grad_accum=2)
+    batches = [make_batch(eng.module.config.vocab_size, seed) for seed in (1, 2)]
+    stats = check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+    if quantile < 1.0:
+        assert 0 < stats["entropy_kept_share"] < 1
 
 
 # Two real ZeRO-3 ranks make the ZeRO-0 update: tests/test_pack_bound.py (test_two_zero3_ranks_make_the_zero0_update),

@@ -155,7 +155,7 @@ class ConfigChecks(RewardSources, RewardModels):
              "loss_type cispo caps the IS weight at eps_high (TRL's epsilon_high, the absolute ε_max): set it "
              f">= 1, e.g. 5.0 (got {self.eps_high})"),
             (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo temperatures must be > 0"),
-            (0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
+            (0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile must be in [0, 1] (as TRL's)"),
             (self.logp_temperature in (None, 1, 1.0) or self.logp_temperature == self.temperature,
              f"logp_temperature must be null (the sampling temperature) or 1 (the raw distribution): the engines "
              f"return logprobs of one of those two, got {self.logp_temperature!r}"),

@@ -48,3 +48,19 @@ def is_dist_error(e: BaseException) -> bool:
     return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(k in str(e) for k in (
         "Gloo", "gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer",
         "No backend type associated with device type", "ProcessGroup", "Watchdog caught collective")))
+
+
+def all_gather_values(values: torch.Tensor, pad: float = -1e9) -> torch.Tensor:
+    """Every rank's 1-D float tensor, concatenated (ranks may hold different counts): padded to the longest with
+    `pad`, gathered, the pad dropped again, as TRL's pad_across_processes + gather (its entropies are >= 0, so a
+    negative sentinel cannot collide). One rank, or no process group: the tensor itself."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    n = all_reduce_int(values.numel(), "max")
+    dev = comm_device()
+    buf = torch.full((n,), pad, dtype=values.dtype, device=dev)
+    buf[:values.numel()] = values.to(dev)
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, buf)
+    out = torch.cat(parts).to(values.device)
+    return out[out != pad]

@@ -152,12 +152,18 @@ def grpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, old_logps: to
     return (per_token * m).sum() / (per_token.shape[0] * max_new_tokens)
 
 
-def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """TRL's top_entropy_quantile: 1 on the completion tokens whose entropy is at or above the (1 - quantile)
-    quantile of this batch's completion-token entropies, 0 elsewhere (the 80/20 'forking tokens' rule)."""
-    vals = entropy.detach()[mask.bool()].float()
-    if quantile >= 1.0 or vals.numel() == 0:
+def entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, gather=None) -> torch.Tensor:
+    """TRL's top_entropy_quantile (get_high_entropy_mask): 1 on the completion tokens whose entropy is at or above
+    the (1 - quantile) quantile of the completion-token entropies of this micro-batch on EVERY rank, 0 elsewhere
+    (the 80/20 'forking tokens' rule). `gather(values)` concatenates every rank's values (trainer/dist/comm.py
+    all_gather_values; None = one rank). quantile 0 keeps only the highest-entropy tokens (TRL accepts it)."""
+    if quantile >= 1.0:
         return mask.to(entropy.dtype)
+    vals = entropy.detach()[mask.bool()].float()
+    if gather is not None:
+        vals = gather(vals)
+    if vals.numel() == 0:
+        return torch.zeros_like(entropy)
     cut = torch.quantile(vals, 1.0 - quantile)
     return ((entropy.detach() >= cut) & mask.bool()).to(entropy.dtype)
 

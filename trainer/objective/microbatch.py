@@ -6,7 +6,10 @@ micro-batch's loss is weighted so that the weighted losses sum to the whole batc
 gradient equals the whole-batch gradient for every aggregation:
 
     seq_mean, dr_grpo  per-completion terms / the batch's rows      -> weight rows_mb / rows
-    token_mean, dapo   per-token terms / the batch's masked tokens  -> weight tokens_mb / tokens
+    dapo               per-token terms / the batch's masked tokens  -> weight tokens_mb / tokens
+    token_mean (TRL's bnpo) is TRL's per micro-batch token mean: each micro-batch weighs 1 / micro-batches, so
+    here micro_batch_size (TRL's per_device_train_batch_size) changes the gradient, as in TRL; so does
+    top_entropy_quantile, cut per micro-batch (over every rank). Those two keep the rows in order (per_micro).
     (the mask is the one update.py new_round built: completion tokens AND the loss mask, so a tool turn's
     tokens count in no micro-batch's weight; it is split by the same rows as everything else)
     (GSPO's sequence ratio and truncated IS are per row: unchanged by a split by rows.)
@@ -41,6 +44,12 @@ def micro_batches_per_step(cfg: GRPOConfig) -> int:
     return math.ceil(rows_per_step(cfg) / micro_rows(cfg))
 
 
+def per_micro(cfg: GRPOConfig) -> bool:
+    """Whether the loss depends on which rows share a micro-batch (bnpo's normaliser, the entropy cut): then the
+    micro-batches keep the batch's row order, never regrouped by length."""
+    return cfg.aggregation == "token_mean" or cfg.top_entropy_quantile < 1.0
+
+
 @dataclass
 class Micro:
     """One micro-batch: its rows of the batch, trimmed to its own widths, and its loss weight."""
@@ -65,6 +74,7 @@ def split(b: ScoredBatch, mask: torch.Tensor, adv: torch.Tensor, gen: torch.Tens
     micro-batches (DeepSpeed's accumulation boundary) is the same either way."""
     B = b.input_ids.shape[0]
     tokens = mask.sum().clamp(min=1).item()
+    n_micro = math.ceil(B / size)
     order = torch.argsort(b.prompt_lens + b.completion_lens, stable=True) if by_length else None
     out = []
     for s in range(0, B, size):
@@ -74,7 +84,7 @@ def split(b: ScoredBatch, mask: torch.Tensor, adv: torch.Tensor, gen: torch.Tens
         L = int((plen + clen).max())
         m = mask[r, :T]
         n = int(clen.numel())
-        w = (m.sum().item() / tokens) if aggregation in ("token_mean", "dapo") else n / B
+        w = m.sum().item() / tokens if aggregation == "dapo" else 1 / n_micro if aggregation == "token_mean" else n / B
         out.append(Micro(b.input_ids[r, :L], plen, clen, m, adv[r], None if gen is None else gen[r, :T],
                          None if ref is None else ref[r, :T], w, r))
     return out

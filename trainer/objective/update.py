@@ -149,9 +149,11 @@ def agreed_calls(model, mb: microbatch.Micro, cfg: GRPOConfig, packed: bool = Fa
 
 
 def _eps(cfg: GRPOConfig) -> dict:
-    """The clip of this level: gspo_eps_* at sequence level (TRL's epsilon/epsilon_high set them too: aliases)."""
+    """The clip of this level: gspo_eps_* at sequence level (TRL's epsilon/epsilon_high set them too: aliases).
+    CISPO's cap is epsilon_high (eps_high) at either level, as TRL's: GSPO's 4e-4 would cap every weight."""
     if cfg.importance_sampling_level == "sequence":
-        return dict(eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high)
+        high = cfg.eps_high if cfg.objective() == "cispo" else cfg.gspo_eps_high
+        return dict(eps_low=cfg.gspo_eps_low, eps_high=high)
     return dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
 
 
@@ -165,7 +167,7 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
                            cfg.micro_batch_size or b.num_rows, cfg.pack_tokens,           # summed estimates,
                            comm.all_reduce if torch.distributed.is_initialized() else None)  # one choice
     micros = microbatch.split(b, mask, adv, gen, ref, cfg.micro_batch_size or b.num_rows, cfg.aggregation,
-                              by_length=not packed)
+                              by_length=not packed and not microbatch.per_micro(cfg))
     if len(micros) != micro_batches_per_step(cfg):  # DeepSpeed's accumulation boundary counts micro-batches
         raise ValueError(f"training batch of {b.num_rows} rows makes {len(micros)} micro-batches of "
                          f"micro_batch_size={cfg.micro_batch_size}; train_batch_groups x num_pre_Q = "
@@ -209,8 +211,9 @@ def _micro_loss(logps, ent, mb: microbatch.Micro, old, w, cfg: GRPOConfig):
                                   cfg.off_policy_mask_threshold)
         w = keep.expand_as(logps) if w is None else w * keep
     em = None
-    if cfg.top_entropy_quantile < 1.0:  # only the high-entropy tokens train the policy term (per micro-batch)
-        em = entropy_mask(ent, mb.mask, cfg.top_entropy_quantile)
+    if cfg.top_entropy_quantile < 1.0:  # only the high-entropy tokens train the policy term: TRL's cut, per
+        em = entropy_mask(ent, mb.mask, cfg.top_entropy_quantile,  # micro-batch over every rank (a collective:
+                          comm.all_gather_values if torch.distributed.is_initialized() else None)  # same count)
         w = em if w is None else w * em
     objective = dict(objective=cfg.objective(), sapo_tau=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))
     loss = grpo_loss(logps, mb.ref, old, mb.adv, mb.mask, beta=cfg.beta,
