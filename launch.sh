@@ -358,7 +358,7 @@ while kill -0 "$TRAINER" 2>/dev/null; do
     own=$(head -n 1 "$RUN_DIR/diagnosis.txt" 2>/dev/null || true); why=${own#"$name: "}
     [ -n "$why" ] || why=$(grep -v '^\s*$' "$RUN_DIR/$name.log" | tail -n 1 | cut -c1-300)
     echo "$name exited with code $code: $why (see $RUN_DIR/$name.log; --keep-going to go on without it)" >"$RUN_DIR/diagnosis.txt"
-    [ "$code" = 7 ] && [ -n "$own" ] && exit 7  # it said "nothing to train on" (trainer/run/stall.py): docs/hangs.md
+    case "$code" in 7|8) [ -n "$own" ] && exit "$code" ;; esac  # "nothing to train on" (trainer/run/stall.py): docs/hangs.md
     exit 3
   done
   sleep 0.2

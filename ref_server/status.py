@@ -174,6 +174,10 @@ def format_table(status: dict) -> str:
         lines.append(describe_placement(status["placement"]))
     lines.append("stalled: " + (", ".join(f"{s['id']} ({s['silent_s']:.0f} s silent)"
                                           for s in status.get("stalled", [])) or "none"))
+    flat = [r["id"] for r in status.get("participants", []) if str(r.get("state", "")).startswith("nothing to train")]
+    if flat:  # alive and busy, so not stalled, yet no group trains (trainer/run/stall.py state())
+        lines.append(f"not training: {', '.join(flat)}: every group sampled lately had equal rewards (no spread; "
+                     f"its state says how many); train_zero_spread true trains them (TRL's behaviour)")
     return "\n".join(lines)
 
 

@@ -147,3 +147,21 @@ def test_tool_counters_from_heartbeats_show_in_the_table():
     plain = format_table({"participants": [r for r in rows if r["id"] != "worker0"], "stalled": [], "queues": {},
                           "weights": {}})
     assert "tool calls" not in plain  # a run without tools: the table as before
+
+
+def test_a_producer_with_no_reward_spread_shows_as_not_training():
+    """Issue 60: a run whose groups never spread read `stalled: none` with 0 in the ranks' "no spread" column: the
+    producers are alive, so not stalled, yet nothing trains; their heartbeat state (trainer/run/stall.py state())
+    and live skipped count say so, and a line names them."""
+    from trainer.rollout import RolloutStats
+    from trainer.run.stall import StallReporter
+    rep = StallReporter("trainer-rank0")
+    rep.add(RolloutStats(groups=3, skipped_no_spread=3, rewards=[0.0] * 24), produced=0)
+    t = HeartbeatTable()
+    t.on_heartbeat({"id": "trainer-rank0", "role": "rank", "host": "h", "version": 0},
+                   {"state": f"{rep.state()}; generating its own rollouts", "skipped_groups": rep.skipped})
+    rows, _ = t.snapshot(stall_warn=100)
+    text = format_table({"participants": rows, "stalled": [], "queues": {}, "weights": {}})
+    assert "nothing to train: 3 groups in a row without reward spread" in text and "stalled: none" in text
+    assert "not training: trainer-rank0" in text and "train_zero_spread" in text
+    assert rows[0]["skipped_groups"] == 3

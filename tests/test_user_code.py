@@ -31,7 +31,9 @@ def digits(completion: str, ground_truth: str) -> float:
 def user_dir(tmp_path, monkeypatch):
     """A user's folder outside the checkout: a module, a file in a subfolder with a neighbour it imports."""
     (tmp_path / "my_rewards.py").write_text("def short(completion, ground_truth):\n"
-                                            "    return 1.0 / (1 + len(completion))\n")
+                                            "    return 1.0 / (1 + len(completion))\n"
+                                            "def flat(completion, ground_truth):\n"
+                                            "    return 1.0\n")
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "extra_rewards.py").write_text(REWARD_FILE)
     (tmp_path / "lib" / "helper_mod.py").write_text("DIGITS = '0123456789'\n")
@@ -92,7 +94,9 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
 
     The config is configs/trl_defaults.json (TRL 1.16's defaults) with the user's changes on top, as a TRL user
     starts from it: issue 40's done-when, that a text prompt reaches the model as TRL sends it (no chat template,
-    no system prompt: completions.jsonl's `prompt` is the user's text exactly), is checked on the same run."""
+    no system prompt: completions.jsonl's `prompt` is the user's text exactly), is checked on the same run. And
+    issue 60's: the trained reward never spreads (reward_weights put all the weight on `flat`, always 1.0): TRL
+    trains every group, and so does trl_defaults.json (train_zero_spread true): both steps train, nothing skipped."""
     prompts = [f"Write the number {n} in digits." for n in range(20)]
     (user_dir / "train.json").write_text(json.dumps([{"prompt": p} for p in prompts]))
     (user_dir / "eval.json").write_text(json.dumps([{"prompt": f"Count to {n}."} for n in range(4)]))
@@ -102,8 +106,8 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     for k in ("PYTHONPATH", USER_DIR_ENV):
         env.pop(k, None)
     args = ["--model", "tiny", "--data", "train.json", "--eval_data", "eval.json",
-            "--Q_batch_size", "2", "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits",
-            "--reward_timeout", "5", "--get_wait", "240", "--eval_limit", "4",
+            "--Q_batch_size", "2", "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits,my_rewards:flat",
+            "--reward_weights", "[0,0,1]", "--reward_timeout", "5", "--get_wait", "240", "--eval_limit", "4",
             "--eval_max_new_tokens", "8"]
     launch = ["bash", str(REPO / "launch.sh")]
     check = run_process_group([*launch, "check", "--config", "trl_config.json", "--port", str(find_free_port()), "--",
@@ -123,13 +127,16 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     for r in rows:
         assert r["batches_from_ranks"] == 0 and r["batches_from_workers"] == 2, r  # 2 ranks x 1 batch, all worker's
         assert "reward/short" in r and "reward/digits" in r
+        assert r["skipped_groups"] == 0 and r["reward_std"] == 0.0, r  # no spread, trained all the same (as TRL)
     assert "Traceback" not in "".join(logs.values())
     # log_completions: every trained completion (2 steps x 2 ranks x 8), the worker's, scored by the user's rewards
     done = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in done] == [1] * 16 + [2] * 16
-    assert all(set(r["rewards"]) == {"short", "digits"} and r["producer"].startswith("worker") for r in done), done[0]
+    assert all(set(r["rewards"]) == {"short", "digits", "flat"} and r["producer"].startswith("worker")
+               for r in done), done[0]
+    assert {r["advantage"] for r in done} == {0.0} and {r["reward"] for r in done} == {1.0}
     assert all(r["prompt"] in prompts for r in done), done[0]["prompt"]  # the user's text, exactly (TRL's)
     assert "completions trained at step 2 (2 of 16" in logs["trainer.log"]
     # in-training eval on the held-out rows, scored with the run's own rewards: no correctness reward, no accuracy
-    assert {"eval_reward/short", "eval_reward/digits", "eval_reward_mean"} <= set(rows[1]), rows[1]
+    assert {"eval_reward/short", "eval_reward/digits", "eval_reward/flat", "eval_reward_mean"} <= set(rows[1]), rows[1]
     assert "eval_accuracy" not in rows[1] and rows[1]["eval_n"] == 4

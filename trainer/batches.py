@@ -84,8 +84,9 @@ class BatchSource:
         self.watchdog = None  # trainer/run/health.py Watchdog: told what we wait for (its stall diagnosis says it)
 
     def _doing(self, what: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.activity = what.format(url=self.client.urls[0])
+        if self.watchdog is not None:  # while no group spreads, the status view says so first
+            note = self.stall.state()
+            self.watchdog.activity = (f"{note}; " if note else "") + what.format(url=self.client.urls[0])
 
     def next(self, policy_version: int) -> tuple[ScoredBatch, dict]:
         cfg = self.cfg

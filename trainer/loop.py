@@ -217,7 +217,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     started.append(watchdog)
     source.watchdog = watchdog  # says what the rank waits for
     totals = {"skipped_groups": 0, "dropped_stale": 0}  # cumulative, for the server's status table
-    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: watchdog.activity, lambda: dict(totals)).start()
+    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: watchdog.activity,  # skipped: live, not per step
+                          lambda: {**totals, "skipped_groups": source.stall.skipped}).start()
     if cfg.eval_before and start_step == 0 and eval_examples:
         watchdog.activity = "evaluating (eval_before)"
         res = maybe_eval(0)
@@ -270,7 +271,6 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             rows = gather_rows(completion_rows(rnd.batches, tok, step))
             if completions is not None:
                 completions.log(step, rows, metrics)
-        totals["skipped_groups"] += own.skipped_no_spread
         totals["dropped_stale"] += info["dropped_stale"]
         add_tool_totals(totals, own.tools)  # what this rank's own rollouts called (the /status view)
         if publisher.active and step % cfg.sync_steps == 0:

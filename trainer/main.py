@@ -67,16 +67,16 @@ def die(cfg: GRPOConfig, mode: str, e: Exception) -> int:
     """Log the traceback, then ONE last line: this process, the exception's type and the first line of its message
     (a reward's names the function, the row and its columns: trainer/rewards/scoring.py); also the run's
     diagnosis.txt (first writer wins), which launch.sh repeats as its last line. Exit code 1, or 7 for a producer
-    that can never make a batch (trainer/run/stall.py NothingToTrain)."""
+    that can never make a batch, 8 where no group's rewards spread (trainer/run/stall.py NothingToTrain)."""
     import logging
     import traceback
 
     from trainer.run.health import write_diagnosis
-    from trainer.run.stall import EXIT_NOTHING_TO_TRAIN, NothingToTrain
+    from trainer.run.stall import NothingToTrain
     who = f"worker{cfg.worker_id}" if mode == "genonly" else f"rank {os.environ.get('RANK', '0')}"
     first = (str(e).strip().splitlines() or [""])[0]
     if isinstance(e, NothingToTrain):  # its line names the process, the knob or the rewards: no traceback
-        line, code = first, EXIT_NOTHING_TO_TRAIN
+        line, code = first, e.exit_code  # 7, or 8 for no reward spread (NoRewardSpread)
     else:
         line, code = f"{who}: {type(e).__name__}: {first}", 1
         logging.getLogger("trainer").error("%s", "".join(traceback.format_exception(e)).rstrip())

@@ -38,6 +38,7 @@ class RolloutStats:
     rewards: list = field(default_factory=list)
     components: dict = field(default_factory=dict)
     tools: dict = field(default_factory=dict)  # tool run: per-completion statistics (trainer/tools/loop.py)
+    skipped_samples: list = field(default_factory=list)  # a few (completion, {reward: value}) of skipped groups
 
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
@@ -246,6 +247,9 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
         # DAPO overlong shaping acted where rewards became advantages; `rewards` stays the task reward (metrics)
         if not has_spread(shaped) and not getattr(cfg, "train_zero_spread", False):
             stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
+            if len(stats.skipped_samples) < 2:  # what the stall warning shows (trainer/run/stall.py)
+                stats.skipped_samples.append((tokenizer.decode(group[0].completion_ids, skip_special_tokens=True),
+                                              {k: v[0] for k, v in sc.components.items()}))
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
         extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],

@@ -121,6 +121,7 @@ def genonly(cfg: GRPOConfig) -> None:
         skipped += st.skipped_no_spread
         stall.add(st, len(batches))
         stall.maybe_log()
+        doing["now"] = stall.state() or doing["now"]  # "nothing to train: ..." in launch.sh status
         timeouts += st.reward_timeouts
         add_tool_totals(tool_totals, st.tools)
         gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds

@@ -47,5 +47,5 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "gen_wait_for_workers"]),
     ("health", "Stalls, dead peers and bad batches: found, named, stopped.", [
         "stall_warn", "stall_timeout", "max_rejected_batches", "max_skipped_prompts", "none_reward_groups",
-        "dist_timeout", "heartbeat_s"]),
+        "max_no_spread_groups", "dist_timeout", "heartbeat_s"]),
 ]

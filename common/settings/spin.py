@@ -1,5 +1,6 @@
 """Limits that keep a producer (genonly worker, or a rank generating for itself) from spinning without a word:
-prompts that never fit, rewards that never apply (issue 41). trainer/run/stall.py enforces them; exit 7."""
+prompts that never fit, rewards that never apply (issue 41): exit 7; rewards that never spread (issue 60): exit 8.
+trainer/run/stall.py enforces them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,3 +17,7 @@ class SpinLimits:
                                       "every reward for every completion ends the run with exit 7 naming the "
                                       "rewards (a reward None on all of them beside others that apply: one warning "
                                       "line); 0 = never.")
+    max_no_spread_groups: int = knob(1000, "A worker or rank that samples this many groups in a row with equal "
+                                           "rewards (no spread: skipped under dynamic sampling) and no batch in "
+                                           "between ends the run with exit 8, giving each reward's values; 0 = never. "
+                                           "Off with train_zero_spread (every group trains).")
