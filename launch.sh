@@ -66,6 +66,8 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 [ $# -ge 1 ] || { usage; exit 2; }
 MODE=$1; shift
 ORIG_ARGS=("$@")  # as typed: the resume command repeats them (resume_command below)
+# what a config error tells the user to run for the options: their own command, not trainer/main.py's
+export GRPO_HELP_PROG="${GRPO_HELP_PROG:-$(basename "$0") $MODE --}"
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
   demo|train|check|status|ref-server|trainer-host|workers) ;;
@@ -243,8 +245,10 @@ cleanup() {
   if [ "$code" != 0 ] && [ -s "$RUN_DIR/diagnosis.txt" ]; then
     echo "[launch] run failed (exit $code): $(head -n 1 "$RUN_DIR/diagnosis.txt")" >&2
   fi
-  if [ "$code" = 130 ] || [ "$code" = 143 ]; then  # the last line: how to go on
+  if { [ "$code" = 130 ] || [ "$code" = 143 ]; } && [ -s "$RUN_DIR/ds/latest" ]; then  # the last line: how to go on
     echo "[launch] interrupted; to continue this run from its last checkpoint: $(resume_command)" >&2
+  elif [ "$code" = 130 ] || [ "$code" = 143 ]; then  # --resume would find no checkpoint and start from step 0
+    echo "[launch] interrupted before the first checkpoint (save_steps): there is nothing to resume; run the same command again to start over" >&2
   fi
   exit $code
 }

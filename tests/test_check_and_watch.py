@@ -65,6 +65,14 @@ def test_check_passes_on_a_good_run_and_names_each_problem(folder, check_in):
         fails = [line for line in out.splitlines() if line.startswith("FAIL")]
         assert code != 0 and len(fails) == 1, (name, out)
         assert fails[0].startswith(f"FAIL {name}") and words in fails[0], fails
+    # issue 60: every row is read (it read 3 and passed a file whose row 8 has no prompt), and it says how many
+    assert "2 rows read" in ok.stdout, ok.stdout
+    rows = [f'{{"prompt": "{n}+{n}", "ground_truth": "{2 * n}"}}' for n in range(10)]
+    rows[7] = '{"question_x": "8+8", "ground_truth": "16"}'
+    (folder / "bad_row.jsonl").write_text("\n".join(rows) + "\n")
+    code, out, _ = check_in(folder, "--port", str(find_free_port()), "--", *BASE, "--data", "bad_row.jsonl")
+    assert code != 0 and any(line.startswith("FAIL data") and "bad_row.jsonl:8:" in line
+                             for line in out.splitlines()), out
 
 
 def test_check_refuses_a_taken_port_and_train_runs_the_checks_first(folder, check_in):

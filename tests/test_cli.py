@@ -80,7 +80,8 @@ def test_entry_points_refuse_a_near_name_in_one_line(cmd, want):
 
 
 @pytest.mark.parametrize("trainer_args, want", [
-    (["--bad_key", "1"], "trainer/main.py: error: unknown option --bad_key"),
+    # issue 60: the command the user typed, not trainer/main.py's (launch.sh train -- --help lists the options)
+    (["--bad_key", "1"], "launch.sh train --: error: unknown option --bad_key (see launch.sh train -- --help)"),
     (["--num-generation", "4"], "did you mean --num_generations?"),
     (["--beta", "-1"], "config: beta must be >= 0"),
     (["--model_init_kwargs", '{"torch_dtype": "bfloat16"}'], "model_init_kwargs may not set torch_dtype"),

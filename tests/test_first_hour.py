@@ -152,6 +152,31 @@ def test_nothing_spins_and_none_is_shown_as_none(caplog):
         rep.add(_stats(0, {}, skipped_long=1), produced=0)
 
 
+@pytest.mark.slow  # a launch.sh train run, stopped as it starts
+def test_ctrl_c_before_any_checkpoint_says_there_is_nothing_to_resume(tmp_path):
+    """Issue 60: a Ctrl-C before the first checkpoint printed the --resume command, which found no checkpoint and
+    silently started again from step 0: the last line now says there is nothing to resume."""
+    import signal
+    port = find_free_port()
+    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), "train", "--skip-checks", "--run-dir", "r", "--port",
+                             str(port), "--", *BASE], cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (tmp_path / "r" / "ref_server.log").is_file():
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert "interrupted before the first checkpoint" in line and "nothing to resume" in line, err[-3000:]
+    assert "--resume true" not in err
+
+
 # output_dir after -- (no --run-dir), the checkpoints a cut save leaves, and `launch.sh status` once the run is over:
 # tests/test_e2e.py's shared run, as a user runs it (test_cut_saves_are_removed_and_status_says_how_the_run_ended).
 
@@ -176,11 +201,11 @@ def test_ctrl_c_stops_everything_and_prints_the_exact_resume_command(tmp_path):
                              str(port), "--", *args], cwd=tmp_path, env=user_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    metrics = tmp_path / "r" / "metrics.jsonl"
+    latest = tmp_path / "r" / "ds" / "latest"  # a checkpoint to resume from (before it: nothing to resume)
     markers = (f"--port {port}", f"127.0.0.1:{port}", str(tmp_path / "r"))  # server, worker, launcher, ranks
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
+        while time.time() < deadline and not (latest.is_file() and latest.read_text().strip()):
             time.sleep(1)
         children = run_processes(*markers)
         t0 = time.monotonic()
@@ -222,7 +247,9 @@ def test_evaluate_split_and_the_configured_rewards(tmp_path):
     (tmp_path / "my_rewards.py").write_text("def short(completion, ground_truth):\n"
                                             "    return 1.0 / (1 + len(completion))\n")
     (tmp_path / "held_out.jsonl").write_text(_rows(2, 4))
-    (tmp_path / "cfg.json").write_text('{"reward_fns": ["my_rewards:short"]}')
+    # issue 60: the config's generation settings too (max_completion_length was ignored: 512 tokens a row)
+    (tmp_path / "cfg.json").write_text('{"reward_fns": ["my_rewards:short"], "max_completion_length": 3, '
+                                       '"system_prompt": ""}')
     py = [str(REPO / ".venv" / "bin" / "python"), "-m", "trainer.evaluate", "--model", "tiny"]
     run = lambda *a: subprocess.run([*py, *a], cwd=tmp_path, env=user_env(), capture_output=True, text=True,
                                     timeout=300)
@@ -231,10 +258,10 @@ def test_evaluate_split_and_the_configured_rewards(tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     need = run("--data", "arith")
     assert need.returncode == 2 and "--split" in need.stderr, need.stderr
-    ok = run("--data", "held_out.jsonl", "--config", "cfg.json", "--max-new-tokens", "4", "--system-prompt", "",
-             "--out", "e.json")
+    ok = run("--data", "held_out.jsonl", "--config", "cfg.json", "--out", "e.json")
     assert ok.returncode == 0, ok.stderr[-3000:]
     res = __import__("json").loads((tmp_path / "e.json").read_text())
     assert res["split"] is None and res["n"] == 2 and res["reward_fns"] == ["short"], res
+    assert (res["max_new_tokens"], res["system_prompt"], res["prompt_format"]) == (3, "", "auto"), res
     assert res["rewards"]["short"][1] == 2 and "reward/short" in res and res["accuracy"] is None, res
     assert "accuracy n/a" in ok.stdout and "reward/short" in ok.stdout, ok.stdout

@@ -4,8 +4,8 @@ checks `./launch.sh train` runs before it starts anything. No model weights are 
 One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
     config   the trainer's config parses and validates (TRL names included)
     model    config.json and the tokenizer load from the path, hub id or local cache
-    data     the first rows go through the column mapping and the prompt format (the first prompt is printed as the
-             model will see it, template and all)
+    data     every row (up to CHECK_ROWS) goes through the column mapping, the first through the prompt format
+             (the first prompt is printed as the model will see it, template and all)
     rewards  every reward function imports as the workers import it (common/user_code.py) and scores a whole group
              (num_generations completions) of each of the first rows, as training does
     tools    with tools/environment_factory: each tool imports and has a JSON schema (one line per tool), and the
@@ -86,11 +86,11 @@ def check_data(c: Checker) -> str:
     from trainer.data import run_data
     from trainer.rollout import encode_prompts
     cfg = c.cfg
-    # as the ranks and workers load it: dataset_config, the prompt-only refusals, the eval rows' rule
-    c.examples = run_data.train_examples(cfg, limit=3)
-    held_out = run_data.eval_examples(cfg, limit=3)
-    read = f"{len(c.examples)} rows read, prompt format {cfg.prompt_format}" + (
-        f"; eval rows from {cfg.eval_data or cfg.data} ({cfg.eval_split})" if held_out else "")
+    every = run_data.train_examples(cfg, limit=min(cfg.data_limit or run_data.CHECK_ROWS, run_data.CHECK_ROWS))
+    c.examples, held_out = every[:3], run_data.eval_examples(cfg, limit=3)  # every row read as the ranks read it
+    read = f"{len(every)} rows read{' (CHECK_ROWS)' * (len(every) == run_data.CHECK_ROWS)}, prompt format " + (
+        f"{cfg.prompt_format}; eval rows from {cfg.eval_data or cfg.data} ({cfg.eval_split})" if held_out else
+        f"{cfg.prompt_format}")
     if c.tokenizer is None:
         return read + " (prompts not rendered: no tokenizer)"
     # counted as the model sees them: chat template, the tools section, what an environment's reset() adds

@@ -136,6 +136,16 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
             **({"tool_calls": tool_calls, "tool_calls_per_completion": tool_calls / n} if toolbox is not None else {})}
 
 
+def generation_defaults(a, run_cfg: GRPOConfig) -> None:
+    """The options not given take the run's settings (GRPOConfig's defaults without --config, the same values as
+    before): eval_max_new_tokens else max_new_tokens (TRL's max_completion_length), as in-training eval does."""
+    if a.max_new_tokens is None:
+        a.max_new_tokens = run_cfg.eval_max_new_tokens or run_cfg.max_new_tokens
+    for name in ("system_prompt", "prompt_format", "chat_template_kwargs"):
+        if getattr(a, name) is None:
+            setattr(a, name, getattr(run_cfg, name))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = ArgumentParser(prog="python -m trainer.evaluate", description="Greedy pass@1 accuracy and format rate "
                                                                       "(GSM8K test split or any JSONL of {prompt, "
@@ -147,15 +157,20 @@ def main(argv: list[str] | None = None) -> dict:
                                                  "is evaluated whole, so give held-out rows as their own file.")
     p.add_argument("--config", default=None, help="The run's config JSON: its reward_fns, reward_weights and "
                                                   "reward_timeout score the completions (as eval_data does in "
-                                                  "training).")
+                                                  "training), and its generation settings are the defaults of the "
+                                                  "four below: eval_max_new_tokens (else max_new_tokens / TRL's "
+                                                  "max_completion_length), system_prompt, prompt_format, "
+                                                  "chat_template_kwargs.")
     p.add_argument("--reward-fns", default=None, help="Reward functions to score with, as the trainer's "
                                                       "reward_fns (default: the --config's, else correct,format).")
     p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N examples.")
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the --config's, else 512")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--system-prompt", default="default", help="'default' (R1-style), '' (none) or a text.")
-    p.add_argument("--prompt-format", default="auto",
-                   help="auto, chat, messages, raw, r1zero or trl (trainer/data/prompt_formats.py).")
+    p.add_argument("--system-prompt", default=None, help="'default' (R1-style), '' (none) or a text (default: the "
+                                                       "--config's, else 'default').")
+    p.add_argument("--prompt-format", default=None, help="auto, chat, messages, raw, r1zero or trl "
+                                                         "(trainer/data/prompt_formats.py; default: the --config's, "
+                                                         "else auto).")
     p.add_argument("--chat-template-kwargs", type=parse_dict, default=None, help="More chat template arguments (a "
                                                                                  "JSON object, e.g. Qwen3's "
                                                                                  "'{\"enable_thinking\": false}').")
@@ -191,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         from trainer.rewards.scoring import RewardScorer
         from trainer.tools import ToolBox
     run_cfg = load_config(GRPOConfig, ["--config", a.config]) if a.config else GRPOConfig()
+    generation_defaults(a, run_cfg)
     specs = a.reward_fns or run_cfg.reward_specs()  # reward_fns null: the built-ins (or an environment's)
     path = resolve_model_path(a.model)
     cfg = GRPOConfig(model=path, gen_backend=a.gen_backend, vllm_dtype=a.vllm_dtype, max_new_tokens=a.max_new_tokens,
@@ -220,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         scorer.close()
         if toolbox is not None:
             toolbox.close()
-    res.update(model=a.model, data=a.data, split=a.split, reward_fns=scorer.names, **by_reward(res, scorer.names))
+    res.update(model=a.model, data=a.data, split=a.split, reward_fns=scorer.names, **by_reward(res, scorer.names),
+               max_new_tokens=a.max_new_tokens, system_prompt=a.system_prompt, prompt_format=a.prompt_format)
     calls = f"  tool calls per completion {res['tool_calls_per_completion']:.2f}" if toolbox is not None else ""
     shown = lambda k: "n/a" if res[k] is None else f"{res[k]:.4f}"  # n/a: no correctness / format reward
     means = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if k.startswith("reward/"))

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
 import sys
 import textwrap
 import types
@@ -188,7 +189,9 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
                 ignore_unknown: tuple[str, ...] = (), description: str | None = None,
                 epilog: str | None = None) -> T:
     """Defaults <- JSON file (--config) <- CLI flags. Unknown keys are errors, not ignored.
-    description/epilog: --help's text above and below the options (default: the class docstring above)."""
+    description/epilog: --help's text above and below the options (default: the class docstring above).
+    Started by launch.sh (GRPO_HELP_PROG, e.g. "launch.sh train --"), a GRPOConfig error names the user's command."""
+    prog = _prog(cls, prog)
     parser = build_parser(cls, prog=prog, description=description, epilog=epilog)
     for name in ignore_unknown:  # e.g. --local_rank injected by the deepspeed launcher
         parser.add_argument(f"--{name}", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -219,13 +222,19 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
     return validate() if validate else cfg
 
 
+def _prog(cls: type, prog: str | None) -> str | None:
+    """The command an error names: launch.sh's (GRPO_HELP_PROG) for a GRPOConfig it started, else `prog`."""
+    return os.environ.get("GRPO_HELP_PROG") or prog if _has_aliases(cls) else prog
+
+
 def load_config_or_exit(cls: type[T], argv: list[str] | None = None, prog: str | None = None, **kw: Any) -> T:
     """load_config for an entry point: a bad value, an unknown key in the file or a failed validation is one
     line on stderr and exit 2, not a traceback (flag errors already are: common/settings/cli.py)."""
     try:
         return load_config(cls, argv, prog=prog, **kw)
     except (ValueError, FileNotFoundError) as e:
-        print(f"{prog or sys.argv[0]}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        prog = _prog(cls, prog) or sys.argv[0]
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

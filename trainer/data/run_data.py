@@ -32,6 +32,9 @@ def check_ground_truths(reward_fns, examples: list[Example], what: str) -> None:
                              f"that need none (format, a judge or length reward of yours), or set answer_column")
 
 
+CHECK_ROWS = 100_000  # rows `launch.sh check` reads and validates at most: bounded in time (a hub dataset's millions)
+
+
 def train_examples(cfg, limit: int | None = None) -> list[Example]:
     """The training examples (`limit`: the first rows only, e.g. for `launch.sh check`; default data_limit)."""
     examples = load_examples(cfg.data, split=cfg.data_split, limit=cfg.data_limit if limit is None else limit,
