@@ -165,3 +165,19 @@ def test_a_producer_with_no_reward_spread_shows_as_not_training():
     assert "nothing to train: 3 groups in a row without reward spread" in text and "stalled: none" in text
     assert "not training: trainer-rank0" in text and "train_zero_spread" in text
     assert rows[0]["skipped_groups"] == 3
+
+
+def test_a_worker_takes_the_ranks_step_count_under_num_train_epochs(server):
+    """Issue 60: with num_train_epochs, all_steps needs the ranks' world size, so genonly workers reported the
+    unresolved default (1000) as trainer_state.max_steps; a rank's heartbeat now carries it and the worker waits for
+    it (a real ref server). Without num_train_epochs the worker asks nothing."""
+    from common.config import GRPOConfig
+    from trainer.worker import epochs_run_length
+    cfg = GRPOConfig(num_train_epochs=2.0, wait_for_ranks_timeout=30)
+    client(server, "trainer-rank0", "rank").heartbeat("training step 1", all_steps=37)
+    doing = {"now": ""}
+    epochs_run_length(client(server, "worker0", "worker"), cfg, doing)
+    assert cfg.all_steps == 37 and "num_train_epochs" in doing["now"]
+    plain = GRPOConfig(all_steps=5)
+    epochs_run_length(None, plain, doing)  # no client call at all
+    assert plain.all_steps == 5

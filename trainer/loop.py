@@ -217,8 +217,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     started.append(watchdog)
     source.watchdog = watchdog  # says what the rank waits for
     totals = {"skipped_groups": 0, "dropped_stale": 0}  # cumulative, for the server's status table
-    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: watchdog.activity,  # skipped: live, not per step
-                          lambda: {**totals, "skipped_groups": source.stall.skipped}).start()
+    beat = lambda: {**totals, "skipped_groups": source.stall.skipped, "all_steps": cfg.all_steps}  # noqa: E731
+    heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: watchdog.activity, beat).start()  # skipped: live
     if cfg.eval_before and start_step == 0 and eval_examples:
         watchdog.activity = "evaluating (eval_before)"
         res = maybe_eval(0)

@@ -83,6 +83,7 @@ def genonly(cfg: GRPOConfig) -> None:
     doing = {"now": "starting"}
     heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
                           lambda: {"rounds": rounds, "skipped_groups": skipped, **tool_totals}).start()
+    epochs_run_length(client, cfg, doing)  # num_train_epochs: the ranks' step count, for trainer_state.max_steps
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
         try:
@@ -136,6 +137,30 @@ def genonly(cfg: GRPOConfig) -> None:
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
              "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,
              gen_tokens / max(gen_s, 1e-9))
+
+
+def epochs_run_length(client, cfg: GRPOConfig, doing: dict, poll: float = 0.5) -> None:
+    """With num_train_epochs, all_steps comes from the training set's size AND the ranks' world size, which only
+    the ranks know (trainer/loop.py resolve_epochs): wait until a rank reports it in its heartbeat, so the rewards'
+    trainer_state.max_steps is the run's, not the unresolved default. Past wait_for_ranks_timeout: exit 3."""
+    if cfg.num_train_epochs is None:
+        return
+    doing["now"] = "waiting for the ranks' step count (num_train_epochs)"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 <= cfg.wait_for_ranks_timeout:
+        try:
+            steps = [r.get("all_steps") or 0 for r in client.status(timeout=10).get("participants", [])
+                     if r.get("role") == "rank" and r.get("state") != "done"]
+        except RefServerError:  # the server answered /health already: a hiccup, keep asking
+            steps = []
+        if any(steps):
+            cfg.all_steps = max(steps)
+            log.info("num_train_epochs %s: all_steps %d, as the ranks count it", cfg.num_train_epochs, cfg.all_steps)
+            return
+        time.sleep(poll)
+    log.error("worker%d: no trainer rank reported its step count (num_train_epochs) within %.0f s "
+              "(wait_for_ranks_timeout)", cfg.worker_id, cfg.wait_for_ranks_timeout)
+    raise SystemExit(3)
 
 
 def ready_ranks(status: dict, fresh_s: float) -> list[str]:
