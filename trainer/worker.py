@@ -102,7 +102,8 @@ def genonly(cfg: GRPOConfig) -> None:
                 syncer.follow(apply=load_policy, retries=cfg.weight_fetch_retries)
             version = syncer.version if syncer is not None and syncer.version is not None else 0
             client.set_version(version)
-            doing["now"] = f"generating round {rounds + 1}"
+            note = stall.state()  # "nothing to train: N groups in a row without reward spread" (launch.sh status)
+            doing["now"] = (f"{note}; " if note else "") + f"generating round {rounds + 1}"
             batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}",
                                            toolbox=toolbox, epoch=sampler.progress())
@@ -122,7 +123,6 @@ def genonly(cfg: GRPOConfig) -> None:
         skipped += st.skipped_no_spread
         stall.add(st, len(batches))
         stall.maybe_log()
-        doing["now"] = stall.state() or doing["now"]  # "nothing to train: ..." in launch.sh status
         timeouts += st.reward_timeouts
         add_tool_totals(tool_totals, st.tools)
         gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds
