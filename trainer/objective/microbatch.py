@@ -3,7 +3,7 @@
 A training batch (train_batch_groups x num_pre_Q rows of up to max_new_tokens) in one forward and backward is
 where a GPU runs out of memory; `micro_batch_size` rows at a time bound the activations instead. Each
 micro-batch's loss is weighted so that the weighted losses sum to the whole batch's loss, so the accumulated
-gradient equals the whole-batch gradient for every aggregation:
+gradient equals the whole-batch gradient for every aggregation but TRL's bnpo:
 
     seq_mean, dr_grpo  per-completion terms / the batch's rows      -> weight rows_mb / rows
     dapo               per-token terms / the batch's masked tokens  -> weight tokens_mb / tokens
@@ -70,8 +70,9 @@ def split(b: ScoredBatch, mask: torch.Tensor, adv: torch.Tensor, gen: torch.Tens
 
     by_length: rows sorted by their real length first, so each micro-batch pads only to rows of similar length
     (the padded path's answer to ragged groups, issue 33). Every loss term is per row or per token and each
-    micro-batch's weight counts its own rows / tokens, so the order changes no gradient; the count of
-    micro-batches (DeepSpeed's accumulation boundary) is the same either way."""
+    micro-batch's weight counts its own rows / tokens, so the order changes no gradient (bnpo and the entropy cut
+    depend on it: per_micro keeps them in row order); the count of micro-batches (DeepSpeed's accumulation
+    boundary) is the same either way."""
     B = b.input_ids.shape[0]
     tokens = mask.sum().clamp(min=1).item()
     n_micro = math.ceil(B / size)
