@@ -278,6 +278,7 @@ def test_trl_defaults_file_is_a_config_we_accept():
     assert (c.loss_type, c.aggregation, c.eps_low, c.eps_high, c.mu, c.advantage_mode) == \
         ("dapo", "dapo", 0.2, 0.2, 1, "grpo")
     assert (c.grad_accum, c.log_every, c.save_steps, c.gradient_checkpointing, c.bf16) == (1, 10, 500, True, True)
+    assert c.train_zero_spread is True and GRPOConfig().train_zero_spread is False  # TRL trains every group (issue 60)
 
 
 def test_every_default_that_differs_from_trl_is_in_the_docs_table():
