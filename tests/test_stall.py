@@ -13,6 +13,7 @@ from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer
 from common.wire.client import RefClient
 from common.wire.protocol import ScoredBatch
+from ref_server.status import format_table
 from trainer.batches import is_stale
 from trainer.data.loading import load_examples
 from trainer.engines.hf import HFEngine
@@ -112,7 +113,7 @@ def test_worker_logs_the_stall_and_trains_zero_spread_when_asked(tiny_model_dir,
     """A real genonly worker on an all -2 task: it says why nothing arrives; train_zero_spread uploads."""
     args = ["--model", str(tiny_model_dir), "--data", "arith", "--reward_fns", "test_stall:minus_two",
             "--system_prompt", "", "--max_new_tokens", "4", "--num_pre_Q", "4", "--Q_batch_size", "2",
-            "--log_stall_every", "0.01", "--worker_rounds", "4", "--sync_steps", "0"]
+            "--log_stall_every", "0.01", "--worker_rounds", "4", "--sync_steps", "0", "--heartbeat_s", "0.2"]
     env = subprocess_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
     logs = {}
     with start_ref_server(tiny_model_dir) as srv:
@@ -126,6 +127,9 @@ def test_worker_logs_the_stall_and_trains_zero_spread_when_asked(tiny_model_dir,
                 last = proc.stderr.strip().splitlines()[-1]
                 assert last.startswith("worker0: the last 6 groups sampled all had equal rewards"), last
                 assert "minus_two {-2: 24}" in last
+                # its heartbeat said so meanwhile: `launch.sh status` shows it as not training (not as stalled)
+                table = format_table(RefClient(srv.url).status())
+                assert "not training: worker0" in table and "stalled: none" in table, table
                 continue
             assert proc.returncode == 0, proc.stderr[-2000:]
             assert f"{want_uploads} batches uploaded" in proc.stderr, proc.stderr[-2000:]

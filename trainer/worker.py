@@ -29,7 +29,7 @@ from trainer.lora.sync import policy_loader
 from trainer.rewards.scoring import RewardScorer
 from trainer.rollout import generate_batches
 from trainer.run.health import Heartbeat
-from trainer.run.stall import StallReporter
+from trainer.run.stall import NothingToTrain, StallReporter
 from trainer.run.start_order import started_workers
 from trainer.runtime import make_client, setup_logging
 from trainer.tools import ToolBox
@@ -121,7 +121,11 @@ def genonly(cfg: GRPOConfig) -> None:
             continue
         rounds += 1
         skipped += st.skipped_no_spread
-        stall.add(st, len(batches))
+        try:
+            stall.add(st, len(batches))
+        except NothingToTrain:  # its last word in /status: why it stopped (launch.sh status), not "generating"
+            heartbeat.stop(stall.state() or "nothing to train")
+            raise
         stall.maybe_log()
         timeouts += st.reward_timeouts
         add_tool_totals(tool_totals, st.tools)
