@@ -198,16 +198,18 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     one forward of the HF engine's model, the same computation the trainer does."""
     t0 = time.time()
     stats = RolloutStats()
+    # a tool run renders with TRL's training chat template where it swaps one in (ToolBox.template_kwargs)
+    render_kw = toolbox.template_kwargs if toolbox is not None else cfg.chat_template_kwargs
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
                                                      cfg.prompt_format, toolbox.prompt_tools if toolbox else None,
-                                                     cfg.chat_template_kwargs)
+                                                     render_kw)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats
     samples, messages, tool_stats = sample_groups(
         engine, tokenizer, kept, cfg.num_pre_Q, cfg.max_new_tokens, toolbox=toolbox,
         max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
-        prompt_format=cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs,
+        prompt_format=cfg.prompt_format, template_kwargs=render_kw,
         snapshots=getattr(scorer, "wants_environments", False))
     q = cfg.num_pre_Q
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
