@@ -117,8 +117,9 @@ def test_check_says_the_family_and_training_template_or_refuses(request, tmp_pat
     tiny model (swapped for TRL's training template, said in the tools line)."""
     import re
 
-    from common.modeling import resolve_model_path
     from conftest import qwen_vocab_dir
+
+    from common.modeling import resolve_model_path
     model = tmp_path / "model"
     source = Path(qwen_vocab_dir(request, "instruct") if template == "llama3_1" else resolve_model_path("tiny"))
     model.mkdir()

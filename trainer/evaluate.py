@@ -96,7 +96,8 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
         outs, messages, stats = sample_groups(engine, tokenizer, chunk, 1, max_new_tokens, toolbox=toolbox,
                                               max_iterations=max_tool_calling_iterations, greedy=True,
                                               system_prompt=system_prompt, prompt_format=prompt_format,
-                                              template_kwargs=render_kw, snapshots=getattr(scorer, "wants_environments", False))
+                                              template_kwargs=render_kw,
+                                              snapshots=getattr(scorer, "wants_environments", False))
         tool_calls += sum(int(s["calls"]) for s in stats or [])
         for k, ((ex, _), out) in enumerate(zip(chunk, outs)):
             text = tokenizer.decode(out.completion_ids, skip_special_tokens=True)
