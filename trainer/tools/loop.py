@@ -31,6 +31,7 @@ import torch
 
 from trainer.dist.comm import all_reduce_int
 from trainer.engines.base import GenEngine, Sample
+from trainer.tools.templates import tool_suffix_ids
 
 FAILED = ("error", "unknown_tool")  # statuses counted as tools/failed (timeouts and malformed calls apart)
 
@@ -65,32 +66,6 @@ class Rollout:
         return Sample(self.prompt_ids, torch.tensor(self.ids, dtype=torch.long),
                       None if self.logps is None else torch.tensor(self.logps, dtype=torch.float32),
                       self.truncated, torch.tensor(self.mask, dtype=torch.bool))
-
-
-def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """The tokens the chat template puts after an assistant turn that called tools: the tool message(s) and the
-    next assistant opener. Rendered after a dummy assistant turn (with the real tool name: some templates derive
-    the tool header from it), the prefix cut after its last eos (templates add a newline after a turn's end, which
-    the model did not sample: that newline belongs to the suffix). template_kwargs: the run's render arguments
-    (ToolBox.template_kwargs: chat_template_kwargs, and the training chat_template where TRL swaps one in)."""
-    kw = dict(template_kwargs or {})
-    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    prefix = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, **kw))
-    full = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True, **kw))
-    ends = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if ends:
-        prefix = prefix[:ends[-1] + 1]
-    if full[:len(prefix)] != prefix:
-        raise ValueError("the chat template renders a tool turn that does not extend the conversation before it "
-                         "(its rendering of the assistant turn changes when tool messages follow): cannot append "
-                         "tool turns without re-tokenising the model's tokens")
-    return full[len(prefix):]
-
-
-def _ids(out) -> list[int]:
-    """apply_chat_template(tokenize=True) gives a list, or (transformers 5) a BatchEncoding."""
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def _assistant_message(tokenizer, ids: list[int], prefix: list[int], schemas) -> dict:

@@ -102,4 +102,39 @@ def tool_template(tokenizer, model: str = "the model", chat_template_kwargs: dic
                              f"no training chat template for it (get_training_chat_template), so GRPOTrainer "
                              f"refuses tools for it: give the model a prefix-preserving chat template") from None
     name = None if swapped is None else _name_in_trl(swapped, "_chat_template", str)
-    return ToolTemplate(family, name, swapped, dict(chat_template_kwargs or {}))
+    spec = ToolTemplate(family, name, swapped, dict(chat_template_kwargs or {}))
+    try:  # what the first tool call renders: refused now where it would fail then (TRL fails at that call)
+        tool_suffix_ids(tokenizer, [{"role": "tool", "name": "dummy", "content": "dummy"}], spec.render_kwargs)
+    except ValueError:
+        which = f"TRL's training chat template {name}" if name else f"its chat template ({family})"
+        raise ValueError(f"model {model}: {which} does not keep the conversation prefix on this tokenizer's ids "
+                         f"once a tool turn follows (its special tokens are not single tokens?), so no tool turn "
+                         f"can be appended to the model's tokens: TRL 1.16 fails at the first tool call "
+                         f"(_get_tool_suffix_ids); give the tokenizer the template's special tokens") from None
+    return spec
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The tokens the chat template puts after an assistant turn that called tools: the tool message(s) and the
+    next assistant opener. Rendered after a dummy assistant turn (with the real tool name: some templates derive
+    the tool header from it), the prefix cut after its last eos (templates add a newline after a turn's end, which
+    the model did not sample: that newline belongs to the suffix). template_kwargs: the run's render arguments
+    (ToolBox.template_kwargs: chat_template_kwargs, and the training chat_template where TRL swaps one in)."""
+    kw = dict(template_kwargs or {})
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, **kw))
+    full = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True, **kw))
+    ends = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if ends:
+        prefix = prefix[:ends[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ValueError("the chat template renders a tool turn that does not extend the conversation before it "
+                         "(its rendering of the assistant turn changes when tool messages follow): cannot append "
+                         "tool turns without re-tokenising the model's tokens")
+    return full[len(prefix):]
+
+
+def _ids(out) -> list[int]:
+    """apply_chat_template(tokenize=True) gives a list, or (transformers 5) a BatchEncoding."""
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
