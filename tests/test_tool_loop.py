@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.tool_doubles import FakeToolBox, ScriptEngine, spelled
-from trainer.tools.loop import stats_extra, tool_rollouts, tool_suffix_ids
+from trainer.tools.loop import messages_extra, stats_extra, tool_rollouts, tool_suffix_ids
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,7 @@ def test_ids_are_the_engine_turns_plus_the_template_tool_suffix_never_retokenise
     assert fb.started == [0, 1] and fb.ended == [0, 1]  # one episode per rollout, ended
     assert messages[0][0]["tool_calls"] == [{"type": "function", "function": {"name": "mul",
                                                                               "arguments": {"a": 12, "b": 34}}}]
+    assert "<tool_call>" not in messages[0][0]["content"]  # TRL's parse_response: the call is in tool_calls only
     assert messages[0][1] == {"role": "tool", "name": "mul", "content": "408"}
     assert messages[0][2] == {"role": "assistant", "content": "<answer> 408 </answer>"}
     assert stats[0]["calls"] == 1 and stats[0]["turns"] == 2 and stats[0]["calls/mul"] == 1
@@ -246,3 +247,11 @@ def test_with_the_real_toolbox_and_its_calculator(tok):
             assert st["calls/calculator"] == 1 and st["failed"] == (status == "error")
     finally:
         box.close()
+
+
+def test_a_groups_messages_ride_the_wire_only_where_they_fit(caplog):
+    small = [[{"role": "assistant", "content": "hi"}]] * 8
+    assert messages_extra(small) is small
+    big = [[{"role": "tool", "name": "t", "content": "x" * 5000}]] * 8  # ~40 KiB: past the 32 KiB kept for them
+    assert messages_extra(big) is None and messages_extra(big) is None
+    assert len([r for r in caplog.records if "completions.jsonl shows" in r.message]) <= 1  # said once a process

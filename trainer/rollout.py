@@ -23,7 +23,7 @@ from trainer.data.prompt_formats import resolve_format
 from trainer.dist.comm import all_reduce, all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
-from trainer.tools.loop import stats_extra, tool_rollouts
+from trainer.tools.loop import messages_extra, stats_extra, tool_rollouts
 
 
 @dataclass
@@ -258,6 +258,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             extra["overlong_penalty"] = penalty.tolist()
         if tools is not None:
             extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/run/step_metrics.py)
+            if (said := messages_extra(messages[g * q:(g + 1) * q])) is not None:  # TRL's parsed turns
+                extra["messages"] = said  # completions.jsonl's `messages`
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,

@@ -25,6 +25,8 @@ generate with no prompts (the engine makes its dummy call, trainer/engines/hf.py
 """
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +35,7 @@ from trainer.dist.comm import all_reduce_int
 from trainer.engines.base import GenEngine, Sample
 from trainer.tools.templates import tool_suffix_ids
 
+log = logging.getLogger("trainer")
 FAILED = ("error", "unknown_tool")  # statuses counted as tools/failed (timeouts and malformed calls apart)
 
 
@@ -178,6 +181,23 @@ def _tool_round(tokenizer, toolbox, rolls: list[Rollout], episodes: list[int], t
             continue
         active.append(i)
     return active
+
+
+MESSAGES_CHARS = 32 * 1024  # half of the wire's 64 KiB for a batch's `extra` (common/wire/limits.py)
+_said_too_long = []
+
+
+def messages_extra(messages: list[list[dict]]) -> list[list[dict]] | None:
+    """A group's completions as messages for its batch's extra["messages"] (completions.jsonl's `messages`, as TRL
+    logs them): None, said once per process, where they would take more than MESSAGES_CHARS of the wire's room."""
+    size = len(json.dumps(messages, separators=(",", ":")))
+    if size <= MESSAGES_CHARS:
+        return messages
+    if not _said_too_long:
+        _said_too_long.append(size)
+        log.warning("tools: a group's messages take %d KiB, more than the %d KiB a batch carries for them: "
+                    "completions.jsonl shows such groups' text only (said once)", size // 1024, MESSAGES_CHARS // 1024)
+    return None
 
 
 def stats_extra(stats: list[dict]) -> dict:
