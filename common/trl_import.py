@@ -3,8 +3,9 @@
     ctu = trl_module("chat_template_utils")      # trl.chat_template_utils, imported once per process
 
 What `import trl` does to a process besides the import, and what we do about it:
-- it sets VLLM_LOGGING_LEVEL=ERROR when vLLM is installed (trl/_compat.py): a worker that starts vLLM after it
-  would log nothing but errors. The variable is put back as it was (the user's value, or unset) after the import.
+- it sets VLLM_LOGGING_LEVEL=ERROR when vLLM is installed and the variable is unset (trl/_compat.py): a worker
+  that starts vLLM after it would log nothing but errors. The variable is put back as it was (unset, or the
+  user's value) after the import.
 - its generation modules warn on a vLLM outside 0.22-0.31 (trl/import_utils.py is_vllm_available). We pin vLLM
   0.32 (CPU), 0.33 (CUDA 13) and 0.19.1 (CUDA 12) and run our own engines, never TRL's vLLM code, so that warning
   is not about this trainer: it is filtered during the import (the modules we import do not emit it today).
