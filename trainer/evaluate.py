@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
                      revision=a.revision, model_init_kwargs=a.model_init_kwargs,
                      tools=[t.strip() for t in a.tools.split(",") if t.strip()],
                      environment_factory=a.environment_factory or None,
-                     max_tool_calling_iterations=a.max_tool_calling_iterations, tool_timeout=a.tool_timeout).validate()
+                     max_tool_calling_iterations=a.max_tool_calling_iterations, tool_timeout=a.tool_timeout,
+                     chat_template_kwargs=a.chat_template_kwargs or {}).validate()  # the tool turns' renders too
     tok = load_tokenizer(path, cfg.load_options())
     toolbox = ToolBox.from_config(cfg, tok)  # None: no tools
     if a.gen_backend == "vllm":
