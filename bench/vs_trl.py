@@ -8,7 +8,8 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
    common/tiny_model.py, then trainer/demo/phases.cold_start_sft with the demo's settings and --seed), or --sft DIR.
 2. TRL: bench/vs_trl_lib/trl_grpo.py in TRL's OWN virtual environment (--trl-venv; created on first use with
    `trl==1.16.0` from the package registry and the project's CPU torch, transformers and accelerate at .venv's
-   versions; TRL is never a dependency of the project or of CI). GRPOConfig: per_device_train_batch_size 64,
+   versions; the project itself pins trl==1.16.0 now, for its chat-template helpers, and the bench keeps TRL's
+   trainer in this venv of its own as before). GRPOConfig: per_device_train_batch_size 64,
    num_generations 8, max_completion_length 32, temperature 1.0, beta 0.04, learning_rate 1e-4 constant,
    loss_type grpo, scale_rewards group, epsilon 0.2, adam betas (0.9, 0.99), max_grad_norm 1.0, fp32, 2 torch
    threads, no eval, no saving (the final model is saved once, for the evaluation below). Prompts: the train split

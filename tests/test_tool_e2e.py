@@ -108,6 +108,9 @@ def test_tools_end_to_end_from_a_user_folder(tool_model, checks_pass):
         assert any("<tool_response>" in r["completion"] for r in done if r["producer"].startswith(who)), who
     # TRL's message lists reached the reward: a completion with the three tool results scored at least 1
     assert any(r["rewards"]["used_tools"] >= 1 for r in done)
+    # ... its assistant turns as TRL's parse_response gives them: the calls in tool_calls, no markup in content
+    said = [m for r in done for m in r["messages"] if m["role"] == "assistant"]
+    assert any(m.get("tool_calls") for m in said) and not any("<tool_call>" in m["content"] for m in said)
     # the trainer trained on the model's tokens only: the tool turns' were masked (the loss mask on the wire)
     masked = [r for r in done if r["model_tokens"] < r["tokens"]]
     assert {r["producer"].rstrip("0123456789") for r in masked} == producers

@@ -7,13 +7,17 @@ import pytest
 import torch
 
 from tests.tool_doubles import FakeToolBox, ScriptEngine, spelled
-from trainer.tools.loop import stats_extra, tool_rollouts, tool_suffix_ids
+from trainer.tools.loop import messages_extra, stats_extra, tool_rollouts, tool_suffix_ids
 
 
 @pytest.fixture(scope="module")
 def tok():
+    """The tiny model's tokenizer, its response template set as a tool run sets it (TRL's parse_response reads it)."""
     from common.tiny_model import build_tokenizer
-    return build_tokenizer()
+    from trainer.tools.templates import tool_template
+    tok = build_tokenizer()
+    assert tool_template(tok).training_template is None  # its template keeps the prefix: no swap
+    return tok
 
 
 def enc(tok, text):
@@ -61,6 +65,7 @@ def test_ids_are_the_engine_turns_plus_the_template_tool_suffix_never_retokenise
     assert fb.started == [0, 1] and fb.ended == [0, 1]  # one episode per rollout, ended
     assert messages[0][0]["tool_calls"] == [{"type": "function", "function": {"name": "mul",
                                                                               "arguments": {"a": 12, "b": 34}}}]
+    assert "<tool_call>" not in messages[0][0]["content"]  # TRL's parse_response: the call is in tool_calls only
     assert messages[0][1] == {"role": "tool", "name": "mul", "content": "408"}
     assert messages[0][2] == {"role": "assistant", "content": "<answer> 408 </answer>"}
     assert stats[0]["calls"] == 1 and stats[0]["turns"] == 2 and stats[0]["calls/mul"] == 1
@@ -73,21 +78,33 @@ def test_the_suffix_is_what_the_template_renders_for_the_whole_conversation(tok)
     fb = FakeToolBox({"mul": lambda a, b: a * b})
     first, final = turns(tok)
     (s,), (msgs,), _ = run(tok, fb, [first, final], n=1)[1]
-    # the assistant content is the model's whole text (its calls included, as it wrote them); rendered as such
+    # each assistant turn as the model wrote it (its calls included), rendered as such; the tool turns as the loop
+    said = [tok.decode(t[:-1]) for t in (first, final)]
     conv = [{"role": "user", "content": "What is 12 * 34?"}] + [
-        {k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
+        {"role": "assistant", "content": said.pop(0)} if m["role"] == "assistant" else m for m in msgs]
     text = tok.apply_chat_template(conv, tools=fb.schemas, tokenize=False)
     assert tok.decode(prompt(tok, fb) + s.completion_ids.tolist()) == text.rstrip("\n")
 
 
-def test_a_tool_turn_that_does_not_fit_ends_the_rollout_truncated(tok):
+def test_a_tool_turn_that_does_not_fit_is_rolled_back_as_trl_does(tok):
+    """TRL's _tool_call_loop: a tool result past max_completion_length (`>`) is rolled back, the rollout keeps the
+    turn that made the call, as it is: not truncated (it ends with the model's eos), so mask_truncated_completions
+    keeps it; its tool messages are dropped. One that fills the budget exactly is kept, and the rollout ends
+    truncated (the next turn has no token)."""
     fb = FakeToolBox({"mul": lambda a, b: a * b})
     first, final = turns(tok)
     suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "mul", "content": "408"}])
-    eng, (samples, _, stats) = run(tok, fb, [first, final], max_new_tokens=len(first) + len(suffix))
-    for s in samples:  # no room for a token after the tool turn: the rollout ends with the model's turn
-        assert s.completion_ids.tolist() == first and s.truncated and s.loss_mask.all()
+    eng, (samples, msgs, stats) = run(tok, fb, [first, final], max_new_tokens=len(first) + len(suffix) - 1)
+    for s, m in zip(samples, msgs):  # one token short: the tool turn rolls back, the model's turn stays
+        assert s.completion_ids.tolist() == first and not s.truncated and s.loss_mask.all()
+        assert [x["role"] for x in m] == ["assistant"] and m[0]["tool_calls"][0]["function"]["name"] == "mul"
     assert len(eng.calls) == 1 and stats[0]["calls"] == 1  # the tool ran (its result's size decided)
+    eng, (samples, msgs, _) = run(tok, fb, [first, final], max_new_tokens=len(first) + len(suffix))
+    for s, m in zip(samples, msgs):  # exactly the budget: kept, and nothing after it (TRL's boundary is `>`)
+        assert s.completion_ids.tolist() == first + suffix and s.truncated
+        assert s.loss_mask.tolist() == [True] * len(first) + [False] * len(suffix)
+        assert [x["role"] for x in m] == ["assistant", "tool"]
+    assert len(eng.calls) == 1
     # room for part of the last turn: cut there, truncated, never more than max_new_tokens in all
     budget = len(first) + len(suffix) + 3
     eng, (samples, _, _) = run(tok, fb, [first, final], max_new_tokens=budget)
@@ -125,7 +142,9 @@ def test_iteration_limit_and_no_limit(tok):
     eng, (samples, _, stats) = run(tok, fb, [first], n=1, max_iterations=0)
     assert stats[0]["calls"] == 0 and len(eng.calls) == 1
     eng, (samples, _, stats) = run(tok, fb, [first], n=1, max_new_tokens=300, max_iterations=None)
-    assert samples[0].truncated and len(samples[0].completion_ids) <= 300 and stats[0]["calls"] >= 3
+    # no limit: it calls until a tool turn no longer fits, which rolls back (TRL): it ends with its own turn
+    assert len(samples[0].completion_ids) <= 300 and stats[0]["calls"] >= 3
+    assert not samples[0].truncated and samples[0].completion_ids.tolist()[-len(first):] == first
 
 
 def test_malformed_unknown_and_raising_calls_are_tool_messages_counted(tok):
@@ -228,3 +247,11 @@ def test_with_the_real_toolbox_and_its_calculator(tok):
             assert st["calls/calculator"] == 1 and st["failed"] == (status == "error")
     finally:
         box.close()
+
+
+def test_a_groups_messages_ride_the_wire_only_where_they_fit(caplog):
+    small = [[{"role": "assistant", "content": "hi"}]] * 8
+    assert messages_extra(small) is small
+    big = [[{"role": "tool", "name": "t", "content": "x" * 5000}]] * 8  # ~40 KiB: past the 32 KiB kept for them
+    assert messages_extra(big) is None and messages_extra(big) is None
+    assert len([r for r in caplog.records if "completions.jsonl shows" in r.message]) <= 1  # said once a process

@@ -23,8 +23,12 @@ from trainer.tools.loop import tool_suffix_ids  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tok():
+    """The tiny model's tokenizer, its response template set as a tool run sets it (TRL's parse_response reads it)."""
     from common.tiny_model import build_tokenizer
-    return build_tokenizer()
+    from trainer.tools.templates import tool_template
+    tok = build_tokenizer()
+    tool_template(tok)
+    return tok
 
 
 def cfg(**kw):
@@ -65,6 +69,15 @@ def test_generate_batches_with_tools(tok):
     assert b.rewards.tolist() == [2.0] * 3  # one tool message + the last turn says 408: TRL's message list
     assert b.extra["tools"]["calls"] == [1.0] * 3 and b.extra["tools"]["calls/mul"] == [1.0] * 3
     assert stats.tools["turns"] == [2.0] * 3
+    # the turns as TRL's parse_response gives them (what the rewards got), on the wire for completions.jsonl
+    call, result, answer = b.extra["messages"][0]
+    assert call["content"] == "" and call["reasoning_content"] == "apples"  # no <tool_call> markup, no <think>
+    assert call["tool_calls"] == [{"type": "function", "function": {"name": "mul", "arguments": {"a": 12, "b": 34}}}]
+    assert result == {"role": "tool", "name": "mul", "content": "408"} and answer["content"] == "<answer> 408 </answer>"
+    from common.wire.protocol import decode_rollout, encode_rollout
+    from trainer.run.completions import completion_rows
+    (row, *_), wired = completion_rows([b], tok, 1), decode_rollout(encode_rollout(b))
+    assert row["messages"] == b.extra["messages"][0] and wired.extra["messages"] == b.extra["messages"]
 
 
 def test_without_a_toolbox_there_is_no_mask_and_no_tool_stats(tok):

@@ -76,8 +76,9 @@ class FakeToolBox:
     """ToolBox's face over plain in-process functions: Qwen2.5's <tool_call>{json}</tool_call> parsing, a raising
     tool becomes an "error" result, an unknown one "unknown_tool"."""
 
-    def __init__(self, fns: dict):
+    def __init__(self, fns: dict, template_kwargs: dict | None = None):
         self.fns = fns
+        self.template_kwargs = dict(template_kwargs or {})  # ToolBox's: every render's apply_chat_template arguments
         self.schemas = [{"type": "function", "function": {"name": k, "description": k, "parameters": {}}}
                         for k in fns]
         self.started: list[int] = []

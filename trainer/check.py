@@ -9,7 +9,9 @@ One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
     rewards  every reward function imports as the workers import it (common/user_code.py) and scores a whole group
              (num_generations completions) of each of the first rows, as training does
     tools    with tools/environment_factory: each tool imports and has a JSON schema (one line per tool), and the
-             chat template shows them to the model
+             chat template shows them to the model: which family parses the calls, which chat template the
+             run renders with (TRL's training template where TRL swaps one in), refused where TRL refuses
+             (trainer/check_tools.py)
     port     the ref server's port is free (when launch.sh starts the server)
     disk     the run directory's filesystem has room for checkpoints: at least twice the model's size
 The placement plan is checked by launch.sh itself (common/placement/cli.py), before these.
@@ -94,9 +96,9 @@ def check_data(c: Checker) -> str:
     if c.tokenizer is None:
         return read + " (prompts not rendered: no tokenizer)"
     # counted as the model sees them: chat template, the tools section, what an environment's reset() adds
-    examples, schemas = _as_generated(c)
+    examples, schemas, render_kw = _as_generated(c)
     kept, _ = encode_prompts(c.tokenizer, examples, cfg.system_prompt, sys.maxsize, cfg.prompt_format, schemas,
-                             template_kwargs=cfg.chat_template_kwargs)
+                             template_kwargs=render_kw)
     over = [(row, len(ids)) for row, (_, ids) in enumerate(kept) if len(ids) > cfg.max_prompt_length]
     if over:
         rows = ", ".join(f"row {row}: {n} tokens" for row, n in over)
@@ -110,24 +112,26 @@ def check_data(c: Checker) -> str:
     return read + f", longest prompt {max(len(i) for _, i in kept)} of max_prompt_length {cfg.max_prompt_length} tokens"
 
 
-def _as_generated(c: Checker) -> tuple[list, object]:
-    """The first rows as rollouts start from them, and the tools (ToolBox.prompt_tools: a row -> its schemas):
-    with environment_factory, each row's reset() text appended (trainer/rollout.py with_observation), as TRL does."""
+def _as_generated(c: Checker) -> tuple[list, object, dict]:
+    """The first rows as rollouts start from them, the tools (ToolBox.prompt_tools: a row -> its schemas) and the
+    render arguments (a tool run's: TRL's training chat template where it swaps one in): with environment_factory,
+    each row's reset() text appended (trainer/rollout.py with_observation), as TRL does."""
     from trainer.rollout import reset_kwargs, with_observation
     from trainer.tools import ToolBox
     try:
         box = ToolBox.from_config(c.cfg, c.tokenizer)
     except (ValueError, ImportError):  # a tool that does not load: its own `tools` line says why, once
-        return c.examples, None
+        return c.examples, None, c.cfg.chat_template_kwargs
     if box is None:
-        return c.examples, None
+        return c.examples, None, c.cfg.chat_template_kwargs
     try:
         if not box.has_env:
-            return c.examples, box.prompt_tools
+            return c.examples, box.prompt_tools, box.template_kwargs
         ids = box.start_episodes(len(c.examples), [reset_kwargs(ex) for ex in c.examples])
         obs = [box.observations.get(i) for i in ids]
         box.end_episodes(ids)
-        return [ex if o is None else with_observation(ex, str(o)) for ex, o in zip(c.examples, obs)], box.prompt_tools
+        return ([ex if o is None else with_observation(ex, str(o)) for ex, o in zip(c.examples, obs)],
+                box.prompt_tools, box.template_kwargs)
     finally:
         box.close()
 
@@ -208,49 +212,6 @@ def _summary(vals: list) -> str:
         f" ({nones} None)" if nones else "")
 
 
-def check_tools(c: Checker) -> None:
-    """One line per tool (its import and schema), then one for the set (unique names) and the chat template."""
-    specs = [str(t).strip() for t in c.cfg.tools or [] if str(t).strip()]
-    failed_before = len(c.failed)
-    for spec in specs:
-        c.run("tools", lambda spec=spec: _schema_line(_load([spec], None)))
-    env = c.cfg.environment_factory
-    if env:
-        c.run("tools", lambda: f"environment_factory {env}: " + _schema_line(_load([], env)))
-    if len(c.failed) == failed_before:  # (a tool that failed above would fail this line again)
-        c.run("tools", lambda: _check_tool_set(c, specs, env))
-
-
-def _load(specs: list[str], env: str | None) -> list:
-    from trainer.tools.schemas import load_tools
-    return load_tools(specs, env)
-
-
-def _schema_line(defs: list) -> str:
-    if not defs:  # TRL accepts a reset-only environment class
-        return "no tools (reset-only)"
-    return "; ".join(f"{d.name}({', '.join(d.schema['function']['parameters'].get('properties', {}))})"
-                     for d in defs) + " has a schema"
-
-
-def _check_tool_set(c: Checker, specs: list[str], env: str | None) -> str:
-    defs = _load(specs, env)
-    names = [d.name for d in defs]
-    if not names:
-        return "no tools to show (a reset-only environment)"
-    if c.tokenizer is None:
-        return f"{len(names)} tools (chat template not checked: no tokenizer)"
-    rendered = c.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[d.schema for d in defs],
-                                               add_generation_prompt=True, tokenize=False)
-    missing = [n for n in names if n not in rendered]
-    if missing:
-        raise ValueError(f"the chat template does not show the tools {missing} to the model: give the model a "
-                         f"template that renders `tools` (docs/tools.md)")
-    from trainer.tools.templates import tool_response_template
-    family, _ = tool_response_template(c.tokenizer, c.cfg.model)  # TRL's add_response_schema: else refused, one line
-    return f"{len(names)} tools, all shown by the chat template; calls parsed as {family}"
-
-
 def check_port(host: str, port: int) -> str:
     from common.listen import listen_socket
     try:  # as the ref server binds it (common/listen.py): its host, SO_REUSEADDR (TIME-WAIT is free)
@@ -310,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             c.run("reward models", lambda: check_reward_models(c))
         c.run("rewards", lambda: check_rewards(c))
         if c.cfg.tools or c.cfg.environment_factory:
+            from trainer.check_tools import check_tools
             check_tools(c)
     if not args.ref_url:
         c.run("port", lambda: check_port(args.host, args.port))

@@ -76,8 +76,10 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
     from trainer.rewards.builtin import reward_correct, reward_format
     from trainer.rollout import encode_prompts, sample_groups, started_prompts
     t0 = time.time()
+    # a tool run renders with TRL's training chat template where it swaps one in (ToolBox.template_kwargs)
+    render_kw = {**(chat_template_kwargs or {}), **(toolbox.template_kwargs if toolbox is not None else {})}
     kept, skipped = encode_prompts(tokenizer, examples, system_prompt, max_prompt_length, prompt_format,
-                                   toolbox.prompt_tools if toolbox is not None else None, chat_template_kwargs)
+                                   toolbox.prompt_tools if toolbox is not None else None, render_kw)
     engine = model if isinstance(model, GenEngine) else \
         HFEngine(model, tokenizer, eos_ids(tokenizer, model, chat=prompt_format != "r1zero"), temperature=1.0,
                  top_p=1.0, top_k=0, gen_batch_size=batch_size)
@@ -94,6 +96,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
         outs, messages, stats = sample_groups(engine, tokenizer, chunk, 1, max_new_tokens, toolbox=toolbox,
                                               max_iterations=max_tool_calling_iterations, greedy=True,
                                               system_prompt=system_prompt, prompt_format=prompt_format,
+                                              template_kwargs=render_kw,
                                               snapshots=getattr(scorer, "wants_environments", False))
         tool_calls += sum(int(s["calls"]) for s in stats or [])
         for k, ((ex, _), out) in enumerate(zip(chunk, outs)):
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
                      revision=a.revision, model_init_kwargs=a.model_init_kwargs,
                      tools=[t.strip() for t in a.tools.split(",") if t.strip()],
                      environment_factory=a.environment_factory or None,
-                     max_tool_calling_iterations=a.max_tool_calling_iterations, tool_timeout=a.tool_timeout).validate()
+                     max_tool_calling_iterations=a.max_tool_calling_iterations, tool_timeout=a.tool_timeout,
+                     chat_template_kwargs=a.chat_template_kwargs or {}).validate()  # the tool turns' renders too
     tok = load_tokenizer(path, cfg.load_options())
     toolbox = ToolBox.from_config(cfg, tok)  # None: no tools
     if a.gen_backend == "vllm":

@@ -23,7 +23,7 @@ from trainer.data.prompt_formats import resolve_format
 from trainer.dist.comm import all_reduce, all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
-from trainer.tools.loop import stats_extra, tool_rollouts
+from trainer.tools.loop import messages_extra, stats_extra, tool_rollouts
 
 
 @dataclass
@@ -199,16 +199,18 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     one forward of the HF engine's model, the same computation the trainer does."""
     t0 = time.time()
     stats = RolloutStats()
+    # a tool run renders with TRL's training chat template where it swaps one in (ToolBox.template_kwargs)
+    render_kw = toolbox.template_kwargs if toolbox is not None else cfg.chat_template_kwargs
     kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
                                                      cfg.prompt_format, toolbox.prompt_tools if toolbox else None,
-                                                     cfg.chat_template_kwargs)
+                                                     render_kw)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats
     samples, messages, tool_stats = sample_groups(
         engine, tokenizer, kept, cfg.num_pre_Q, cfg.max_new_tokens, toolbox=toolbox,
         max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
-        prompt_format=cfg.prompt_format, template_kwargs=cfg.chat_template_kwargs,
+        prompt_format=cfg.prompt_format, template_kwargs=render_kw,
         snapshots=getattr(scorer, "wants_environments", False))
     q = cfg.num_pre_Q
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
@@ -260,6 +262,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             extra["overlong_penalty"] = penalty.tolist()
         if tools is not None:
             extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/run/step_metrics.py)
+            if (said := messages_extra(messages[g * q:(g + 1) * q])) is not None:  # TRL's parsed turns
+                extra["messages"] = said  # completions.jsonl's `messages`
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,

@@ -1,6 +1,7 @@
 """Every TRL 1.16 GRPOConfig field (and the TrainingArguments / script arguments a GRPO user sets), what this
 trainer does with it, and docs/trl.md's table made from that: common/settings/trl_fields.json is the list (data, kept
-in the repository: TRL is not a dependency), GRPOConfig + common/settings/trl_aliases.py say what happens.
+in the repository: TRL 1.16.0 is pinned, but the list is data so the table and the config never import it),
+GRPOConfig + common/settings/trl_aliases.py say what happens.
 
     python -m common.settings.trl_table             # print the table and its counts
     python -m common.settings.trl_table --write     # rewrite docs/trl.md's generated section

@@ -44,6 +44,9 @@ def check_extra(extra: dict, rows: int) -> None:
             raise ExtraError("extra['tools'] must be an object {statistic: [number per completion]}")
         for name, vals in tools.items():
             per_row(f"tools.{name}", vals, _number, "numbers")
+    if "messages" in extra:  # a tool run: each completion as its messages, as the rewards got it (completions.jsonl)
+        per_row("messages", extra["messages"], lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
+                "message lists")
     if "logp_temperature" in extra and not (_number(extra["logp_temperature"]) and extra["logp_temperature"] > 0):
         raise ExtraError(f"extra['logp_temperature'] must be a number > 0, got {extra['logp_temperature']!r}")
     if "needs_ref" in extra and not isinstance(extra["needs_ref"], bool):

@@ -5,7 +5,10 @@ rank 0 gathers them, appends one JSON row per completion to RUN_DIR/completions.
 `num_completions_to_print` of them as a table and, with W&B on, logs the same rows as a wandb.Table.
 A row: step, prompt (as the model saw it, template included), completion (special tokens stripped, as the
 rewards saw it), rewards (function name -> value, null where a function did not apply), reward (their weighted
-sum), advantage, policy_version and producer (the worker or rank that generated it).
+sum), advantage, policy_version and producer (the worker or rank that generated it). A tool run's rows also have
+tokens / model_tokens and `messages`: the completion as TRL logs it and its rewards got it (assistant turns as
+TRL's parse_response gives them, `content` without the call markup, the calls in `tool_calls`; the tool turns),
+for a group whose messages fit the batch's room on the wire (trainer/tools/loop.py messages_extra).
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ def completion_rows(batches: list[ScoredBatch], tokenizer, step: int) -> list[di
                     rows[-1][column] = vals[i]
             if b.loss_mask is not None:  # a tool run: the tokens it trained on (tool turns' are masked)
                 rows[-1].update(tokens=c, model_tokens=int(b.loss_mask[i, :c].sum()))
+            if len(b.extra.get("messages") or []) == b.num_rows:  # a tool run: the turns as TRL parses them
+                rows[-1]["messages"] = b.extra["messages"][i]
     return rows
 
 

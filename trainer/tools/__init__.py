@@ -4,6 +4,7 @@
     types.py          ToolCall, ToolResult (what the loop and the runtime pass)
     schemas.py        tools by name and their JSON schemas (transformers' get_json_schema); environments
     parsing.py        the calls in one assistant turn (Qwen2.5 <tool_call>, or transformers' response parsing)
+    templates.py      the run's response and chat templates as TRL 1.16 sets them up (TRL's own helpers)
     calculator.py     the built-in `calculator` (bounded arithmetic over the syntax tree; runs in-process)
     python_tool.py    the built-in `python` (runs a snippet in the executor)
     executor.py       the reused tool process: timeout, rlimits, scratch folder (executor_worker.py: its child side)

@@ -7,11 +7,17 @@ the next turn for every still-active rollout in one batched call per round (n=1)
 
 Token exactness: the model's own tokens are never decoded and re-tokenised. Only the tool turn's suffix (the tool
 message(s) and the next assistant opener) is tokenised, the way TRL's `_get_tool_suffix_ids` does it: render a
-dummy conversation with and without the tool messages and keep the new tail. Those tokens are in the completion
-(the policy and the reference see them) with loss_mask False and logprob 0.
+dummy conversation with and without the tool messages and keep the new tail, with the run's chat template (TRL's
+training template where it swaps one in: trainer/tools/templates.py) and chat_template_kwargs. Those tokens are in
+the completion (the policy and the reference see them) with loss_mask False and logprob 0.
 
-`max_new_tokens` counts every token after the prompt, tool tokens included: a tool turn that does not fit with at
-least one token left to generate ends the rollout (truncated), as TRL drops tool results past max_completion_length.
+Each assistant turn becomes a message as TRL's parse_response makes it (content without the calls, tool_calls,
+reasoning_content where the template has one): what rewards, reward models and completions.jsonl get.
+
+`max_new_tokens` counts every token after the prompt, tool tokens included (TRL's max_completion_length). A tool
+turn that would take the completion past it is rolled back as TRL rolls it back: the rollout ends with the turn
+that made the calls, as it is (not truncated: it ended where the model ended it), its tool messages dropped. A tool
+turn that fills the budget exactly is kept and the rollout ends truncated (TRL's boundary is `>`).
 
 ZeRO-3 (an HF engine with synced_gpus): every forward is a collective, so every rank makes the same number of
 generate calls: the ranks agree each round whether any still has an active rollout, and a rank with none calls
@@ -19,13 +25,17 @@ generate with no prompts (the engine makes its dummy call, trainer/engines/hf.py
 """
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from trainer.dist.comm import all_reduce_int
 from trainer.engines.base import GenEngine, Sample
+from trainer.tools.templates import tool_suffix_ids
 
+log = logging.getLogger("trainer")
 FAILED = ("error", "unknown_tool")  # statuses counted as tools/failed (timeouts and malformed calls apart)
 
 
@@ -61,35 +71,14 @@ class Rollout:
                       self.truncated, torch.tensor(self.mask, dtype=torch.bool))
 
 
-def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
-    """The tokens the chat template puts after an assistant turn that called tools: the tool message(s) and the
-    next assistant opener. Rendered after a dummy assistant turn (with the real tool name: some templates derive
-    the tool header from it), the prefix cut after its last eos (templates add a newline after a turn's end, which
-    the model did not sample: that newline belongs to the suffix)."""
-    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    prefix = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True))
-    full = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True))
-    ends = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if ends:
-        prefix = prefix[:ends[-1] + 1]
-    if full[:len(prefix)] != prefix:
-        raise ValueError("the chat template renders a tool turn that does not extend the conversation before it "
-                         "(its rendering of the assistant turn changes when tool messages follow): cannot append "
-                         "tool turns without re-tokenising the model's tokens")
-    return full[len(prefix):]
-
-
-def _ids(out) -> list[int]:
-    """apply_chat_template(tokenize=True) gives a list, or (transformers 5) a BatchEncoding."""
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def _assistant_message(tokenizer, ids: list[int], calls) -> dict:
-    msg = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
-    if calls:
-        msg["tool_calls"] = [c.to_dict() for c in calls]  # TRL's / the chat templates' shape
-    return msg
+def _assistant_message(tokenizer, ids: list[int], prefix: list[int], schemas) -> dict:
+    """The turn as TRL's parse_response gives it (its fallback where the response template cannot read the turn:
+    the text, special tokens stripped, no tool_calls). A tokenizer with no response template (a ToolBox always sets
+    one) gives the text, as TRL's _generate does then."""
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+    from common.trl_import import trl_module
+    return trl_module("chat_template_utils").parse_response(tokenizer, ids, prefix=prefix, tools=schemas or None)
 
 
 def _count(r: Rollout, results) -> None:
@@ -166,10 +155,10 @@ def _tool_round(tokenizer, toolbox, rolls: list[Rollout], episodes: list[int], t
     for i, s in turns:
         r = rolls[i]
         ids = r.add_turn(s, max_new_tokens)
-        calls, bad = ([], []) if r.truncated else toolbox.parse(
-            tokenizer.decode(ids, skip_special_tokens=False),
-            tokenizer.decode(r.prompt_ids + r.ids[:len(r.ids) - len(ids)], skip_special_tokens=False))
-        r.messages.append(_assistant_message(tokenizer, ids, calls))
+        prefix = r.prompt_ids + r.ids[:len(r.ids) - len(ids)]
+        calls, bad = ([], []) if r.truncated else toolbox.parse(tokenizer.decode(ids, skip_special_tokens=False),
+                                                                tokenizer.decode(prefix, skip_special_tokens=False))
+        r.messages.append(_assistant_message(tokenizer, ids, prefix, toolbox.schemas))
         if (calls or bad) and not last:
             jobs.append((episodes[i], calls))
             pending.append((i, bad))
@@ -179,17 +168,36 @@ def _tool_round(tokenizer, toolbox, rolls: list[Rollout], episodes: list[int], t
         r, res = rolls[i], list(res) + list(bad)
         _count(r, res)
         tool_msgs = [x.to_message() for x in res]
-        suffix = tool_suffix_ids(tokenizer, tool_msgs)
-        if len(r.ids) + len(suffix) >= max_new_tokens:  # no room for the tool turn and a token after it
-            r.truncated = True
+        suffix = tool_suffix_ids(tokenizer, tool_msgs, toolbox.template_kwargs)
+        if len(r.ids) + len(suffix) > max_new_tokens:  # TRL: the tool results roll back, the turn stays as it is
             continue
         r.ids += suffix
         r.mask += [False] * len(suffix)
         if r.logps is not None:
             r.logps += [0.0] * len(suffix)
         r.messages += tool_msgs
+        if len(r.ids) == max_new_tokens:  # kept, and no token left: TRL's next turn is cut to nothing
+            r.truncated = True
+            continue
         active.append(i)
     return active
+
+
+MESSAGES_CHARS = 32 * 1024  # half of the wire's 64 KiB for a batch's `extra` (common/wire/limits.py)
+_said_too_long = []
+
+
+def messages_extra(messages: list[list[dict]]) -> list[list[dict]] | None:
+    """A group's completions as messages for its batch's extra["messages"] (completions.jsonl's `messages`, as TRL
+    logs them): None, said once per process, where they would take more than MESSAGES_CHARS of the wire's room."""
+    size = len(json.dumps(messages, separators=(",", ":")))
+    if size <= MESSAGES_CHARS:
+        return messages
+    if not _said_too_long:
+        _said_too_long.append(size)
+        log.warning("tools: a group's messages take %d KiB, more than the %d KiB a batch carries for them: "
+                    "completions.jsonl shows such groups' text only (said once)", size // 1024, MESSAGES_CHARS // 1024)
+    return None
 
 
 def stats_extra(stats: list[dict]) -> dict:

@@ -1,7 +1,7 @@
 """ToolBox: the tools of one run, as the rollout loop sees them (trainer/tools/loop.py calls it).
 
     box = ToolBox.from_config(cfg, tokenizer)        # None when the config has no tools
-    prompt = tokenizer.apply_chat_template(messages, tools=box.schemas, ...)
+    prompt = tokenizer.apply_chat_template(messages, tools=box.schemas, **box.template_kwargs, ...)
     ids = box.start_episodes(len(rollouts))          # one environment instance per rollout, reset() called
     calls, bad = box.parse(turn_text)                # bad: ToolResult(status="malformed") to show the model
     results = box.run([(ids[i], calls_i), ...])      # one list of ToolResult per job, in order; never raises
@@ -22,7 +22,7 @@ from trainer.tools.executor import ToolExecutor
 from trainer.tools.parsing import parse_qwen, parse_with_template
 from trainer.tools.schemas import ToolDef, load_tools
 from trainer.tools.stats import ToolStats
-from trainer.tools.templates import set_response_template
+from trainer.tools.templates import ToolTemplate, tool_template
 from trainer.tools.types import ToolCall, ToolResult, one_line, truncate
 
 log = logging.getLogger("trainer")
@@ -33,13 +33,20 @@ class ToolBox:
     executor child starts at the first call that needs it. limits: memory_mb / file_mb (trainer/tools/executor.py)."""
 
     def __init__(self, defs: list[ToolDef], environment_factory: str | dict | None = None, tokenizer=None,
-                 timeout: float = 10.0, output_chars: int = 1000, model: str = "the model", **limits):
+                 timeout: float = 10.0, output_chars: int = 1000, model: str = "the model",
+                 chat_template_kwargs: dict | None = None, **limits):
         self.all_defs = list(defs)
         self.defs = {d.name: d for d in defs}  # every name (two environments may share one: the first's here)
         self.schemas: list[dict] = [d.schema for d in self.defs.values()]
         self.tokenizer = tokenizer
-        # TRL: with tools, the tokenizer's response template (its own, or a known family's): else refused, one line
-        self.family = set_response_template(tokenizer, model) if tokenizer is not None and defs else None
+        # TRL: with tools, the response template and the training chat template (trainer/tools/templates.py);
+        # refused in one line where TRL refuses
+        self.template: ToolTemplate | None = (tool_template(tokenizer, model, chat_template_kwargs)
+                                              if tokenizer is not None and defs else None)
+        self.family = self.template.family if self.template is not None else None
+        # every render of the run: the prompts (trainer/rollout.py), the tool suffixes (trainer/tools/loop.py)
+        self.template_kwargs = (self.template.render_kwargs if self.template is not None
+                                else dict(chat_template_kwargs or {}))
         self.output_chars = int(output_chars)
         self.envs = environment_specs(environment_factory)  # {name: class spec}; {"": spec} for one class
         self.has_env = bool(self.envs)
@@ -68,7 +75,8 @@ class ToolBox:
         if not tools and not cfg.environment_factory:
             return None
         defs = load_tools(tools, cfg.environment_factory)
-        return cls(defs, cfg.environment_factory, tokenizer, cfg.tool_timeout, cfg.tool_output_chars, cfg.model)
+        return cls(defs, cfg.environment_factory, tokenizer, cfg.tool_timeout, cfg.tool_output_chars, cfg.model,
+                   cfg.chat_template_kwargs)
 
     @property
     def names(self) -> list[str]:
