@@ -4,8 +4,7 @@ checks `./launch.sh train` runs before it starts anything. No model weights are 
 One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
     config   the trainer's config parses and validates (TRL names included)
     model    config.json and the tokenizer load from the path, hub id or local cache
-    data     the first rows go through the column mapping and the prompt format (the first prompt is printed as the
-             model will see it, template and all)
+    data     the first rows go through the column mapping and the prompt format (the first prompt printed as seen)
     rewards  every reward function imports as the workers import it (common/user_code.py) and scores a whole group
              (num_generations completions) of each of the first rows, as training does
     tools    with tools/environment_factory: each tool imports and has a JSON schema (one line per tool), and the
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import GRPOConfig
+from common.placement.gen_choice import backend_words
 from common.settings.knobs import load_config
 
 ANSWER = "<think>\nLet me work it out.\n</think>\n<answer>\n{}\n</answer>"  # a well-formed completion to score
@@ -68,7 +68,7 @@ def check_config(c: Checker, argv: list[str]) -> str:
             raise ValueError("gen_backend vllm (TRL: use_vllm true) but vLLM is not installed in this environment")
     specs = c.cfg.reward_specs() + [f"{n} (get_reward)" for n in c.cfg.env_reward_names()]
     return f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, specs))}, workers " \
-           f"generate with {c.cfg.gen_backend}"
+           f"generate with {backend_words(c.cfg)}"
 
 
 def check_model(c: Checker) -> str:
