@@ -102,3 +102,12 @@ def test_print_plan_shows_the_machine_choices(tmp_path):
     r = print_plan(tmp_path, env, "--gen_backend", "vllm", "--bf16", "true")  # explicit settings win
     assert r.returncode == 0 and "--gen_backend" not in r.stdout and "gen_backend auto" not in r.stderr, r.stderr
     assert "note: precision: bfloat16 (bf16 true: as set)" in r.stderr, r.stderr
+
+
+def test_the_tool_demo_trains_in_float32_without_native_bf16():
+    """configs/demo_tools.json too (launch.sh demo --tools switched it itself before): bf16 and vllm_dtype auto."""
+    cfg = load_config(GRPOConfig, ["--config", str(REPO / "configs" / "demo_tools.json")])
+    out, line = resolve_precision(cfg, cuda=False, env={"ATEN_CPU_CAPABILITY": "avx2"}, flags=ZEN5)
+    assert (out.bf16, out.vllm_dtype, out.gen_backend) == (False, "float32", "vllm"), line
+    out, _ = resolve_precision(cfg, cuda=False, env={}, flags=ZEN5)
+    assert (out.bf16, out.vllm_dtype) == (True, "bfloat16")

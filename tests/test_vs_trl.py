@@ -1,6 +1,7 @@
 """bench/vs_trl.py's parts that run without TRL (issue 45): the TRL side's GRPOConfig holds the issue's settings, and
-the CPU meter counts every process of a run, one that left the process tree included. The whole bench runs in
-tests/test_bench_smoke.py (our side; TRL's only where its own environment exists)."""
+the CPU meter counts every process of a run, one that left the process tree included, and one run compares ours with
+TRL at each thread count (issue 62). The whole bench runs in tests/test_bench_smoke.py (both sides where this Python
+has the pinned trl 1.16 or TRL's own environment exists; our side only otherwise)."""
 from __future__ import annotations
 
 import json
