@@ -111,3 +111,10 @@ def test_the_tool_demo_trains_in_float32_without_native_bf16():
     assert (out.bf16, out.vllm_dtype, out.gen_backend) == (False, "float32", "vllm"), line
     out, _ = resolve_precision(cfg, cuda=False, env={}, flags=ZEN5)
     assert (out.bf16, out.vllm_dtype) == (True, "bfloat16")
+
+
+def test_the_plan_leaves_bf16_auto_on_gpus_to_the_ranks():
+    """launch.sh's plan imports no torch: on a GPU node bf16 auto stays auto there, each rank resolves it."""
+    cfg = load_config(GRPOConfig, DEMO)
+    out, lines = resolve_machine(cfg, cuda=True, probe_gpu=False)
+    assert (out.bf16, out.vllm_dtype, out.gen_backend) == ("auto", "auto", "hf") and "each rank" in lines[0], lines

@@ -150,7 +150,7 @@ def plan_for(cfg, gpus: list[int], **kwargs) -> Plan:
     (Placed.gen: what it is started with, what --print-plan shows). bf16, vllm_dtype and gen_backend auto are
     resolved for this machine first (common/placement/gen_choice.py), the lines saying so among the plan's notes."""
     auto_backend = cfg.gen_backend == "auto"
-    cfg, said = resolve_machine(cfg, cuda=bool(gpus))  # bf16, vllm_dtype, gen_backend auto: for this machine
+    cfg, said = resolve_machine(cfg, cuda=bool(gpus), probe_gpu=False)  # bf16, vllm_dtype, gen_backend auto
     user_fraction = cfg.vllm_gpu_memory_utilization
     if user_fraction == "auto":
         user_fraction = None  # not set by the user: the plan may lower it on a shared GPU
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = named(plan_for(cfg, gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device,
                               start_ref=not a.no_ref, worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus,
                               share=a.share_gpu), names)
-        cfg = resolve_machine(cfg, cuda=bool(plan.gpus))[0]  # as plan_for resolved it (its notes say how)
+        cfg = resolve_machine(cfg, cuda=bool(plan.gpus), probe_gpu=False)[0]  # as plan_for did (its notes say)
         if a.check_torch:
             check_torch(plan, how)
     except ValueError as e:

@@ -97,10 +97,10 @@ def resolve_gen_backend(cfg, *, cuda: bool, **kw):
     return dataclasses.replace(cfg, gen_backend=backend), f"gen_backend {given}: {backend} ({why})"
 
 
-def resolve_machine(cfg, *, cuda: bool):
+def resolve_machine(cfg, *, cuda: bool, probe_gpu: bool = True):
     """(cfg with bf16, vllm_dtype and gen_backend auto resolved for this machine, the lines saying how): what
-    launch.sh's plan prints and every rank and worker logs at its start."""
-    cfg, precision = resolve_precision(cfg, cuda=cuda)
+    launch.sh's plan prints (probe_gpu False: no torch there) and every rank and worker logs at its start."""
+    cfg, precision = resolve_precision(cfg, cuda=cuda, probe_gpu=probe_gpu)
     if cfg.gen_backend != AUTO:
         return cfg, [precision]
     cfg, backend = resolve_gen_backend(cfg, cuda=cuda)

@@ -50,9 +50,12 @@ def native_bf16(env=None, flags: set[str] | None = None) -> tuple[bool, str]:
     return True, f"{' and '.join(have)} on this CPU"
 
 
-def resolve_precision(cfg, *, cuda: bool, env=None, flags: set[str] | None = None):
-    """(cfg with bf16 auto and vllm_dtype auto resolved for this device, the one log line saying the outcome)."""
+def resolve_precision(cfg, *, cuda: bool, env=None, flags: set[str] | None = None, probe_gpu: bool = True):
+    """(cfg with bf16 auto and vllm_dtype auto resolved for this device, the one log line saying the outcome).
+    probe_gpu False (launch.sh's plan, which imports no torch): bf16 auto on CUDA is left to each rank."""
     bf16, why = cfg.bf16, "as set"
+    if bf16 == AUTO and cuda and not probe_gpu:
+        return cfg, "precision: bf16 auto (on GPUs with bf16: each rank resolves it on its GPU)"
     if bf16 == AUTO and cuda:
         import torch
         bf16, why = bool(torch.cuda.is_bf16_supported()), "this GPU " + (
