@@ -118,3 +118,10 @@ def test_the_plan_leaves_bf16_auto_on_gpus_to_the_ranks():
     cfg = load_config(GRPOConfig, DEMO)
     out, lines = resolve_machine(cfg, cuda=True, probe_gpu=False)
     assert (out.bf16, out.vllm_dtype, out.gen_backend) == ("auto", "auto", "hf") and "each rank" in lines[0], lines
+
+
+def test_launch_check_names_the_engine_auto_chose():
+    from common.placement.gen_choice import backend_words
+    cfg = load_config(GRPOConfig, DEMO)
+    assert backend_words(cfg) == f"{choose_gen_backend(cfg, cuda=False)[0]} (gen_backend auto)"
+    assert backend_words(load_config(GRPOConfig, [*DEMO, "--gen_backend", "hf"])) == "hf"

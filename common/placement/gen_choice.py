@@ -111,5 +111,6 @@ def backend_words(cfg) -> str:
     """`hf`, or `vllm (gen_backend auto)`: what launch.sh check says the workers generate with on this machine."""
     if cfg.gen_backend != AUTO:
         return cfg.gen_backend
-    from common.settings.gen_defaults import on_cuda
-    return f"{choose_gen_backend(cfg, cuda=on_cuda(cfg.device))[0]} (gen_backend auto)"
+    import torch  # (launch.sh check has it loaded; common/settings/gen_defaults.py's on_cuda would be a circle)
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    return f"{choose_gen_backend(cfg, cuda=cuda)[0]} (gen_backend auto)"
