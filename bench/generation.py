@@ -7,7 +7,8 @@ for each --new-tokens. Models: the embedded tiny Qwen2 and a random-weight model
 Qwen2.5-0.5B shape (24 layers, hidden 896, 14/2 heads, vocab 151,936, tied embeddings). Each engine
 is warmed up with one short call first; engine start time is reported separately. The HF engine
 generates all prompts x 8 sequences in one batch. The two engines take turns, --repeats timed calls each
-per length; tok/s is the median. ratio = vLLM tok/s / HF tok/s, per model the mean over --new-tokens.
+per length; tok/s is the median, and so is CPU-s per 1,000 generated tokens (this process's CPU time: both engines
+run in it, vLLM's in-process engine included). ratio = vLLM tok/s / HF tok/s, per model the mean over --new-tokens.
 Last output line: one JSON object with tiny_ratio and qwen05b_ratio.
 """
 from __future__ import annotations
@@ -49,10 +50,11 @@ def build_qwen05b(out: Path) -> Path:
     return out
 
 
-def run(engine, prompts, n, new_tokens) -> tuple[float, int]:
-    t0 = time.time()
+def run(engine, prompts, n, new_tokens) -> tuple[float, int, float]:
+    """(wall s, generated tokens, CPU-s of this process: every thread; both engines run in it)."""
+    t0, c0 = time.time(), time.process_time()
     samples = engine.generate(prompts, n, max_new_tokens=new_tokens)
-    return time.time() - t0, sum(len(s.completion_ids) for s in samples)
+    return time.time() - t0, sum(len(s.completion_ids) for s in samples), time.process_time() - c0
 
 
 def build_engine(backend: str, path: str, prompts, args):
@@ -67,7 +69,7 @@ def build_engine(backend: str, path: str, prompts, args):
         from common.modeling import eos_ids, load_model, load_tokenizer
         from trainer.engines.hf import HFEngine
         tok = load_tokenizer(path)
-        model = load_model(path, device="cpu", dtype=args.dtype)
+        model = load_model(path, device="cpu", dtype=args.hf_dtype or args.dtype)
         engine = HFEngine(model, tok, eos_ids(tok, model), temperature=1.0, top_p=1.0, top_k=0,
                           gen_batch_size=cfg.gen_batch_size)
     else:
@@ -81,21 +83,24 @@ def bench_model(path: str, prompts, args) -> dict:
     """Both engines live side by side and take turns on each timed call, so a change in the machine's load
     hits both alike; each engine's figure is the median tok/s of --repeats calls."""
     engines, res = {}, {}
-    for backend in ("hf", "vllm"):
+    for backend in args.engines:
         engines[backend], start = build_engine(backend, path, prompts, args)
         res[backend] = {"start_s": round(start, 1)}
     for nt in args.new_tokens:
         rates: dict[str, list[float]] = {b: [] for b in engines}
+        cpu: dict[str, list[float]] = {b: [] for b in engines}
         for rep in range(args.repeats):
             for backend, engine in engines.items():
                 torch.manual_seed(1 + rep)
-                sec, toks = run(engine, prompts, 8, nt)
+                sec, toks, cpu_s = run(engine, prompts, 8, nt)
                 rates[backend].append(toks / sec)
+                cpu[backend].append(1000 * cpu_s / max(1, toks))
                 print(f"  {backend:4s} new_tokens={nt} call {rep + 1}/{args.repeats}: {toks} tokens in {sec:.1f} s "
                       f"= {toks / sec:.1f} tok/s", flush=True)
         for backend, r in rates.items():
             res[backend][f"tok_s_{nt}"] = round(statistics.median(r), 1)
             res[backend][f"tok_s_{nt}_calls"] = [round(x, 1) for x in r]
+            res[backend][f"cpu_s_per_1k_tokens_{nt}"] = round(statistics.median(cpu[backend]), 2)
     for engine in engines.values():
         engine.close()
     engines.clear()
@@ -108,6 +113,9 @@ def main() -> None:
     p.add_argument("--models", default="tiny,qwen05b", help="comma list of tiny, qwen05b")
     p.add_argument("--new-tokens", default="64,256", help="comma list of completion lengths")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both engines)")
+    p.add_argument("--hf-dtype", default=None, help="the HF engine's dtype when it differs from --dtype (an HF worker "
+                   "on CPU loads float32, worker_dtype auto, beside a bf16 vLLM worker)")
+    p.add_argument("--engines", default="hf,vllm", help="comma list of hf, vllm (ratios need both)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per engine and length (median reported)")
     p.add_argument("--smoke", action="store_true", help="the test suite's short run: --models tiny --new-tokens 8 "
@@ -116,9 +124,13 @@ def main() -> None:
     if args.smoke:
         args.models, args.new_tokens, args.prompts, args.repeats = "tiny", "8", 2, 1
     args.new_tokens = [int(x) for x in args.new_tokens.split(",")]
+    args.engines = [e for e in args.engines.split(",") if e]
+    if not set(args.engines) <= {"hf", "vllm"} or not args.engines:
+        p.error(f"--engines {','.join(args.engines)}: give hf, vllm or both")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 500, (24,), generator=g).tolist() for _ in range(args.prompts)]
-    out: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "prompts": args.prompts, "n": 8,
+    out: dict = {"dtype": args.dtype, "hf_dtype": args.hf_dtype or args.dtype, "threads": torch.get_num_threads(),
+                 "prompts": args.prompts, "n": 8,
                  "new_tokens": args.new_tokens, "repeats": args.repeats}
     tmp = Path(tempfile.mkdtemp(prefix="bench_gen_"))
     try:
@@ -126,10 +138,12 @@ def main() -> None:
             path = resolve_model_path("tiny") if name == "tiny" else str(build_qwen05b(tmp / "qwen05b"))
             print(f"{name}:", flush=True)
             r = bench_model(path, prompts, args)
-            hf, vl = r["hf"], r["vllm"]
-            ratios = [vl[f"tok_s_{nt}"] / hf[f"tok_s_{nt}"] for nt in args.new_tokens]
-            out[name] = {"hf": hf, "vllm": vl, "ratios": [round(r, 2) for r in ratios]}
-            out[f"{name}_ratio"] = round(sum(ratios) / len(ratios), 2)
+            out[name] = dict(r)
+            if len(r) == 2:
+                hf, vl = r["hf"], r["vllm"]
+                ratios = [vl[f"tok_s_{nt}"] / hf[f"tok_s_{nt}"] for nt in args.new_tokens]
+                out[name]["ratios"] = [round(r, 2) for r in ratios]
+                out[f"{name}_ratio"] = round(sum(ratios) / len(ratios), 2)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(out))

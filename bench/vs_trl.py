@@ -6,16 +6,17 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
 
 1. The start model: the demo's cold-start SFT checkpoint, built as `./launch.sh demo` builds it (the tiny model of
    common/tiny_model.py, then trainer/demo/phases.cold_start_sft with the demo's settings and --seed), or --sft DIR.
-2. TRL: bench/vs_trl_lib/trl_grpo.py in TRL's OWN virtual environment (--trl-venv; created on first use with
-   `trl==1.16.0` from the package registry and the project's CPU torch, transformers and accelerate at .venv's
-   versions; the project itself pins trl==1.16.0 now, for its chat-template helpers, and the bench keeps TRL's
-   trainer in this venv of its own as before). GRPOConfig: per_device_train_batch_size 64,
+2. TRL: bench/vs_trl_lib/trl_grpo.py, once per --trl-threads setting (default 1 and 2 threads: TRL's most frugal
+   and its default on 2 cores), with this Python where it has trl==1.16.0 (the project pins it), else in TRL's own
+   virtual environment (--trl-venv; created on first use with `trl==1.16.0` from the package registry and the
+   project's CPU torch, transformers and accelerate at .venv's versions). GRPOConfig: per_device_train_batch_size 64,
    num_generations 8, max_completion_length 32, temperature 1.0, beta 0.04, learning_rate 1e-4 constant,
-   loss_type grpo, scale_rewards group, epsilon 0.2, adam betas (0.9, 0.99), max_grad_norm 1.0, fp32, 2 torch
-   threads, no eval, no saving (the final model is saved once, for the evaluation below). Prompts: the train split
-   templated exactly as our trainer templates it (a JSONL file); rewards: the project's `correct` + `format`.
-3. Ours: `launch.sh train --workers 1` with configs/demo.json (2 CPU ranks, the ref server, one vLLM worker), the
-   demo's CPU precision (float32 where the CPU has no AVX-512 BF16, as `launch.sh demo`), --eval_steps 0 (no
+   loss_type grpo, scale_rewards group, epsilon 0.2, adam betas (0.9, 0.99), max_grad_norm 1.0, fp32, no eval, no
+   saving (the final model is saved once, for the evaluation below). Prompts: the train split templated exactly
+   as our trainer templates it (a JSONL file); rewards: the project's `correct` + `format`.
+3. Ours: `launch.sh train --workers 1` with configs/demo.json (2 CPU ranks, the ref server, one worker), its `auto`
+   precision and engine as resolved on this machine (bf16 only where the CPU has it natively; HF or vLLM from the
+   measured table of common/placement/gen_choice.py; reported from the run's config.json), --eval_steps 0 (no
    in-training eval: TRL runs none either), only the final model saved.
 4. Measured per run: CPU-seconds over ALL its processes (bench/vs_trl_lib/cpu_meter.py: the process tree sampled
    every 0.5 s, each process's user + system time; the larger of that sum and getrusage(RUSAGE_CHILDREN), each a
@@ -23,17 +24,18 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
    the ranks trained, logged per step - ours trains only groups with spread; TRL: 8 groups a step x (1 -
    frac_reward_zero_std), from its per-step logs), held-out accuracy (greedy, the project's evaluation code,
    trainer/demo/phases.run_eval, on both final models). The SFT model's accuracy is reported too.
-   Printed: a table, the per-process CPU of our run, and a last JSON line with steps_per_cpu_s_ratio (ours / TRL),
-   spread_groups_per_cpu_s_ratio (ours / TRL), accuracy_ours, accuracy_trl and the raw figures.
+   Printed: the CPU (model, kernel flags, ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA caps, what bf16 auto resolves
+   to), a table, ours against each TRL setting (steps and spread groups per CPU-s, both walls), the per-process
+   CPU of every run, and a last JSON line with vs_trl {threads: ratios and walls}, steps_per_cpu_s_ratio and
+   spread_groups_per_cpu_s_ratio (ours / TRL at its fewest threads), accuracy_ours, accuracy_trl, cpu and the raw
+   figures.
 
 --smoke (the suite's size): SFT 2 steps, 3 GRPO steps each side, 8 held-out problems, the first 64 train prompts
-written for TRL, TRL on 1 thread (the suite's box is shared), our `launch.sh train` with --skip-checks and one rank
-(neither the checks nor a second rank is what a smoke run looks at; it is mostly start-up), and without --run-dir a
-temporary run folder, removed at the end (nothing left in the checkout). The suite has no network, so --smoke never
-creates TRL's environment: it runs our side (SFT, `launch.sh train`, the evaluation, the measurement) and then the
-TRL side only where TRL's environment is already there; where it is not, it exits 77 (the suite's "skipped: this
-machine lacks ...") with the reason as its last line, after our side ran. Run the bench once without --smoke (or
-with --setup-trl) on a machine that reaches the package registry to create it.
+written for TRL, TRL on 1 thread only (the suite's box is shared), our `launch.sh train` with --skip-checks and one
+rank (neither the checks nor a second rank is what a smoke run looks at; it is mostly start-up), and without
+--run-dir a temporary run folder, removed at the end (nothing left in the checkout). --smoke never creates TRL's
+environment (the suite has no network): with this Python's own trl 1.16 it runs both sides; without it, it runs our
+side and exits 77 (the suite's "skipped: this machine lacks ...") with the reason as its last line.
 The machine is shared: compare CPU-seconds, and note the load average printed at start and end.
 """
 from __future__ import annotations
@@ -56,7 +58,8 @@ sys.path.insert(0, str(REPO))  # before bench/: the project's packages (ref_serv
 
 from vs_trl_lib import trl_env  # noqa: E402
 from vs_trl_lib.cpu_meter import run_measured  # noqa: E402
-from vs_trl_lib.report import figures, ratio, role, say, table  # noqa: E402
+from vs_trl_lib.machine import cpu_info  # noqa: E402
+from vs_trl_lib.report import comparisons, figures, role, say, table  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "demo.json"
 TRL_SCRIPT = REPO / "bench" / "vs_trl_lib" / "trl_grpo.py"
@@ -73,16 +76,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="GRPO steps of each run (default 500; 3 with --smoke)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, SFT and both GRPO runs (default 0)")
     p.add_argument("--sft", default=None, help="start from this SFT checkpoint instead of building the demo's")
-    p.add_argument("--trl-venv", default=str(DEFAULT_VENV), help=f"TRL's virtual environment (default {DEFAULT_VENV}"
-                   "; created on first use)")
+    p.add_argument("--trl-venv", default=None, help="TRL's virtual environment (created on first use). Default: "
+                   f"this Python when it has trl==1.16.0 (the project's pinned TRL), else {DEFAULT_VENV}")
     p.add_argument("--setup-trl", action="store_true", help="only create TRL's environment, then exit")
     p.add_argument("--run-dir", default=None, help="output folder (default runs/vs_trl-<timestamp>; with --smoke "
                    "a temporary folder, removed at the end)")
     p.add_argument("--eval-limit", type=int, default=1000, help="held-out problems, greedy (default 1000)")
-    p.add_argument("--trl-threads", type=int, default=None,
-                   help="TRL's torch threads (default 2, the issue's setting; 1 with --smoke). On a busy shared box "
-                        "use 1: there a 2-thread run's second OpenMP thread spins for a core (measured ~7x the CPU-s "
-                        "a step)")
+    p.add_argument("--trl-threads", default=None,
+                   help="TRL's torch threads, one TRL run each, comma-separated (default 1,2: TRL's most frugal "
+                        "setting and its default on 2 cores; 1 with --smoke). On a busy shared box a 2-thread run's "
+                        "second OpenMP thread spins for a core (measured ~7x the CPU-s a step)")
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both",
                    help="run one side only (no ratios then; for profiling); default both")
     p.add_argument("--ranks", type=int, default=None,
@@ -95,7 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.steps is None:
         a.steps = SMOKE["steps"] if a.smoke else 500
     if a.trl_threads is None:  # --smoke: the suite's box is shared, where a second thread spins (see --trl-threads)
-        a.trl_threads = 1 if a.smoke else 2
+        a.trl_threads = "1" if a.smoke else "1,2"
+    try:
+        a.trl_threads = sorted({int(t) for t in str(a.trl_threads).split(",") if t.strip()})
+    except ValueError:
+        p.error(f"--trl-threads {a.trl_threads!r}: give thread counts like 1,2")
+    if not a.trl_threads or min(a.trl_threads) < 1:
+        p.error("--trl-threads: at least one thread count, each >= 1")
     if a.smoke:
         a.eval_limit = SMOKE["eval_limit"]
         a.ranks = a.ranks or 1  # as bench/memory_qwen05b.py's smoke: a second rank's start-up measures nothing there
@@ -140,11 +149,11 @@ def sft_checkpoint(a, run_dir: Path) -> str:
                                  "dev": DEFAULTS["sft_dev"]})
 
 
-def demo_cfg(a, precision: list[str]):
+def demo_cfg(a):
     from common.config import GRPOConfig
     from common.settings.knobs import load_config_or_exit
-    return load_config_or_exit(GRPOConfig, ["--config", str(DEMO_CONFIG), "--seed", str(a.seed), *precision,
-                                            *a.ours_args], prog="bench/vs_trl.py")
+    return load_config_or_exit(GRPOConfig, ["--config", str(DEMO_CONFIG), "--seed", str(a.seed), *a.ours_args],
+                               prog="bench/vs_trl.py")
 
 
 def write_prompts(cfg, model_dir: str, path: Path, limit: int | None = None) -> int:
@@ -168,15 +177,16 @@ def write_prompts(cfg, model_dir: str, path: Path, limit: int | None = None) -> 
     return len(rows)
 
 
-def run_trl(a, python: Path, sft: str, prompts: Path, out: Path) -> dict:
+def run_trl(a, python: Path, sft: str, prompts: Path, out: Path, threads: int) -> dict:
     cmd = [str(python), str(TRL_SCRIPT), "--model", sft, "--data", str(prompts), "--out", str(out),
-           "--steps", str(a.steps), "--seed", str(a.seed), "--threads", str(a.trl_threads)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.trl_threads), TOKENIZERS_PARALLELISM="false",
+           "--steps", str(a.steps), "--seed", str(a.seed), "--threads", str(threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", PYTHONPATH="")
-    say(f"[vs_trl] TRL: {' '.join(cmd)}")
-    m = run_measured(cmd, env=env, cwd=str(out.parent), log_path=out.parent / "trl.log", label=role)
+    say(f"[vs_trl] TRL, {threads} thread(s): {' '.join(cmd)}")
+    log_path = out.parent / f"{out.name}.log"
+    m = run_measured(cmd, env=env, cwd=str(out.parent), log_path=log_path, label=role)
     if m.rc != 0:
-        raise SystemExit(f"[vs_trl] the TRL run failed (exit {m.rc}); see {out.parent / 'trl.log'}")
+        raise SystemExit(f"[vs_trl] the TRL run failed (exit {m.rc}); see {log_path}")
     logs = json.loads((out / "log_history.json").read_text())
     steps = [r for r in logs if "frac_reward_zero_std" in r]
     if len(steps) != a.steps:
@@ -186,14 +196,14 @@ def run_trl(a, python: Path, sft: str, prompts: Path, out: Path) -> dict:
                 reward_first=steps[0]["reward"], reward_last=steps[-1]["reward"])
 
 
-def run_ours(a, sft: str, precision: list[str], out: Path) -> dict:
+def run_ours(a, sft: str, out: Path) -> dict:
     from trainer.demo.phases import free_port
     from trainer.run.metrics import read_metrics
 
     cmd = [str(REPO / "launch.sh"), "train", *(["--skip-checks"] if a.smoke else []), "--run-dir", str(out),
            "--workers", "1", "--port", str(free_port()), *(["--gpus", str(a.ranks)] if a.ranks else []),
            "--", "--config", str(DEMO_CONFIG), "--model", sft, "--seed", str(a.seed), "--all_steps", str(a.steps),
-           "--eval_before", "false", "--eval_steps", "0", "--save_steps", str(10 ** 9), *precision, *a.ours_args]
+           "--eval_before", "false", "--eval_steps", "0", "--save_steps", str(10 ** 9), *a.ours_args]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     say(f"[vs_trl] ours: {' '.join(cmd)}")
     m = run_measured(cmd, env=env, cwd=str(REPO), log_path=out.parent / "ours.log", label=role)
@@ -202,10 +212,12 @@ def run_ours(a, sft: str, precision: list[str], out: Path) -> dict:
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "batches_from_workers" in r]
     if len(rows) != a.steps:
         raise SystemExit(f"[vs_trl] our run logged {len(rows)} steps of {a.steps}: cannot count groups")
-    cfg = demo_cfg(a, precision)  # a training batch is train_batch_groups groups, each with reward spread
+    cfg = demo_cfg(a)  # a training batch is train_batch_groups groups, each with reward spread
     spread = cfg.train_batch_groups * sum(r["batches_from_workers"] + r["batches_from_ranks"] for r in rows)
+    run_cfg = json.loads((out / "config.json").read_text())  # as rank 0 resolved it on this machine (auto values)
     return dict(measured=m, steps=len(rows), spread_groups=spread, final=str(out / "final"),
-                reward_first=rows[0]["reward_mean"], reward_last=rows[-1]["reward_mean"])
+                reward_first=rows[0]["reward_mean"], reward_last=rows[-1]["reward_mean"],
+                resolved={k: run_cfg[k] for k in ("bf16", "vllm_dtype", "gen_backend")})
 
 
 def evaluate(model_dir: str, cfg, limit: int) -> float:
@@ -218,27 +230,34 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: run_measured then stops the run's whole session
 
 
+def trl_python(a) -> Path | None:
+    """TRL's Python: --trl-venv's (created unless --smoke), else this one where it has trl 1.16, else the default
+    venv's; None: --smoke where none is ready (never created there: the suite has no network)."""
+    if a.trl_venv is None and trl_env.project_has_trl():
+        return Path(sys.executable)
+    venv = Path(a.trl_venv or DEFAULT_VENV).expanduser().resolve()
+    if a.setup_trl or not a.smoke:
+        return trl_env.ensure(venv, REPO, say)  # first: a missing registry stops the bench before the long parts
+    return trl_env.python_of(venv) if trl_env.ready(venv) else None
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
-    venv = Path(a.trl_venv).expanduser().resolve()
+    want_trl = a.only in ("both", "trl") or a.setup_trl
+    python = trl_python(a) if want_trl else None
     if a.setup_trl:
-        trl_env.ensure(venv, REPO, say)
+        say(f"[vs_trl] TRL's Python: {python}")
         return 0
-    want_trl = a.only in ("both", "trl")
-    python = None
-    if want_trl and not a.smoke:
-        python = trl_env.ensure(venv, REPO, say)  # first: a missing registry stops the bench before the long parts
-    elif want_trl and trl_env.ready(venv):
-        python = trl_env.python_of(venv)
     a.run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    machine = cpu_info()
     say(f"[vs_trl] run dir {a.run_dir}; {a.steps} steps, seed {a.seed}; load average {load()}")
+    say(f"[vs_trl] CPU: {machine['model']}, {os.cpu_count()} cores; flags {' '.join(machine['flags'])}; "
+        f"{machine['bf16']}" + "".join(f"; {k}={v}" for k, v in machine["caps"].items()))
     t0 = time.time()
     sft = a.sft or sft_checkpoint(a, a.run_dir)
-    from trainer.demo.cli import cpu_precision_args
-    precision = cpu_precision_args(say)
-    cfg = demo_cfg(a, precision)
+    cfg = demo_cfg(a)
     prompts = a.run_dir / "prompts.jsonl"
     n = write_prompts(cfg, sft, prompts, SMOKE["prompts"] if a.smoke else None)
     say(f"[vs_trl] SFT checkpoint {sft}; {n} train prompts -> {prompts}")
@@ -247,29 +266,35 @@ def main(argv=None) -> int:
     runs: dict = {}
     loads = {"start": load()}
     if want_trl and python is not None:
-        r = run_trl(a, python, sft, prompts, a.run_dir / "trl")
-        runs["trl"] = figures(r, evaluate(r["final"], cfg, a.eval_limit))
-        loads["after_trl"] = load()
-        (a.run_dir / "result_trl.json").write_text(json.dumps(runs["trl"], indent=1) + "\n")  # kept if ours fails
+        for threads in a.trl_threads:
+            name = f"trl_{threads}t"
+            r = run_trl(a, python, sft, prompts, a.run_dir / name, threads)
+            runs[name] = dict(figures(r, evaluate(r["final"], cfg, a.eval_limit)), threads=threads)
+            loads[f"after_{name}"] = load()
+            # kept if ours fails
+            (a.run_dir / f"result_{name}.json").write_text(json.dumps(runs[name], indent=1) + "\n")
     if a.only in ("both", "ours"):
-        r = run_ours(a, sft, precision, a.run_dir / "ours")
-        runs["ours"] = figures(r, evaluate(r["final"], cfg, a.eval_limit))
+        r = run_ours(a, sft, a.run_dir / "ours")
+        runs["ours"] = dict(figures(r, evaluate(r["final"], cfg, a.eval_limit)), resolved=r["resolved"])
         loads["after_ours"] = load()
     table(runs, acc_sft, a.eval_limit)
     result = dict(steps=a.steps, seed=a.seed, eval_limit=a.eval_limit, accuracy_sft=acc_sft, load_average=loads,
-                  wall_s=round(time.time() - t0, 1), run_dir=str(a.run_dir), runs=runs)
-    if "trl" in runs and "ours" in runs:
-        result = dict(steps_per_cpu_s_ratio=ratio(runs, "steps_per_cpu_s"),
-                      spread_groups_per_cpu_s_ratio=ratio(runs, "spread_groups_per_cpu_s"),
-                      accuracy_ours=runs["ours"]["accuracy"], accuracy_trl=runs["trl"]["accuracy"], **result)
+                  wall_s=round(time.time() - t0, 1), run_dir=str(a.run_dir), cpu=machine, runs=runs)
+    versus = comparisons(runs)
+    if versus:  # ours against each TRL setting; the headline figures against TRL's first (fewest threads)
+        first = versus[min(versus)]
+        result = dict(steps_per_cpu_s_ratio=first["steps_per_cpu_s_ratio"],
+                      spread_groups_per_cpu_s_ratio=first["spread_groups_per_cpu_s_ratio"],
+                      accuracy_ours=runs["ours"]["accuracy"], accuracy_trl=runs[f"trl_{min(versus)}t"]["accuracy"],
+                      vs_trl=versus, **result)
     (a.run_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     if a.scratch:
         shutil.rmtree(a.run_dir, ignore_errors=True)
         say(f"[vs_trl] --smoke: removed the temporary run folder {a.run_dir} (pass --run-dir to keep one)")
     if want_trl and python is None:  # --smoke without TRL's environment: our side ran; TRL's cannot here
         say(json.dumps(result))
-        say(f"skipped the TRL side: no TRL environment at {venv} and --smoke never creates one (it needs the package "
-            f"registry); `bench/vs_trl.py --setup-trl` creates it")
+        say(f"skipped the TRL side: no TRL in this Python and no TRL environment at {a.trl_venv or DEFAULT_VENV}; "
+            f"--smoke never creates one (it needs the package registry): `bench/vs_trl.py --setup-trl` creates it")
         return SKIPPED
     say(json.dumps(result))
     return 0

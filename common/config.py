@@ -8,7 +8,7 @@ Every field carries a `help` string in its metadata; `--help` prints them all. T
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from common.settings.checks import LOSS_TYPES, ConfigChecks
 from common.settings.generation_options import GenerationOptions
@@ -130,9 +130,12 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, Start
                                               "largest that fits the memory estimate (docs/gpus.md). TRL: "
                                               "per_device_train_batch_size.")
     zero_stage: int | None = knob(None, "Override the ZeRO stage of ds_config (2 by default; 3 works).")
-    bf16: bool | None = knob(None, "Ranks in bf16 under DeepSpeed (bf16 weights, fp32 master copy and Adam state): "
-                                   "true/false override ds_config's bf16.enabled; null keeps it (ds_config.json: "
-                                   "auto = on GPUs with bf16). true on CPU needs it to fit a 0.5B model in 24 GiB.")
+    bf16: bool | Literal["auto"] | None = knob(None, "Ranks in bf16 under DeepSpeed (bf16 weights, fp32 master copy "
+                                                     "and Adam state): true/false override ds_config's bf16.enabled; "
+                                                     "auto: on CPU where it runs bf16 natively (AVX-512 BF16 or AMX, "
+                                                     "not capped by ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA), on GPUs "
+                                                     "that have it (common/settings/precision.py); null keeps "
+                                                     "ds_config's (ds_config.json: auto = on GPUs with bf16).")
     gradient_checkpointing: bool | None = knob(None, "Recompute activations in backward to save memory. null (unset) = "
                                                      "off on CPU; on GPUs on only where no micro-batch fits without it "
                                                      "(the memory estimate, docs/gpus.md).")
@@ -211,12 +214,14 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, Start
                                        "worker process killed on timeout. 0 = in-process, no timeout.")
     # --- generation engine (vLLM) and train/inference mismatch ------------------------
     gen_backend: str = knob("hf", "Generation engine of genonly workers and trainer.evaluate: hf "
-                                  "(transformers generate) or vllm. Trainer ranks' own fallback rollouts and "
-                                  "in-training eval stay on HF (they sample from the live DeepSpeed module).")
+                                  "(transformers generate), vllm, or auto: on CPU the one measured cheaper at the "
+                                  "model's shape on this kind of CPU (common/placement/gen_choice.py), hf on CUDA. "
+                                  "Trainer ranks' own fallback rollouts and in-training eval stay on HF.")
     top_k: int = knob(0, "Top-k sampling for rollouts (0 = off). Rollouts and eval sample exactly temperature/"
                          "top_p/top_k: the checkpoint's generation_config (repetition_penalty, ...) is ignored.")
-    vllm_dtype: str = knob("auto", "vLLM weights dtype: auto (the checkpoint's), bfloat16, float16 or float32 "
-                                   "(float32 for exact logprob agreement with the trainer).")
+    vllm_dtype: str = knob("auto", "vLLM weights dtype: auto (on CPU the ranks' precision: bfloat16 with bf16 "
+                                   "true/auto-resolved true, else float32; on CUDA the checkpoint's), bfloat16, "
+                                   "float16 or float32 (float32 for exact logprob agreement with the trainer).")
     vllm_max_model_len: int | None = knob(None, "vLLM max model length (prompt + completion); default "
                                                 "max_prompt_length + max_new_tokens.")
     vllm_tensor_parallel_size: int = knob(1, "TRL name: GPUs one vLLM worker spans (vLLM's tensor_parallel_size, "

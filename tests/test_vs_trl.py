@@ -1,11 +1,13 @@
 """bench/vs_trl.py's parts that run without TRL (issue 45): the TRL side's GRPOConfig holds the issue's settings, and
-the CPU meter counts every process of a run, one that left the process tree included. The whole bench runs in
-tests/test_bench_smoke.py (our side; TRL's only where its own environment exists)."""
+the CPU meter counts every process of a run, one that left the process tree included, and one run compares ours with
+TRL at each thread count (issue 62). The whole bench runs in tests/test_bench_smoke.py (both sides where this Python
+has the pinned trl 1.16 or TRL's own environment exists; our side only otherwise)."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO
 
@@ -54,7 +56,7 @@ def test_a_variant_of_our_side_reaches_the_config_and_the_launch(tmp_path):
     groups with (train_batch_groups) as into the run; bad values are refused before anything runs. (In a child
     process: the bench puts bench/ on sys.path.)"""
     code = ("import json, sys; sys.path.insert(0, 'bench'); import vs_trl\n"
-            "a = vs_trl.parse_args(sys.argv[1:]); c = vs_trl.demo_cfg(a, [])\n"
+            "a = vs_trl.parse_args(sys.argv[1:]); c = vs_trl.demo_cfg(a)\n"
             "print(json.dumps([a.ranks, a.ours_args, c.train_batch_groups, c.Q_batch_size]))")
     run = lambda *argv: subprocess.run([sys.executable, "-c", code, "--run-dir", str(tmp_path), *argv], cwd=REPO,
                                        capture_output=True, text=True, timeout=120)
@@ -65,3 +67,31 @@ def test_a_variant_of_our_side_reaches_the_config_and_the_launch(tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])[:2] == [None, []], out.stderr
     out = run("--ranks", "0")
     assert out.returncode == 2 and "--ranks must be >= 1" in out.stderr.splitlines()[-1]
+
+
+def test_both_trl_settings_are_compared_and_the_cpu_is_named(monkeypatch):
+    """Issue 62: one run reports ours against TRL at 1 and at 2 threads (both ratios, both walls), on a CPU it
+    names with its kernel flags and caps; TRL's side runs in this Python where it has the pinned trl 1.16."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import vs_trl
+    from vs_trl_lib.machine import cpu_info
+    from vs_trl_lib.report import comparisons
+
+    assert vs_trl.parse_args(["--run-dir", "x"]).trl_threads == [1, 2]
+    assert vs_trl.parse_args(["--run-dir", "x", "--smoke"]).trl_threads == [1]
+    side = lambda steps, spread, wall, **kw: dict(steps_per_cpu_s=steps, spread_groups_per_cpu_s=spread,  # noqa: E731
+                                                  wall_s=wall, **kw)
+    runs = {"trl_1t": side(0.4, 2.0, 690.0, threads=1), "trl_2t": side(0.5, 0.0, 514.0, threads=2),
+            "ours": side(0.2, 1.0, 689.0)}
+    c = comparisons(runs)
+    assert c[1] == dict(steps_per_cpu_s_ratio=0.5, spread_groups_per_cpu_s_ratio=0.5, wall_ratio=689.0 / 690.0,
+                        wall_s_trl=690.0, wall_s_ours=689.0)
+    assert c[2]["steps_per_cpu_s_ratio"] == 0.4 and c[2]["spread_groups_per_cpu_s_ratio"] is None
+    assert c[2]["wall_s_trl"] == 514.0
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    info = cpu_info()
+    assert info["model"] and info["caps"] == {"ATEN_CPU_CAPABILITY": "avx2"} and "float32" in info["bf16"]
+    assert set(info["flags"]) <= set(info["all_flags"])
+    from importlib import metadata
+    if metadata.version("trl") == "1.16.0":  # the project's pin: no second environment to create
+        assert vs_trl.trl_python(vs_trl.parse_args(["--run-dir", "x", "--smoke"])) == Path(sys.executable)

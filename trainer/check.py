@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import GRPOConfig
+from common.placement.gen_choice import backend_words
 from common.settings.knobs import load_config
 
 ANSWER = "<think>\nLet me work it out.\n</think>\n<answer>\n{}\n</answer>"  # a well-formed completion to score
@@ -70,7 +71,7 @@ def check_config(c: Checker, argv: list[str]) -> str:
             raise ValueError("gen_backend vllm (TRL: use_vllm true) but vLLM is not installed in this environment")
     specs = c.cfg.reward_specs() + [f"{n} (get_reward)" for n in c.cfg.env_reward_names()]
     return f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, specs))}, workers " \
-           f"generate with {c.cfg.gen_backend}"
+           f"generate with {backend_words(c.cfg)}"
 
 
 def check_model(c: Checker) -> str:

@@ -40,6 +40,9 @@ def ds_config_for(cfg: GRPOConfig, on_gpu: bool) -> dict:
     if nodes.num_nodes() > 1:  # no shared filesystem: each host's local rank 0 writes its model states
         ds.setdefault("checkpoint", {})["use_node_local_storage"] = True
     bf16 = ds.setdefault("bf16", {})
+    if cfg.bf16 == "auto":  # a cfg built in code (the ranks resolved theirs at start: resolve_at_start)
+        from common.settings.precision import resolve_precision
+        cfg = resolve_precision(cfg, cuda=on_gpu)[0]
     if cfg.bf16 is not None:
         bf16["enabled"] = cfg.bf16
     if bf16.get("enabled") == "auto":

@@ -47,22 +47,36 @@ def figures(r: dict, acc: float) -> dict:
                              for p in m.per_process if p["cpu_s"] >= 0.1])
 
 
-def ratio(runs: dict, key: str) -> float | None:
-    """ours / TRL; None where TRL's figure is 0 (a smoke run's untrained model: no group with spread)."""
-    if "trl" not in runs or "ours" not in runs or not runs["trl"][key]:
-        return None
-    return runs["ours"][key] / runs["trl"][key]
+def comparisons(runs: dict) -> dict:
+    """Ours against each TRL run, by its thread count: steps and spread groups per CPU-s (ours / TRL; None where
+    TRL's figure is 0, a smoke run's untrained model) and the walls (ours / TRL: <= 1 is ours as fast or faster)."""
+    if "ours" not in runs:
+        return {}
+    ours, out = runs["ours"], {}
+    for name, trl in runs.items():
+        if not name.startswith("trl_"):
+            continue
+        per = lambda k, trl=trl: ours[k] / trl[k] if trl[k] else None  # noqa: E731
+        out[trl["threads"]] = dict(steps_per_cpu_s_ratio=per("steps_per_cpu_s"),
+                                   spread_groups_per_cpu_s_ratio=per("spread_groups_per_cpu_s"),
+                                   wall_ratio=ours["wall_s"] / trl["wall_s"], wall_s_trl=trl["wall_s"],
+                                   wall_s_ours=ours["wall_s"])
+    return out
 
 
 def table(runs: dict, acc_sft: float, n: int) -> None:
-    base = runs.get("trl")
-    say(f"\n{'run':<10}{'CPU-s':>9}{'wall s':>9}{'steps/CPU-s':>13}{'vs TRL':>8}{'spread groups/CPU-s':>21}"
-        f"{'vs TRL':>8}{f'accuracy ({n}, greedy)':>24}")
+    say(f"\n{'run':<10}{'CPU-s':>9}{'wall s':>9}{'steps/CPU-s':>13}{'spread groups/CPU-s':>21}"
+        f"{f'accuracy ({n}, greedy)':>24}")
     for name, f in runs.items():
-        r1, r2 = (f"{f[k] / base[k]:.2f}x" if base and base[k] else "-"
-                  for k in ("steps_per_cpu_s", "spread_groups_per_cpu_s"))
-        say(f"{name:<10}{f['cpu_s']:>9.1f}{f['wall_s']:>9.1f}{f['steps_per_cpu_s']:>13.4f}{r1:>8}"
-            f"{f['spread_groups_per_cpu_s']:>21.4f}{r2:>8}{100 * f['accuracy']:>23.1f}%")
-    say(f"{'SFT start':<10}{'':>78}{100 * acc_sft:>23.1f}%")
+        say(f"{name:<10}{f['cpu_s']:>9.1f}{f['wall_s']:>9.1f}{f['steps_per_cpu_s']:>13.4f}"
+            f"{f['spread_groups_per_cpu_s']:>21.4f}{100 * f['accuracy']:>23.1f}%")
+    say(f"{'SFT start':<10}{'':>52}{100 * acc_sft:>23.1f}%")
+    show = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    for threads, c in comparisons(runs).items():
+        say(f"ours vs TRL at {threads} thread(s): steps per CPU-s {show(c['steps_per_cpu_s_ratio'])}, spread groups "
+            f"per CPU-s {show(c['spread_groups_per_cpu_s_ratio'])}, wall {c['wall_s_ours']:.1f} s vs "
+            f"{c['wall_s_trl']:.1f} s ({show(c['wall_ratio'])})")
     for name, f in runs.items():
         say(f"CPU-s by process, {name}: " + ", ".join(f"{k} {v}" for k, v in f["cpu_s_by_role"].items()))
+    if "resolved" in runs.get("ours", {}):
+        say("ours, as resolved on this machine: " + ", ".join(f"{k} {v}" for k, v in runs["ours"]["resolved"].items()))

@@ -1,7 +1,8 @@
-"""TRL's own virtual environment for bench/vs_trl.py, created on first use: `trl==1.16.0` from the package registry
-with the project's CPU torch, transformers and accelerate at the versions the project's .venv has (the same torch
-wheel scripts/setup.sh installs: constraints-cpu.txt, pip's configured index / find-links). TRL never enters the
-project's environment or CI.
+"""TRL's Python for bench/vs_trl.py: the project's own when it has trl==1.16.0 (pinned since issue 60:
+project_has_trl), else (--trl-venv given, or an environment without TRL) a virtual environment created on first
+use: `trl==1.16.0` from the package registry with the project's CPU torch, transformers and accelerate at the
+versions the project's .venv has (the same torch wheel scripts/setup.sh installs: constraints-cpu.txt, pip's
+configured index / find-links).
 """
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def wanted() -> list[str]:
 
 def python_of(venv: Path) -> Path:
     return venv / "bin" / "python"
+
+
+def project_has_trl() -> bool:
+    """The project's own environment pins trl==1.16.0 (requirements.txt, issue 60): where this Python has exactly
+    that TRL, the bench runs TRL's side with it (no second environment, nothing to download: works offline)."""
+    try:
+        return metadata.version("trl") == TRL.split("==")[1]
+    except metadata.PackageNotFoundError:
+        return False
 
 
 def ready(venv: Path) -> bool:

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from common.placement.cuda import device_count
+from common.placement.gen_choice import resolve_machine
 from common.placement.memory_report import Report, memory_report
 from common.placement.plan import Placed, Plan, describe, flag_word, plan_placement
 from common.settings.cli import ArgumentParser
@@ -146,7 +147,10 @@ def plan_line(w: Placed) -> str:
 def plan_for(cfg, gpus: list[int], **kwargs) -> Plan:
     """plan_placement for a run's config: its vLLM fraction (when the user set one), whether the workers run vLLM,
     GPUs per worker (vllm_tensor_parallel_size); then each worker's generation settings resolved for its device
-    (Placed.gen: what it is started with, what --print-plan shows)."""
+    (Placed.gen: what it is started with, what --print-plan shows). bf16, vllm_dtype and gen_backend auto are
+    resolved for this machine first (common/placement/gen_choice.py), the lines saying so among the plan's notes."""
+    auto_backend = cfg.gen_backend == "auto"
+    cfg, said = resolve_machine(cfg, cuda=bool(gpus), probe_gpu=False)  # bf16, vllm_dtype, gen_backend auto
     user_fraction = cfg.vllm_gpu_memory_utilization
     if user_fraction == "auto":
         user_fraction = None  # not set by the user: the plan may lower it on a shared GPU
@@ -158,8 +162,9 @@ def plan_for(cfg, gpus: list[int], **kwargs) -> Plan:
     for w in plan.workers:
         wcfg, _ = resolve_generation(cfg, cuda=bool(w.gpus), producer="worker", ranks=ranks,
                                      workers=len(plan.workers), gpu_share=w.vllm_gpu_memory_utilization)
-        placed.append(dataclasses.replace(w, gen=tuple((k, getattr(wcfg, k)) for k in SHOWN)))
-    return dataclasses.replace(plan, workers=tuple(placed))
+        chosen = (("gen_backend", cfg.gen_backend),) if auto_backend else ()  # the choice, given to each worker
+        placed.append(dataclasses.replace(w, gen=chosen + tuple((k, getattr(wcfg, k)) for k in SHOWN)))
+    return dataclasses.replace(plan, workers=tuple(placed), notes=plan.notes + tuple(said))
 
 
 def check_torch(plan: Plan, how: str) -> None:
@@ -257,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = named(plan_for(cfg, gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device,
                               start_ref=not a.no_ref, worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus,
                               share=a.share_gpu), names)
+        cfg = resolve_machine(cfg, cuda=bool(plan.gpus), probe_gpu=False)[0]  # as plan_for did (its notes say)
         if a.check_torch:
             check_torch(plan, how)
     except ValueError as e:

@@ -70,7 +70,7 @@ def train_settings(cfg, ds: dict, shape: ModelShape, world: int, workers: int, m
     """The ranks' settings: GRPOConfig over ds_config (as trainer/engine.py's ds_config_for fills it)."""
     zero = ds.get("zero_optimization", {})
     stage = cfg.zero_stage if cfg.zero_stage is not None else int(zero.get("stage", 0))
-    bf16 = cfg.bf16 if cfg.bf16 is not None else ds.get("bf16", {}).get("enabled") in (True, "auto")
+    bf16 = cfg.bf16 in (True, "auto") if cfg.bf16 is not None else ds.get("bf16", {}).get("enabled") in (True, "auto")
     own_gen = workers == 0 or cfg.get_wait > 0  # the ranks generate when no scored batch is there in time
     return TrainSettings(
         world=world, stage=stage, bf16=bool(bf16), micro_rows=micro,

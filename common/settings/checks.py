@@ -76,7 +76,8 @@ class ConfigChecks(RewardSources, RewardModels):
             (self.tool_output_chars >= 50, "tool_output_chars must be >= 50 (room for the truncation note)"),
         ]
         checks += [  # --- generation engine / mismatch (issue 12) ---
-            (self.gen_backend in ("hf", "vllm"), f"unknown gen_backend {self.gen_backend!r}; use hf or vllm"),
+            (self.gen_backend in ("hf", "vllm", "auto"),
+             f"unknown gen_backend {self.gen_backend!r}; use hf, vllm or auto"),
             (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.vllm_dtype in ("auto", "bfloat16", "float16", "float32"),

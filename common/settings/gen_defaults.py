@@ -87,8 +87,13 @@ def on_cuda(device: str) -> bool:
 
 
 def resolve_at_start(cfg, log, who: str, *, producer: str, ranks: int | None = None):
-    """A worker's or rank's first log lines: its generation settings resolved for the device it runs on."""
-    cfg, lines = resolve_generation(cfg, cuda=on_cuda(cfg.device if producer == "worker" else "auto"),
-                                    producer=producer, ranks=ranks)
+    """A worker's or rank's first log lines: its precision (common/settings/precision.py) and generation settings
+    resolved for the device it runs on."""
+    from common.placement.gen_choice import resolve_machine
+    cuda = on_cuda(cfg.device if producer == "worker" else "auto")
+    cfg, said = resolve_machine(cfg, cuda=cuda)  # bf16, vllm_dtype, gen_backend auto: for this machine
+    for line in said:
+        log.info("%s", line)
+    cfg, lines = resolve_generation(cfg, cuda=cuda, producer=producer, ranks=ranks)
     log.info("%s generation settings: %s", who, "; ".join(lines))
     return cfg

@@ -182,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.data:
         trainer_args += ["--data", a.data]
     trainer_args += ["--seed", str(a.seed)]
-    if a.tiny and not on_gpu:
-        trainer_args += cpu_precision_args(log)
     if a.quick:
         q = a.quick_sizes
         trainer_args += ["--all_steps", str(q["grpo_steps"]), "--eval_steps", str(q["grpo_eval_steps"]),
@@ -282,19 +280,6 @@ def main(argv: list[str] | None = None) -> int:
 
     report(a, cfg, before, after, metrics, timings, wall, run_dir, grpo_dir, log, without=without)
     return 0
-
-
-def cpu_precision_args(log) -> list[str]:
-    """configs/demo.json trains and samples in bf16, which pays on CPUs with native bf16 (AVX-512 BF16:
-    GRPO 290 s vs 398 s float32 here); without it bf16 may well be slower than float32 (not measured), so
-    the demo switches to float32 (said in the log; flags after `--` still win)."""
-    import torch
-
-    if torch.cpu._is_avx512_bf16_supported():
-        return []
-    log("this CPU has no AVX-512 BF16: the demo trains and samples in float32 (--bf16 false --vllm_dtype "
-        "float32)")
-    return ["--bf16", "false", "--vllm_dtype", "float32"]
 
 
 def _raise_interrupt(*_) -> None:

@@ -31,7 +31,12 @@ BACKENDS = ("hf", "vllm")
 def make_engine(cfg, model_path: str, *, model=None, tokenizer=None) -> GenEngine:
     """The engine `cfg.gen_backend` names. HF can wrap a live model (trainer ranks); vLLM loads its own.
     Generation settings still `auto` (a cfg built in code) are resolved for the device by each engine's from_config,
-    as at a worker's start (common/settings/gen_defaults.py)."""
+    as at a worker's start (common/settings/gen_defaults.py); so are bf16, vllm_dtype and gen_backend auto
+    (common/placement/gen_choice.py)."""
+    if "auto" in (cfg.gen_backend, cfg.vllm_dtype, cfg.bf16):
+        from common.placement.gen_choice import resolve_machine
+        from common.settings.gen_defaults import on_cuda
+        cfg = resolve_machine(cfg, cuda=on_cuda(cfg.device))[0]
     if cfg.gen_backend == "hf":
         from trainer.engines.hf import HFEngine
         return HFEngine.from_config(cfg, model_path, model=model, tokenizer=tokenizer)
