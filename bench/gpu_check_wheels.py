@@ -47,8 +47,9 @@ PREINSTALLED = ["torch", "transformers", "peft", "accelerate", "numba", "tensorb
 # need more than the image's own copies do: only what the image names counts as already there.
 IMAGE_PACKAGES = REPO / "bench" / "gpu_check_lib" / "image_packages.txt"
 # Not shipped: test and lint tools, and what the check never imports (datasets/pyarrow: the check's data is the
-# built-in 'arith'; matplotlib: plots; wandb, 20 MiB with its OpenTelemetry closure: the check reports to TensorBoard).
-NOT_SHIPPED = {"pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "datasets", "matplotlib", "wandb"}
+# built-in 'arith'; matplotlib: plots; wandb, 20 MiB with its OpenTelemetry closure: the check reports to TensorBoard;
+# trl, which needs datasets: imported lazily for tool runs' chat templates only, and the check runs no tool run).
+NOT_SHIPPED = {"pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "datasets", "matplotlib", "wandb", "trl"}
 PYTHON = "3.12"
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64"]
 
