@@ -44,6 +44,7 @@ def user_folder(base: Path) -> Path:
            "max_new_tokens": 8, "num_pre_Q": 8, "temperature": 1.0, "seed": 1, "Q_batch_size": 2, "get_wait": 3,
            "lr": 1e-3, "all_steps": ALL_STEPS, "save_steps": ALL_STEPS}  # the stop's checkpoint is the only one
     (user / "grpo.json").write_text(json.dumps(cfg))
+    (user / "long.json").write_text(json.dumps({**cfg, "all_steps": 100, "save_steps": 2}))  # cancelled mid-run
     return user
 
 
@@ -70,13 +71,12 @@ def slurm_run(tiny_model_dir, tmp_path_factory):
     user = user_folder(base)
     run_dir = user / "run"
     fig: dict = {}
-    with SlurmCluster(base / "cluster", ["n0", "n1"]) as sc:
+    with SlurmCluster(base / "cluster", ["n0", "n1"], kill_wait=10) as sc:
         env = sc.env(**{k: v for k, v in user_env().items() if k != "SLURM_CONF"})
         env.update(CONFIG="grpo.json", RUN_DIR="run", WORKER_NODES="1", GRPO=str(REPO))
-        sub = sc.run(["sbatch", "--parsable", "--gpus-per-node=1", "--cpus-per-task=2", "--time=15",
-                      f"--output={user}/slurm-%j.out", str(SBATCH)], cwd=user, env=env)
-        assert sub.returncode == 0, sub.stderr
-        job = fig["job"] = sub.stdout.strip().split(";")[0]
+        sbatch = lambda e: sc.run(["sbatch", "--parsable", "--gpus-per-node=1", "--cpus-per-task=2",  # noqa: E731
+                                   "--time=15", f"--output={user}/slurm-%j.out", str(SBATCH)], cwd=user, env=e)
+        job = fig["job"] = submitted(sbatch(env))
         wait(lambda: len(rows(run_dir)) >= STOP_AFTER, 240, f"{STOP_AFTER} steps", sc, run_dir)
         fig["plan"] = sc.run(["bash", str(REPO / "launch.sh"), "slurm", "--run-dir", "run", "--worker-nodes", "1",
                               "--print-plan"], host="n0", cwd=user,
@@ -100,13 +100,30 @@ def slurm_run(tiny_model_dir, tmp_path_factory):
         fig["job_end"] = sc.job(job)
         fig["status_end"] = login_status(sc, user, env)
         fig["out"] = "\n".join(p.read_text(errors="replace") for p in user.glob("slurm-*.out"))
+        # scancel: SIGTERM to every process of the job, SIGKILL after KillWait; the last completed checkpoint stands
+        run2 = user / "run2"
+        job2 = submitted(sbatch({**env, "CONFIG": "long.json", "RUN_DIR": "run2"}))
+        wait(lambda: len(rows(run2)) >= 3, 240, "3 steps of the job to cancel", sc, run2)
+        fig["cancel"] = sc.run(["scancel", job2])
+        wait(lambda: (run2 / "run_end.json").is_file() and sc.job(job2).get("JobState") == "CANCELLED", 120,
+             "the cancelled job's end", sc, run2)
+        fig["cancel_end"] = json.loads((run2 / "run_end.json").read_text())
+        fig["cancel_latest"] = (run2 / "ds" / "latest").read_text().strip()
+        fig["cancel_tags"] = sorted(p.name for p in (run2 / "ds").glob("step*"))
+        fig["status_cancel"] = login_status(sc, user, env, "run2")
+        fig["left_cancel"] = subprocess.run(["pgrep", "-af", str(run2)], capture_output=True, text=True).stdout
     fig["left"] = subprocess.run(["pgrep", "-af", str(base)], capture_output=True, text=True).stdout
     return run_dir, fig
 
 
-def login_status(sc: SlurmCluster, user: Path, env: dict) -> subprocess.CompletedProcess:
+def submitted(sub: subprocess.CompletedProcess) -> str:
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0]
+
+
+def login_status(sc: SlurmCluster, user: Path, env: dict, run: str = "run") -> subprocess.CompletedProcess:
     """`launch.sh status --run-dir` from the login host (ctl): the token the batch script left for its user."""
-    return sc.run(["bash", str(REPO / "launch.sh"), "status", "--run-dir", "run", "--token-file", "run/ref_token"],
+    return sc.run(["bash", str(REPO / "launch.sh"), "status", "--run-dir", run, "--token-file", f"{run}/ref_token"],
                   cwd=user, env=env, timeout=120)
 
 
@@ -154,3 +171,16 @@ def test_requeued_job_resumes_exactly(slurm_run):
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert "exit 0" in fig["status_end"].stdout, fig["status_end"].stdout
     assert fig["left"] == "", fig["left"]  # nothing of the cluster or the run outlives the test
+
+
+def test_scancel_stops_everything_and_the_last_checkpoint_stands(slurm_run):
+    run_dir, fig = slurm_run
+    assert fig["cancel"].returncode == 0, fig["cancel"].stderr
+    end = fig["cancel_end"]
+    print(f"cancelled: {end}; ds/latest {fig['cancel_latest']}; tags {fig['cancel_tags']}")
+    assert end["exit_code"] == 143 and "stopped (SIGTERM)" in fig["status_cancel"].stdout, fig["status_cancel"]
+    saved = int(fig["cancel_latest"].removeprefix("step"))
+    assert saved >= 2 and saved % 2 == 0 and saved <= end["last_step"], (fig["cancel_latest"], end)
+    # nothing newer than `latest` is left to be mistaken for a checkpoint (a save the TERM cut short is dropped)
+    assert all(int(t.removeprefix("step")) <= saved for t in fig["cancel_tags"]), fig["cancel_tags"]
+    assert fig["left_cancel"] == "", fig["left_cancel"]  # no process of the cancelled job on any node

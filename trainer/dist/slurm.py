@@ -158,9 +158,7 @@ class Node:
                 code = trainer.returncode
                 self.say(f"the trainer exited with code {code}")
                 self.stop()
-                if self.leader:
-                    write_end(self.plan.run_dir, code)
-                    _write_json(self.marker, {**self.marker_state(), "exit_code": code})
+                self.ended(code)
                 return code
             state = self.marker_state()
             if trainer is None and state.get("attempt") == self.attempt and "exit_code" in state:
@@ -173,6 +171,12 @@ class Node:
                 self.stop()
                 return 3
             time.sleep(0.5)
+
+    def ended(self, code: int) -> None:
+        """Trainer host 0's node: how the run ended, for `launch.sh status` and for the other nodes."""
+        if self.leader:
+            write_end(self.plan.run_dir, code)  # also drops a checkpoint the stop left half-written
+            _write_json(self.marker, {**self.marker_state(), "exit_code": code})
 
     def stop(self, grace: float = 20.0) -> None:
         """TERM every group started here (a second one to the ref server skips its drain), KILL after `grace`."""
@@ -222,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         node = Node(plan, k, args, extra)
         node.say("; ".join(plan.lines()[k:k + 1] + plan.lines()[-1:]))
 
-        def on_term(signum, _frame) -> None:
+        def on_term(signum, _frame) -> None:  # scancel, preemption: KILL follows after KillWait
             node.say(f"signal {signum}: stopping this node's processes")
             node.stop(grace=5.0)
+            node.ended(128 + signum)
             raise SystemExit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_term)
