@@ -67,3 +67,10 @@ def test_launch_slurm_outside_an_allocation_is_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "[slurm] SLURM_JOB_NODELIST is not set: run this inside an allocation (sbatch/srun), or give --nodelist to "
         "print a plan"], r.stderr
+
+
+def test_launch_slurm_help():
+    env = subprocess_env(GRPO_PYTHON=sys.executable, PYTHONPATH=str(REPO))
+    r = subprocess.run(["bash", str(REPO / "launch.sh"), "slurm", "--help"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "--worker-nodes" in r.stdout and "job id % 10000" in r.stdout, r.stderr[-2000:]

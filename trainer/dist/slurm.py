@@ -52,8 +52,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--ref-model", help="the ref server's model (default: the trainer's ref_model, else model)")
     p.add_argument("--ref-device", default="auto")
     p.add_argument("--ref-dtype", default="auto")
-    p.add_argument("--master-port", type=int, help="rendezvous port (default 20000 + job id % 10000)")
-    p.add_argument("--port", type=int, help="ref server port (default 30000 + job id % 2700)")
+    p.add_argument("--master-port", type=int, help="rendezvous port (default 20000 + job id %% 10000)")
+    p.add_argument("--port", type=int, help="ref server port (default 30000 + job id %% 2700)")
     p.add_argument("--nodelist", help="a node list in place of SLURM_JOB_NODELIST (to print a plan elsewhere)")
     p.add_argument("--print-plan", action="store_true", help="print each node's roles and exit without starting "
                                                              "anything")
