@@ -16,6 +16,9 @@
 #   ./launch.sh workers --ref-url URL --run-dir DIR [--workers N] [--first-id K] [--token-file F]
 #               [--worker-gpus L] [--share-gpu] [--print-plan] [-- args]
 #                                                  genonly workers on this host, each on GPU(s) of its own
+#   ./launch.sh slurm --run-dir DIR [--config F] [--ref-nodes N] [--worker-nodes N] [--print-plan] [-- args]
+#                                                  one task per node of a Slurm allocation: the node's roles from
+#                                                  the allocation (examples/slurm/train.sbatch, docs/nodes.md#slurm)
 #   ./launch.sh ROLE --help                        that role's options
 #
 # train options:
@@ -70,7 +73,7 @@ ORIG_ARGS=("$@")  # as typed: the resume command repeats them (resume_command be
 export GRPO_HELP_PROG="${GRPO_HELP_PROG:-$(basename "$0") $MODE --}"
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
-  demo|train|check|status|ref-server|trainer-host|workers) ;;
+  demo|train|check|status|ref-server|trainer-host|workers|slurm) ;;
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
@@ -94,8 +97,9 @@ fi
 if [ "$MODE" = demo ]; then
   GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.demo "$@"  # its relative paths are the caller's
 fi
-case "$MODE" in  # one host's role in a multi-host run (trainer/dist/hosts.py)
+case "$MODE" in  # one host's role in a multi-host run (trainer/dist/hosts.py); a Slurm allocation's node (slurm.py)
   ref-server|trainer-host|workers) GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.dist.hosts "$MODE" "$@" ;;
+  slurm) GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m trainer.dist.slurm "$@" ;;
 esac
 
 RUN_DIR=""; CONFIG=""; WORKERS=1; GPUS=""; REF_URL=""; REF_MODEL=""; REF_DEVICE=auto
@@ -200,7 +204,7 @@ else
   rm -f "$CHECK_LOG"
 fi
 mkdir -p "$RUN_DIR"
-rm -f "$RUN_DIR/diagnosis.txt"  # written by a rank that stops on purpose (trainer/run/health.py)
+rm -f "$RUN_DIR/diagnosis.txt" "$RUN_DIR/stop_request"  # a rank's line; an earlier attempt's stop request
 if [ -z "$MASTER_PORT" ]; then  # not DeepSpeed's fixed 29500: two runs on one machine must not collide
   MASTER_PORT=$("$PY" -m common.listen)  # outside the ephemeral range: no outgoing connection takes it meanwhile
 fi

@@ -29,10 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the raw JSON of GET /status")
     args = p.parse_args(argv)
     token = os.environ.get("GRPO_REF_TOKEN")
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
     here = Path(os.environ.get("GRPO_CALLER_DIR", "."))  # launch.sh runs us from the checkout
+    if args.token_file:  # relative to where launch.sh was run, as --run-dir
+        token = (here / args.token_file).read_text().strip()
     run = (here / args.run_dir).resolve() if args.run_dir else newest_run([here, Path(__file__).parents[1] / "runs"])
     url = args.ref_url or (json.loads((run / START).read_text()).get("ref_url") if run and (run / START).is_file()
                            else None) or "http://127.0.0.1:59875"

@@ -9,8 +9,29 @@
 #                 driver 550-579); it also checks a GRPO_TORCH against the set's pin - see docs/install.md.
 #   GRPO_NO_VLLM=1 skips vLLM (gen_backend=hf still works; gen_backend=vllm then says how to install it); with
 #                 GRPO_TORCH="torch==<version>" (or a torch already in the venv) that torch is kept as it is.
+#   --slurm       only Debian's slurm-wlm and munge (tests/test_slurm.py's controller and nodes), when absent, and
+#                 exit: the venv is not touched. Needs root and Debian's packages (apt-get); no daemon is started
+#                 (a policy-rc.d refuses every service start for the install; the test starts its own, in namespaces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --slurm ]; then
+  if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then
+    exit 0
+  fi
+  [ "$(id -u)" = 0 ] || { echo "[setup] --slurm: installing slurm-wlm and munge needs root (apt-get)" >&2; exit 1; }
+  echo "[setup] --slurm: installing Debian's slurm-wlm and munge (no daemon is started)" >&2
+  # Debian's postinst starts slurmctld/slurmd/munge through invoke-rc.d, which asks policy-rc.d first: 101 = refused
+  # (any policy-rc.d already there, a container's, is put back afterwards)
+  policy=/usr/sbin/policy-rc.d; saved=""
+  if [ -e "$policy" ]; then saved=$(mktemp); cp -p "$policy" "$saved"; fi
+  restore() { if [ -n "$saved" ]; then mv -f "$saved" "$policy"; else rm -f "$policy"; fi; }
+  trap restore EXIT
+  printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod 755 "$policy"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends slurm-wlm munge
+  exit 0
+fi
 VENV=${GRPO_VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp_src=$(cat requirements*.txt constraints-*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)

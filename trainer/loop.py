@@ -43,6 +43,7 @@ from trainer.run.health import (
     WeightsRefused,
     write_diagnosis,
 )
+from trainer.run.requeue import EXIT_REQUEUE, StopRequest, agreed
 from trainer.run.step_metrics import (
     MAX_KEYS,
     MEAN_KEYS,
@@ -213,6 +214,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
                                                             res.items() if k != "eval_n") + f" (n={res['eval_n']})")
         return res
 
+    stop = StopRequest(out)  # OUTPUT_DIR/stop_request: a checkpoint at the end of this step, then exit 75 (requeue)
     watchdog = Watchdog(cfg, client, rank, peers).start()
     started.append(watchdog)
     source.watchdog = watchdog  # says what the rank waits for
@@ -232,8 +234,9 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     objective_mean, objective_sum = metric_keys(cfg)  # IS weights, masked shares, GSPO band, round pass
     keys += objective_mean
     bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
-    for step in range(start_step + 1, cfg.all_steps + 1):
-        t0 = time.time()
+    stopping, step = False, start_step
+    while not stopping and step < cfg.all_steps:
+        step, t0 = step + 1, time.time()
         fetched = starts_round(step, start_step, cfg.mu)
         if fetched:  # a new generation round: grad_accum batches for mu steps
             got = [source.next(policy_version=step - 1) for _ in range(cfg.grad_accum)]
@@ -266,7 +269,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
         mine = [int(i) for b in rnd.batches for i in b.extra.get("example_index", [])]  # what this rank trained on
         trained: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(trained, mine)
+        torch.distributed.all_gather_object(trained, (mine, stop.asked))  # with it: has any rank been asked to stop
+        trained, stopping = agreed(trained)
         if cfg.log_completions and fetched and step % cfg.log_completions_steps == 0:  # every rank: a collective
             rows = gather_rows(completion_rows(rnd.batches, tok, step))
             if completions is not None:
@@ -291,14 +295,15 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
                             **tools)  # tools: tool calls per completion
         bar.update(1)
-        if cfg.save_strategy == "steps" and (step % cfg.save_steps == 0 or step == cfg.all_steps):
+        if cfg.save_strategy == "steps" and (step % cfg.save_steps == 0 or step == cfg.all_steps or stopping):
             watchdog.activity = f"saving the checkpoint of step {step}"
             states: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(states, resume.capture(source.sampler))
             if nodes.is_node_leader():  # each host's own copy, before `latest` moves to this tag
                 resume.save_rank_states(out / "ds", f"step{step}", states)
             save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
-    if cfg.save_strategy == "steps":  # "no": a run that keeps no weights (common/settings/save_options.py)
+    stopping = step < cfg.all_steps  # stopped for a requeue: no `final` yet
+    if cfg.save_strategy == "steps" and not stopping:  # "no": a run that keeps no weights (save_options.py)
         watchdog.activity = "saving the final checkpoint"
         save_hf(engine, tok, out / "final", rank, zero_stage, hf_dtype, final=True)
     scorer.close()
@@ -308,7 +313,10 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     if metrics:
         metrics.close()
     watchdog.stop()  # before the final barrier: a peer may exit as soon as it is passed
-    heartbeat.stop("done")
-    log.info("training done: %d steps", cfg.all_steps)
+    heartbeat.stop("stopped for a requeue" if stopping else "done")
+    log.info(f"stopped at step {step} for a requeue: checkpoint ds/step{step}" if stopping else
+             f"training done: {cfg.all_steps} steps")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    if stopping:
+        raise SystemExit(EXIT_REQUEUE)

@@ -133,6 +133,7 @@ def trainer_host(args: argparse.Namespace, extra: list[str], env: dict) -> list[
     gpus = args.gpus or device_count() or 1
     run_dir = Path(caller_path(args.run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "stop_request").unlink(missing_ok=True)  # an earlier attempt's (trainer/run/requeue.py)
     hostfile = run_dir / "hostfile"
     hostfile.write_text("".join(f"node{i} slots={gpus}\n" for i in range(args.nodes)))
     # gloo/NCCL pick their interface from the hostname, which may resolve to loopback or to another
