@@ -21,6 +21,7 @@ from pathlib import Path
 END, START = "run_end.json", "run.json"
 MEANING = {0: "done", 2: "a bad option or config", 3: "stalled, or a process it started exited",
            4: "a peer rank is gone", 5: "unusable batches", 6: "policy weights refused", 7: "nothing to train on",
+           8: "no reward spread: nothing trains (max_no_spread_groups)",
            75: "stopped with a checkpoint for a requeue (SIGUSR1)", 130: "interrupted (Ctrl-C)",
            143: "stopped (SIGTERM)"}  # docs/hangs.md "Exit codes"
 
