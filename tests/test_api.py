@@ -11,8 +11,8 @@ import textwrap
 import pytest
 from datasets import Dataset
 
+import trainer.api.names as api_names
 from trainer.api import GRPOConfig, GRPOTrainer
-from trainer.api import names as api_names
 
 ROWS = [{"prompt": "What is 1 + 2?", "expected": "3"}, {"prompt": "What is 2 + 2?", "expected": "4"}]
 

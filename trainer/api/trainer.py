@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.api import inputs, names
+import trainer.api.inputs as inputs
+import trainer.api.names as names
 from trainer.api.config import GRPOConfig, resolve
 from trainer.api.process import CHECKOUT, LAUNCH_ARGS_ENV, TrainingFailed, environment, run_launch, stream
 
