@@ -68,5 +68,6 @@ if __name__ == "__main__":
     )
     result = trainer.train()
     print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}")
+    print("last log:", trainer.state.log_history[-1])
     trainer.save_model(training_args.output_dir)
     print(trainer.evaluate())

@@ -105,10 +105,14 @@ class GRPOTrainer:
             self._written = True
         return path
 
-    def train(self, resume_from_checkpoint: bool | None = None, **_ignored_trl: Any):
+    def train(self, resume_from_checkpoint: bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: Any = None):
         """Start the run (launch.sh train) and wait for it; TRL's TrainOutput(global_step, training_loss, metrics).
         resume_from_checkpoint True: continue from output_dir's newest checkpoint. TrainingFailed on a failure."""
         from common.listen import free_port_for_later
+        if trial is not None or ignore_keys_for_eval is not None:
+            raise ValueError("train: trial (hyperparameter search) and ignore_keys_for_eval are not supported: one "
+                             "run per train(), evaluation reports all its metrics")
         if resume_from_checkpoint is not None:
             self._values["resume_from_checkpoint"] = resume_from_checkpoint
             self.config = resolve(self._values)
@@ -145,6 +149,10 @@ class GRPOTrainer:
         if not (final / "config.json").is_file():
             raise ValueError(f"save_model: {final} holds no trained model; call train() first")
         dest = Path(output_dir or self.run_dir).expanduser().resolve()
+        run_config = dest / "config.json"
+        if dest == self.run_dir and run_config.is_file() and "all_steps" in json.loads(run_config.read_text()):
+            run_config.rename(dest / "run_config.json")  # the model's config.json takes its name (as TRL's folder)
+            print(f"[api] the run's config.json is now {dest / 'run_config.json'}", file=sys.stderr)
         shutil.copytree(final, dest, dirs_exist_ok=True)
         print(f"[api] model saved to {dest}", file=sys.stderr)
 
