@@ -90,13 +90,18 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to launch.sh: its trap stops every process it started (up to ~15 s); what is left of its session
-    after 60 s is killed."""
+    """SIGINT to launch.sh: its trap stops every process it started (up to ~15 s). A second Ctrl-C meanwhile is
+    ignored (it would end launch.sh's cleanup half-way, leaving its children); what is left of launch.sh's own
+    session after 60 s is killed."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        print("[api] stopping the run (launch.sh stops every process it started) ...", file=sys.stderr, flush=True)
         proc.send_signal(signal.SIGINT)
         for line in proc.stderr:  # its last lines: "stopped everything", how to resume
             sys.stderr.write(line)
         proc.wait(timeout=60)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
