@@ -78,7 +78,7 @@ class GRPOTrainer:
             raise ValueError(f"GRPOTrainer: {', '.join(both)} given in GRPOConfig and as a GRPOTrainer argument; give "
                              f"it once")
         self.run_dir = Path(args.resolved.output_dir).expanduser().resolve()  # relative to where the script runs
-        self._train_dataset, self._eval_dataset = train_dataset, eval_dataset
+        self._unwritten = {k: d for k, d in (("data", train_dataset), ("eval_data", eval_dataset)) if d is not None}
         self._values = {**given, **ours, "output_dir": str(self.run_dir)}
         if train_dataset is not None:  # the files' names, so that the whole config is checked here
             self._values["data"] = str(self.run_dir / "data" / "train.parquet")
@@ -91,18 +91,14 @@ class GRPOTrainer:
                 raise ValueError(f"GRPOTrainer: launch_args {opt}: the run directory is args.output_dir and the "
                                  f"config is args; give them there")
         self.state = TrainerState(max_steps=self.config.all_steps)
-        self._written = False
 
     def _write_inputs(self) -> Path:
-        """The datasets (parquet) and the config, written once into the run directory."""
+        """Each dataset written once (parquet) into the run directory, and the config as it stands."""
+        for key, where in (("data", "train_dataset"), ("eval_data", "eval_dataset")):
+            if key in self._unwritten:
+                inputs.write_dataset(self._unwritten.pop(key), Path(self._values[key]), where)
         path = self.run_dir / CONFIG_FILE
-        if not self._written:
-            if self._train_dataset is not None:
-                inputs.write_dataset(self._train_dataset, Path(self._values["data"]), "train_dataset")
-            if self._eval_dataset is not None:
-                inputs.write_dataset(self._eval_dataset, Path(self._values["eval_data"]), "eval_dataset")
-            path.write_text(json.dumps(self._values, indent=1) + "\n")
-            self._written = True
+        path.write_text(json.dumps(self._values, indent=1) + "\n")
         return path
 
     def train(self, resume_from_checkpoint: bool | None = None, trial: Any = None,
@@ -116,7 +112,6 @@ class GRPOTrainer:
         if resume_from_checkpoint is not None:
             self._values["resume_from_checkpoint"] = resume_from_checkpoint
             self.config = resolve(self._values)
-            self._written = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = self._write_inputs()
         launch = list(self.launch_args)
@@ -160,16 +155,19 @@ class GRPOTrainer:
         """The project's evaluation (python -m trainer.evaluate) of the trained model (before train(): the initial
         one) on eval_dataset, scored with the run's rewards; {eval_accuracy, eval_format_rate, eval_reward/<fn>...}."""
         if eval_dataset is not None:
-            self._eval_dataset, self._values["eval_data"] = eval_dataset, str(self.run_dir / "data" / "eval.parquet")
-            self._written = False
-        if self._eval_dataset is None:
+            self._unwritten["eval_data"] = eval_dataset
+            self._values["eval_data"] = str(self.run_dir / "data" / "eval.parquet")
+        if "eval_data" not in self._values:
             raise ValueError("evaluate: needs an eval_dataset (GRPOTrainer(eval_dataset=...) or evaluate(ds))")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = self._write_inputs()
         final = self.run_dir / "final"
         model = str(final) if (final / "config.json").is_file() else self.model_name
         out = self.run_dir / f"{metric_key_prefix}.json"
-        cmd = [sys.executable, "-m", "trainer.evaluate", "--model", model, "--data", self._values["eval_data"],
+        data = self._values["eval_data"]  # a path of the user's is theirs: it runs in the checkout
+        data = str(Path(data).resolve()) if Path(data).exists() else data
+        split = [] if Path(data).is_file() else ["--split", self.config.eval_split]  # a hub id or folder: its split
+        cmd = [sys.executable, "-m", "trainer.evaluate", "--model", model, "--data", data, *split,
                "--config", str(config), "--out", str(out), *_eval_flags(self.config)]
         code, tail = stream(cmd, environment(names.script_dir()), cwd=CHECKOUT)
         if code != 0:
