@@ -62,6 +62,9 @@ def test_trainer_arguments_become_the_run_config(tmp_path):
     assert [r.prompt for r in rows] == [r["prompt"] for r in ROWS]
     assert [r.columns.get("expected") for r in rows] == ["3", "4"]
     assert len(load_examples(v["eval_data"], split="test")) == 2
+    written = (tmp_path / "run" / "data" / "train.parquet").stat().st_mtime_ns
+    trainer._write_inputs()  # a resume's or an evaluate()'s: the config again, the datasets not
+    assert (tmp_path / "run" / "data" / "train.parquet").stat().st_mtime_ns == written
     # as TRL: without args, a folder named after the model, in the folder the script runs in
     assert GRPOTrainer("org/Some-Model", [reward_digits], train_dataset=ROWS).run_dir.name == "Some-Model-GRPO"
 
