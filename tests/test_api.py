@@ -65,6 +65,11 @@ def test_trainer_arguments_become_the_run_config(tmp_path):
     written = (tmp_path / "run" / "data" / "train.parquet").stat().st_mtime_ns
     trainer._write_inputs()  # a resume's or an evaluate()'s: the config again, the datasets not
     assert (tmp_path / "run" / "data" / "train.parquet").stat().st_mtime_ns == written
+    streamed = make(tmp_path, train_dataset=Dataset.from_list(ROWS).to_iterable_dataset(),
+                    args=GRPOConfig(output_dir=str(tmp_path / "it")))
+    assert len(load_examples(str(streamed._write_inputs().parent / "data" / "train.parquet"), split="train")) == 2
+    with pytest.raises(ValueError, match="train_dataset is a dict of datasets; pass one split"):
+        make(tmp_path, train_dataset={"train": Dataset.from_list(ROWS)})  # at construction
     # as TRL: without args, a folder named after the model, in the folder the script runs in
     assert GRPOTrainer("org/Some-Model", [reward_digits], train_dataset=ROWS).run_dir.name == "Some-Model-GRPO"
 

@@ -124,19 +124,26 @@ def lora_fields(peft_config: Any) -> dict:
     return out
 
 
-def write_dataset(data: Any, path: Path, where: str) -> str:
-    """A datasets.Dataset / IterableDataset or a list of dicts, written once as parquet (every producer reads it)."""
+def check_dataset(data: Any, where: str) -> None:
+    """A datasets.Dataset / IterableDataset or a list of dicts; ValueError in one line otherwise."""
     import datasets
 
     if isinstance(data, (datasets.DatasetDict, datasets.IterableDatasetDict, dict)):
         raise ValueError(f"GRPOTrainer: {where} is a dict of datasets; pass one split (e.g. ds['train'])")
+    if not isinstance(data, (list, datasets.Dataset, datasets.IterableDataset)):
+        raise ValueError(f"GRPOTrainer: {where} is a {type(data).__name__}; pass a datasets.Dataset, an "
+                         f"IterableDataset or a list of dicts")
+
+
+def write_dataset(data: Any, path: Path, where: str) -> str:
+    """A datasets.Dataset / IterableDataset or a list of dicts, written once as parquet (every producer reads it)."""
+    import datasets
+
+    check_dataset(data, where)
     if isinstance(data, list):
         data = datasets.Dataset.from_list(data)
     elif isinstance(data, datasets.IterableDataset):  # read through once: a stream without end needs .take(n)
         data = datasets.Dataset.from_list(list(data))
-    elif not isinstance(data, datasets.Dataset):
-        raise ValueError(f"GRPOTrainer: {where} is a {type(data).__name__}; pass a datasets.Dataset, an "
-                         f"IterableDataset or a list of dicts")
     path.parent.mkdir(parents=True, exist_ok=True)
     data.to_parquet(str(path))
     return str(path)

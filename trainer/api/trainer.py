@@ -78,6 +78,9 @@ class GRPOTrainer:
             raise ValueError(f"GRPOTrainer: {', '.join(both)} given in GRPOConfig and as a GRPOTrainer argument; give "
                              f"it once")
         self.run_dir = Path(args.resolved.output_dir).expanduser().resolve()  # relative to where the script runs
+        for data, where in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
+            if data is not None:
+                inputs.check_dataset(data, where)
         self._unwritten = {k: d for k, d in (("data", train_dataset), ("eval_data", eval_dataset)) if d is not None}
         self._values = {**given, **ours, "output_dir": str(self.run_dir)}
         if train_dataset is not None:  # the files' names, so that the whole config is checked here
