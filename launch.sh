@@ -7,6 +7,8 @@
 #                                                    placement, port and disk in seconds (no weights loaded)
 #   ./launch.sh status [--run-dir D] [--ref-url URL] [--json]                the run's status table (GET /status), or
 #                                                    how it ended (exit code, last step, final model)
+#   ./launch.sh python my_train.py [args...]         your script (a TRL script on trainer.api: docs/trl.md) with
+#                                                    this checkout's venv and code, from where you run it
 #
 # Several hosts (one command per host; each keeps its own --run-dir, no shared filesystem; docs/nodes.md):
 #   ./launch.sh ref-server --host ADDR --ref-model M [--port P] [--token-file F]     the reference model server
@@ -60,6 +62,7 @@
 # and --model/--ref_model/--data/--ds_config/--sync_dir after --) are taken from where you run this script.
 set -euo pipefail
 CALLER_DIR=$(pwd)
+USER_DIR_GIVEN=${GRPO_USER_DIR:-}
 # your own modules and files (rewards, tools: 'my_rewards:fn', 'path/to/file.py:fn') load from here, in every process
 export GRPO_USER_DIR="${GRPO_USER_DIR:-$CALLER_DIR}"  # (common/user_code.py)
 cd "$(dirname "$0")"
@@ -73,7 +76,7 @@ ORIG_ARGS=("$@")  # as typed: the resume command repeats them (resume_command be
 export GRPO_HELP_PROG="${GRPO_HELP_PROG:-$(basename "$0") $MODE --}"
 case "$MODE" in
   -h|--help) usage; exit 0 ;;
-  demo|train|check|status|ref-server|trainer-host|workers|slurm) ;;
+  demo|train|check|status|python|ref-server|trainer-host|workers|slurm) ;;
   *) echo "unknown mode '$MODE'" >&2; usage; exit 2 ;;
 esac
 
@@ -91,6 +94,11 @@ if ! "$PY" -m common.placement.cuda; then  # (a CPU build of torch is told from 
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
+if [ "$MODE" = python ]; then  # the script in the caller's folder; `import trainer.api` finds this checkout
+  cd "$CALLER_DIR"
+  [ -n "$USER_DIR_GIVEN" ] || unset GRPO_USER_DIR  # the script's own folder, as trainer/api/process.py sets it
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" "$@"
+fi
 if [ "$MODE" = status ]; then
   GRPO_CALLER_DIR="$CALLER_DIR" exec "$PY" -m ref_server.status_cli "$@"  # --run-dir is relative to the caller
 fi
