@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 
+from common import event_loop
 from trainer.rewards.environments import expand, prepare
 from trainer.rewards.state import TrainerState
 from trainer.run.child_pipe import ChildExited, JsonLineReader
@@ -54,9 +55,10 @@ def to_value(x) -> float | None:
 
 
 def awaited(out):
-    """An `async def` reward's coroutine, run to its value (TRL runs them on an event loop); anything else as is.
+    """An `async def` reward's coroutine, run to its value on the process's one persistent event loop (as TRL runs
+    them: common/event_loop.py; a client bound to the loop survives across calls); anything else as is.
     Inside the reward worker, so the call's timeout covers the wait."""
-    return asyncio.run(out) if inspect.iscoroutine(out) else out
+    return event_loop.run(out) if inspect.iscoroutine(out) else out
 
 
 def accepted_kwargs(fn, kwargs: dict) -> dict:
@@ -109,12 +111,12 @@ def _count(kwargs: dict) -> int:
 
 
 def gather_trl_fns(fns: list, idxs: list[int], kwargs: dict, state: dict | None = None) -> list[tuple[list, dict]]:
-    """The `async def` TRL-style rewards of a group, gathered on one event loop as TRL does (asyncio.gather):
+    """The `async def` TRL-style rewards of a call, gathered on the process's loop as TRL does (asyncio.gather):
     [(values, logged)] in order. The first that raised -> RewardCallError naming it."""
     async def every():
         return await asyncio.gather(*(_call_trl_async(fns[i], kwargs, state) for i in idxs), return_exceptions=True)
 
-    out = asyncio.run(every())
+    out = event_loop.run(every())
     for i, r in zip(idxs, out):
         if isinstance(r, Exception):
             raise RewardCallError(i, 0, f"{type(r).__name__}: {r}") from r
