@@ -171,3 +171,10 @@ def env_bump(completions, environments, **kwargs):
     for e in environments:
         e.value += 100
     return [float(e.value) for e in environments]
+
+
+def slow_batch(prompts, completions, **kwargs):
+    """1.3 s a call, whatever its size (reward_timeout tests)."""
+    import time
+    time.sleep(1.3)
+    return [1.0] * len(completions)

@@ -17,8 +17,9 @@ class RewardModelFn:
         self.__name__ = name  # TRL's name: config._name_or_path.split("/")[-1]
         self.client, self.timeout = client, timeout
 
-    def __call__(self, prompts: list, completions: list, **_columns) -> list[float]:
-        return self.client.reward_scores(self.__name__, prompts, completions, self.timeout)
+    def __call__(self, prompts: list, completions: list, groups: int = 1, **_columns) -> list[float]:
+        """One float per completion; a call covering `groups` groups (a round) may take reward_model_timeout each."""
+        return self.client.reward_scores(self.__name__, prompts, completions, self.timeout * groups)
 
 
 def reward_model_fns(cfg) -> dict[int, RewardModelFn]:
