@@ -76,6 +76,7 @@ def call_with_cpu_limit(fn, arguments: dict, cpu_seconds: float):
         try:  # TRL takes async tools (and get_reward) too, and runs them on one persistent loop
             return event_loop.run(out)
         except CPULimitExceeded:  # cancelled; one that never awaits keeps the loop's thread: end this process
+            resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))  # SIGXCPU repeats each second past the limit
             if not event_loop.responsive(1.0):
                 STUCK.set()
             raise
