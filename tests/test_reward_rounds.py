@@ -11,11 +11,12 @@ from test_ref_server import make_batch
 
 from common.config import GRPOConfig
 from common.modeling import eos_ids, load_model, load_tokenizer
+from common.wire.protocol import collate
 from trainer.data.loading import Example, load_examples
 from trainer.engines.hf import HFEngine
 from trainer.rewards.scoring import Group, RewardScorer
 from trainer.rollout import generate_batches
-from trainer.run.step_metrics import batch_metrics, reward_stats, scored_rewards
+from trainer.run.step_metrics import batch_metrics, reward_logged_metrics, reward_stats, scored_rewards
 
 CALLS: list[int] = []  # completions per call of `by_prompt`
 SPREAD = {"on": False}
@@ -46,9 +47,13 @@ def test_one_call_per_round_and_log_metric_of_every_round(tiny_model_dir):
     assert CALLS == [8, 8]  # both groups of a round in one call (per group: [4, 4, 4, 4])
     assert nothing == [] and len(trained) == 1 and st.skipped_no_spread == 1
     # the first round's log_metric waited for a batch to carry it; the second's came with it
-    assert trained[0].extra["reward_metrics"] == {"calls": [1.0, 2.0]}
+    [entry] = trained[0].extra["round_metrics"]
+    assert entry["metrics"] == {"calls": [1.0, 2.0]}
     assert trained[0].extra["logged"] == {"call_size": [8] * 4}  # log_extra split into the call's groups
     assert scorer.pending_metrics == {}
+    # a round's batches all carry its values under its id: a step counts them once (after collate too)
+    twice = collate([trained[0], trained[0]])
+    assert reward_logged_metrics([twice], {}) == {"calls": 1.5}
 
 
 def test_reward_timeout_is_per_group_of_the_call():

@@ -228,6 +228,10 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     if pending is not None and scored is not None:
         for name, values in scored.metrics.items():
             pending.setdefault(name, []).extend(values)
+    # what log_metric logged in this round (and earlier ones that trained nothing), taken once a batch carries it;
+    # every batch of the round carries it, under the round's id (counted once a step: reward_logged_metrics)
+    logged_metrics: dict | None = None
+    round_id = uuid.uuid4().hex
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]  # NaN: unscorable (all None)
     penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,
                                   cfg.overlong_buffer, cfg.overlong_penalty) for group in groups]
@@ -253,11 +257,11 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             stats.skipped_no_spread += 1  # zero advantages: only the KL term would train (train_zero_spread)
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
+        if logged_metrics is None:
+            logged_metrics = scorer.take_metrics() if pending is not None else dict(scored.metrics)
         extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],
                  "logged": sc.logged,  # TRL's log_extra
-                 # TRL's log_metric: what this round's calls (and earlier rounds that trained nothing) logged, on
-                 # the round's first batch (trainer/run/step_metrics.reward_logged_metrics)
-                 "reward_metrics": scorer.take_metrics() if pending is not None else {},
+                 "round_metrics": [{"round": round_id, "metrics": logged_metrics}],  # TRL's log_metric
                  # what the ref server needs: the T of the logprobs, and whether to run the reference at all
                  "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
         if cfg.overlong_buffer > 0:

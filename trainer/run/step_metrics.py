@@ -110,21 +110,23 @@ def memory_row(rank: int, world: int) -> dict:
 
 
 def reward_logged_metrics(batches: list[ScoredBatch], taken: dict) -> dict:
-    """What reward functions logged with TRL's log_metric(name, value) for the trained batches: each name's mean
-    over every value every rank's batches carry (an object collective: every rank calls it). Named as logged; a
-    name one of our own metrics has (`taken`) keeps ours."""
-    mine: dict[str, list[float]] = {}
+    """What reward functions logged with TRL's log_metric(name, value) in the generation rounds the step's batches
+    came from (every rank's; a round counted once, however many of its batches there are; a round that trained
+    nothing is in the next one's): each name's mean over those values (an object collective: every rank calls it).
+    Named as logged; a name one of our own metrics has (`taken`) keeps ours."""
+    mine: dict[str, dict] = {}
     for b in batches:
-        for name, values in (b.extra.get("reward_metrics") or {}).items():
-            mine.setdefault(name, []).extend(float(v) for v in values)
+        for entry in b.extra.get("round_metrics") or []:
+            mine[entry["round"]] = entry["metrics"]
     parts: list = [mine]
     if torch.distributed.is_initialized():
         parts = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(parts, mine)
+    rounds = {rid: m for part in parts for rid, m in part.items()}
     merged: dict[str, list[float]] = {}
-    for part in parts:
-        for name, values in part.items():
-            merged.setdefault(name, []).extend(values)
+    for m in rounds.values():
+        for name, values in m.items():
+            merged.setdefault(name, []).extend(float(v) for v in values)
     return {name: sum(vs) / len(vs) for name, vs in merged.items() if vs and name not in taken}
 
 
