@@ -209,9 +209,11 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, Start
     prompt_template: str | None = knob(None, "Build the prompt from the row's columns with str.format, e.g. "
                                              "'Using {nums}, make {target}.' (Countdown has no prompt column).")
     reward_weights: list = knob([], "One weight per reward function (default: all 1.0).")
-    reward_timeout: float = knob(10.0, "Seconds one reward call may take; past it the call counts as not "
-                                       "applicable (None) and reward_timeouts is counted. Rewards run in a "
-                                       "worker process killed on timeout. 0 = in-process, no timeout.")
+    reward_timeout: float = knob(10.0, "Seconds one reward function may take on one group (a call covering a "
+                                       "round's groups gets this per group; ours-signature: per completion); "
+                                       "past it the call counts as not applicable (None) and reward_timeouts is "
+                                       "counted. Rewards run in a worker process killed on timeout. 0 = "
+                                       "in-process, no timeout.")
     # --- generation engine (vLLM) and train/inference mismatch ------------------------
     gen_backend: str = knob("hf", "Generation engine of genonly workers and trainer.evaluate: hf "
                                   "(transformers generate), vllm, or auto: on CPU the one measured cheaper at the "

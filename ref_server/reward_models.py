@@ -7,11 +7,14 @@ producer: ranks, HF and vLLM workers and eval post `POST /reward` (app.py) inste
 As TRL scores them (grpo_trainer.py, _calculate_rewards): loaded with AutoModelForSequenceClassification,
 num_labels=1; the tokenizer is reward_processing_classes' entry or the model's own, pad = eos when it has none, and
 the model's pad_token_id set to it (the score is read at the last non-pad token). A conversational prompt (a message
-list) is rendered with the reward tokenizer's chat template over prompt + completion messages (tokenize=False, no
-generation prompt); a text prompt is prompt + completion. Right padding, no special tokens added, no truncation;
-the reward is logits[:, 0]. Unlike TRL, rows are sorted by length and scored in forwards of at most `token_budget`
-padded tokens (on CPU also at most 10 % of them padding; a row's score does not depend on its neighbours: right
-padding, attention mask), in the ref server's dtype (bf16 on CUDA: docs/trl.md).
+list) is rendered by TRL's own `apply_chat_template({"messages": prompt + completion}, tokenizer,
+**chat_template_kwargs)` (the reward tokenizer's chat template, tokenize=False, no generation prompt; the run's
+chat_template_kwargs come with the request); a text prompt is prompt + completion. The producer sends each prompt
+as the policy saw it (trainer/rewards/models.py: a `chat` run's text prompt as its system + user messages). Right
+padding, no special tokens added, no truncation; the reward is logits[:, 0]. Unlike TRL, rows are sorted by length
+and scored in forwards of at most `token_budget` padded tokens (on CPU also at most 10 % of them padding; a row's
+score does not depend on its neighbours: right padding, attention mask), in the ref server's dtype (bf16 on CUDA:
+docs/trl.md).
 """
 from __future__ import annotations
 
@@ -70,17 +73,20 @@ class RewardModels:
         return list(self.models)
 
     @staticmethod
-    def render(tok, prompt, completion) -> str:
-        """The text TRL scores: the chat template over prompt + completion messages, or prompt + completion."""
+    def render(tok, prompt, completion, template_kwargs: dict | None = None) -> str:
+        """The text TRL scores: the chat template over prompt + completion messages (TRL's apply_chat_template, imported
+        here, lazily: ~1 s once), or prompt + completion."""
         if isinstance(prompt, list):
+            from trl.data_utils import apply_chat_template
+
             turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-            return tok.apply_chat_template(list(prompt) + list(turns), tokenize=False)
+            return apply_chat_template({"messages": list(prompt) + list(turns)}, tok, **(template_kwargs or {}))["text"]
         return str(prompt) + (completion if isinstance(completion, str) else "".join(
             str(t.get("content") or "") for t in completion))
 
-    def score(self, name: str, prompts: list, completions: list) -> list[float]:
+    def score(self, name: str, prompts: list, completions: list, template_kwargs: dict | None = None) -> list[float]:
         model, tok = self.models[name]
-        texts = [self.render(tok, p, c) for p, c in zip(prompts, completions, strict=True)]
+        texts = [self.render(tok, p, c, template_kwargs) for p, c in zip(prompts, completions, strict=True)]
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
         order = sorted(range(len(ids)), key=lambda k: len(ids[k]))
         out = [0.0] * len(ids)
@@ -113,9 +119,9 @@ class RewardModels:
         return out
 
 
-def parse_request(raw: bytes, names: list[str]) -> tuple[str, list, list]:
-    """POST /reward's JSON body {"model": name, "prompts": [...], "completions": [...]} -> its parts; ValueError
-    (a 400) for anything else."""
+def parse_request(raw: bytes, names: list[str]) -> tuple[str, list, list, dict]:
+    """POST /reward's JSON body {"model": name, "prompts": [...], "completions": [...], "chat_template_kwargs": {}
+    (optional)} -> its parts; ValueError (a 400) for anything else."""
     import json
 
     try:
@@ -125,6 +131,9 @@ def parse_request(raw: bytes, names: list[str]) -> tuple[str, list, list]:
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
     name, prompts, completions = body.get("model"), body.get("prompts"), body.get("completions")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be a JSON object")
     if name not in names:
         raise ValueError(f"no reward model {name!r} here (this server holds: {', '.join(names) or 'none'})")
     if not isinstance(prompts, list) or not isinstance(completions, list) or len(prompts) != len(completions):
@@ -134,7 +143,7 @@ def parse_request(raw: bytes, names: list[str]) -> tuple[str, list, list]:
             raise ValueError("each prompt and completion must be a string or a list of messages")
         if isinstance(p, list) and not all(isinstance(m, dict) for m in p):
             raise ValueError("a conversational prompt must be a list of message objects")
-    return name, prompts, completions
+    return name, prompts, completions, kwargs
 
 
 def add_routes(app, models: RewardModels, require_token, error, to_json, max_body_bytes: int) -> None:
@@ -149,12 +158,13 @@ def add_routes(app, models: RewardModels, require_token, error, to_json, max_bod
         if length > max_body_bytes:
             raise error(413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes")
         try:
-            name, prompts, completions = parse_request(bottle.request.body.read(max_body_bytes + 1), models.names())
+            name, prompts, completions, kwargs = parse_request(bottle.request.body.read(max_body_bytes + 1),
+                                                               models.names())
         except ValueError as e:
             raise error(400, f"invalid reward request: {e}") from None
         t0 = time.time()
         try:
-            rewards = models.score(name, prompts, completions)
+            rewards = models.score(name, prompts, completions, kwargs)
         except Exception as e:  # noqa: BLE001 - a model (or its chat template) failing: said, naming it
             log.error("reward model %s failed: %s: %s", name, type(e).__name__, e)
             raise error(500, f"reward model {name!r} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"

@@ -44,6 +44,9 @@ def test_cpu_group_reduces_in_place_on_cpu(group):
     assert comm.comm_device() == torch.device("cpu")
     row = reduce_metrics({"a": 2.0, "b": 3.0, "c": 5.0}, ["a"], ["b"], ["c"])
     assert row == {"a": 2.0, "b": 3.0, "c": 5.0}
+    # a reward metric no rank has (a function None on every completion): absent, not 0 (TRL's nanmean)
+    assert reduce_metrics({"loss": 1.0, "reward/f": 0.5}, ["loss", "reward/f", "reward/never"], [], []) == \
+        {"loss": 1.0, "reward/f": 0.5}
     assert dapo_scales([torch.ones(2, 3, dtype=torch.bool)]) == [1.0]
     assert comm.all_reduce_int(7) == 7
 

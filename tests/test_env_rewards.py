@@ -116,6 +116,19 @@ def test_batch_std_leaves_unscorable_out():
         torch.testing.assert_close(got.double(), torch.tensor(w, dtype=torch.float64), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("timeout", [0, 5])  # in this process, and in the reward worker process
+def test_async_rewards_keep_their_loop_bound_clients_across_calls(timeout):
+    """TRL runs async rewards on one persistent loop: a reward holding a loop-bound object (an AsyncOpenAI /
+    httpx.AsyncClient in a judge; an asyncio.Queue here) works on its second call, not only its first."""
+    s = RewardScorer(["trl_rewards:queued_len", "trl_rewards:queued_ours"], timeout=timeout)
+    try:
+        for k in range(3):  # a new loop per call failed here on the second: "bound to a different event loop"
+            sc = s.score_group(Example(prompt="p", ground_truth="1"), ["ab", "abc" * (k + 1)])
+            assert sc.components == {"queued_len": [2.0, 3.0 * (k + 1)], "queued_ours": [2.0, 3.0 * (k + 1)]}
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("timeout", [0, 5])
 def test_async_rewards_are_gathered_and_one_that_raises_is_named(timeout):
     """TRL runs the async rewards of a batch concurrently (asyncio.gather): each sees the other running."""

@@ -36,7 +36,10 @@ def build_rm(folder, labels: int = 1, arch: str = "Qwen2ForSequenceClassificatio
     return folder
 
 
-def trl_score(folder, prompt, completion) -> float:
+FLAG_TEMPLATE = "{%- if thinking is defined and not thinking %}NO-THINK {% endif %}"  # reacts to a template kwarg
+
+
+def trl_score(folder, prompt, completion, **template_kwargs) -> float:
     """TRL 1.16's reward-model score of one completion (fp32 on CPU, transformers only)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -46,7 +49,8 @@ def trl_score(folder, prompt, completion) -> float:
         tok.pad_token = tok.eos_token
     model.config.pad_token_id = tok.pad_token_id
     if isinstance(prompt, list):
-        text = tok.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+        text = tok.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False,
+                                       **template_kwargs)
     else:
         text = prompt + completion
     x = tok(text=[text], return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
@@ -56,7 +60,14 @@ def trl_score(folder, prompt, completion) -> float:
 
 @pytest.fixture(scope="module")
 def rm(tmp_path_factory):
-    return build_rm(tmp_path_factory.mktemp("rm") / "tiny-rm")
+    """Its chat template says NO-THINK first under chat_template_kwargs {"thinking": false} (Qwen3's pattern)."""
+    from transformers import AutoTokenizer
+
+    folder = build_rm(tmp_path_factory.mktemp("rm") / "tiny-rm")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = FLAG_TEMPLATE + tok.chat_template
+    tok.save_pretrained(folder)
+    return folder
 
 
 def test_which_entries_are_models(rm, tmp_path, monkeypatch):
@@ -101,6 +112,26 @@ def test_server_scores_as_trl(rm):
     assert text == pytest.approx([trl_score(rm, p, c) for p, c in zip(["2 + 3 = ", "Colour: "], COMPLETIONS)],
                                  abs=1e-4)
     assert got[0] != got[1]
+    flagged = models.score("tiny-rm", PROMPTS, COMPLETIONS, {"thinking": False})  # the run's chat_template_kwargs
+    assert flagged == pytest.approx([trl_score(rm, p, c, thinking=False) for p, c in zip(PROMPTS, COMPLETIONS)],
+                                    abs=1e-4) and flagged != pytest.approx(got, abs=1e-4)
+
+
+def test_a_prompt_goes_to_the_reward_model_as_the_policy_saw_it():
+    """TRL scores the prompt the policy was given: under our `chat` format (the default for text prompts) that is
+    the system + user turns through a chat template, so the reward model gets those messages, not the bare text."""
+    from common.prompts import SYSTEM_PROMPT
+    from trainer.data.prompt_formats import R1ZERO_TEMPLATE, prompt_as_seen
+
+    q, conv = "What is 2 + 3?", PROMPTS[0]
+    assert prompt_as_seen(q, "default", "auto") == [{"role": "system", "content": SYSTEM_PROMPT},
+                                                    {"role": "user", "content": q}]
+    assert prompt_as_seen(q, "Be brief.", "chat")[0] == {"role": "system", "content": "Be brief."}
+    assert prompt_as_seen(q, "none", "chat") == [{"role": "user", "content": q}]
+    assert prompt_as_seen(conv, "default", "auto") == conv  # messages: no system prompt added by default
+    assert prompt_as_seen(conv, "Be brief.", "messages") == [{"role": "system", "content": "Be brief."}, *conv]
+    assert prompt_as_seen(q, "default", "trl") == q and prompt_as_seen(conv, "default", "trl") == conv  # TRL's own
+    assert prompt_as_seen(q, "", "r1zero") == R1ZERO_TEMPLATE.format(prompt="What is 2 + 3?")
 
 
 def test_reward_route_authenticated_and_named_failures(rm, tiny_model_dir):
@@ -114,6 +145,14 @@ def test_reward_route_authenticated_and_named_failures(rm, tiny_model_dir):
         client = RefClient(srv.url, token="s3cret", timeout=30)
         got = client.reward_scores("tiny-rm", PROMPTS, COMPLETIONS, timeout=30)
         assert got == pytest.approx([trl_score(rm, p, c) for p, c in zip(PROMPTS, COMPLETIONS)], abs=1e-4)
+        # a producer's reward model function: a text prompt of a `chat` run as the policy saw it, with the run's
+        # chat_template_kwargs (today: "2 + 3 = " + completion as plain text, no kwargs)
+        from common.prompts import SYSTEM_PROMPT
+        from trainer.rewards.models import RewardModelFn
+        fn = RewardModelFn("tiny-rm", client, 30, "default", "auto", {"thinking": False})
+        seen = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "2 + 3 = "}]
+        assert fn(prompts=["2 + 3 = "], completions=COMPLETIONS[:1]) == pytest.approx(
+            [trl_score(rm, seen, COMPLETIONS[0], thinking=False)], abs=1e-4)
         with pytest.raises(RefServerError, match="401"):
             RefClient(srv.url, token="wrong", timeout=5).reward_scores("tiny-rm", PROMPTS, COMPLETIONS, timeout=5)
         with pytest.raises(RefServerError, match="no reward model 'other'"):

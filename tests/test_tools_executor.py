@@ -16,7 +16,8 @@ from trainer.tools.schemas import load_tools
 
 HERE = Path(__file__).resolve().parent
 MOD = "tools_user_ex"  # a name no other test module uses (sys.modules caches it per process)
-FNS = ["shout", "multiply", "sleepy", "spin", "crash", "die", "chatty", "allocate", "write_file", "list_folder"]
+FNS = ["shout", "echo_later", "multiply", "sleepy", "spin", "crash", "die", "chatty", "allocate", "write_file",
+       "list_folder"]
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,36 @@ def test_rlimit_cpu_stops_a_call_and_is_lifted_after_it():
 
 def test_an_async_tool_runs(box):
     assert run1(box, "shout", text="hi").content == "HI"
+
+
+def test_async_tools_share_one_event_loop_across_calls(box):
+    """TRL runs async tools on one persistent loop: a tool keeping a loop-bound object (a client, a queue) across
+    calls works on its second call (asyncio.run per call: "bound to a different event loop")."""
+    pid = box.executor.proc.pid
+    assert [run1(box, "echo_later", text=t).content for t in ("a", "b", "c")] == ["a", "b", "c"]
+    assert box.executor.proc.pid == pid  # one process, one loop
+
+
+STUCK_PROBE = """
+import asyncio, signal
+from trainer.tools.executor_worker import STUCK, CPULimitExceeded, _on_sigxcpu, call_with_cpu_limit
+from tools_user_code import spin_async
+signal.signal(signal.SIGXCPU, _on_sigxcpu)
+try:
+    call_with_cpu_limit(spin_async, {}, 0.5)
+except CPULimitExceeded:
+    print("limited, stuck", STUCK.is_set())
+"""
+
+
+def test_an_async_call_past_its_cpu_limit_that_holds_the_loop_ends_the_process():
+    """An `async def` that never awaits cannot be cancelled on the persistent loop: the worker says so (STUCK) and
+    exits after answering, so the next call gets a fresh process and loop."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", STUCK_PROBE], capture_output=True, text=True, timeout=60,
+                       cwd=HERE, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])})
+    assert r.stdout.strip() == "limited, stuck True", r.stdout + r.stderr
 
 
 def test_get_reward_scores_each_episode_from_its_environment(box):

@@ -27,6 +27,50 @@ def digits(completion: str, ground_truth: str) -> float:
 '''
 
 
+JUDGE_FILE = '''
+"""An LLM judge's shape: a module-level httpx.AsyncClient, bound to the event loop of its first request, asking a
+local endpoint (a thread of this process) for a score."""
+import asyncio
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+
+class Endpoint(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: the client's pool keeps the connection, bound to its loop
+
+    def do_POST(self):
+        text = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+        body = str(min(len(text), 10) / 10).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class Server(ThreadingHTTPServer):
+    request_queue_size = 256  # a call's requests arrive at once (gathered); the default backlog of 5 resets some
+    daemon_threads = True
+
+
+SERVER = Server(("127.0.0.1", 0), Endpoint)
+threading.Thread(target=SERVER.serve_forever, daemon=True).start()
+CLIENT = httpx.AsyncClient(base_url=f"http://127.0.0.1:{SERVER.server_port}")
+CALLS = [0]
+
+
+async def judge(prompts, completions, log_metric, **kwargs):
+    CALLS[0] += 1
+    log_metric("judge_calls", float(CALLS[0]))  # this process's calls so far: a second one worked
+    answers = await asyncio.gather(*(CLIENT.post("/score", content=c.encode()) for c in completions))
+    return [float(a.text) for a in answers]
+'''
+
+
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
     """A user's folder outside the checkout: a module, a file in a subfolder with a neighbour it imports."""
@@ -39,6 +83,7 @@ def user_dir(tmp_path, monkeypatch):
     (tmp_path / "lib" / "helper_mod.py").write_text("DIGITS = '0123456789'\n")
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom at import')\n")
     (tmp_path / "json.py").write_text("SHADOW = True\n")  # must not shadow the standard library
+    (tmp_path / "judge.py").write_text(JUDGE_FILE)
     monkeypatch.setenv(USER_DIR_ENV, str(tmp_path))
     monkeypatch.chdir(REPO)  # as launch.sh does: the process runs in the checkout, not in the user's folder
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -76,7 +121,7 @@ def test_errors_are_one_line_and_name_the_problem(user_dir, spec, msg):
 
 
 TRL_CONFIG = {  # TRL GRPOConfig names (issue 31's done-when: a TRL-named config)
-    "num_generations": 8, "max_completion_length": 8, "learning_rate": 1e-4, "max_steps": 2, "temperature": 1.0,
+    "num_generations": 8, "max_completion_length": 8, "learning_rate": 1e-4, "max_steps": 3, "temperature": 1.0,
     "gradient_accumulation_steps": 1, "lr_scheduler_type": "linear", "log_completions": True,
     "num_completions_to_print": 2, "report_to": "tensorboard", "eval_steps": 2, "seed": 1, "logging_steps": 1,
     "bf16": False, "save_steps": 100}
@@ -96,7 +141,11 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     starts from it: issue 40's done-when, that a text prompt reaches the model as TRL sends it (no chat template,
     no system prompt: completions.jsonl's `prompt` is the user's text exactly), is checked on the same run. And
     issue 60's: the trained reward never spreads (reward_weights put all the weight on `flat`, always 1.0): TRL
-    trains every group, and so does trl_defaults.json (train_zero_spread true): both steps train, nothing skipped."""
+    trains every group, and so does trl_defaults.json (train_zero_spread true): every step trains, nothing skipped.
+
+    Issue 60's other done-when on the same run: an async judge keeping a module-level httpx.AsyncClient (bound to the
+    loop of its first request) across calls scores every row of `check` and trains 3 steps with the worker: one
+    persistent event loop per process, as TRL runs async rewards (a loop per call failed on the second)."""
     prompts = [f"Write the number {n} in digits." for n in range(20)]
     (user_dir / "train.json").write_text(json.dumps([{"prompt": p} for p in prompts]))
     (user_dir / "eval.json").write_text(json.dumps([{"prompt": f"Count to {n}."} for n in range(4)]))
@@ -106,8 +155,9 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     for k in ("PYTHONPATH", USER_DIR_ENV):
         env.pop(k, None)
     args = ["--model", "tiny", "--data", "train.json", "--eval_data", "eval.json",
-            "--Q_batch_size", "2", "--reward_fns", "my_rewards:short,lib/extra_rewards.py:digits,my_rewards:flat",
-            "--reward_weights", "[0,0,1]", "--reward_timeout", "5", "--get_wait", "240", "--eval_limit", "4",
+            "--Q_batch_size", "2", "--reward_fns",
+            "my_rewards:short,lib/extra_rewards.py:digits,judge.py:judge,my_rewards:flat",
+            "--reward_weights", "[0,0,0,1]", "--reward_timeout", "5", "--get_wait", "240", "--eval_limit", "4",
             "--eval_max_new_tokens", "8"]
     launch = ["bash", str(REPO / "launch.sh")]
     check = run_process_group([*launch, "check", "--config", "trl_config.json", "--port", str(find_free_port()), "--",
@@ -120,20 +170,23 @@ def test_your_own_folder_end_to_end_with_no_pythonpath(user_dir, tmp_path):
     logs = {n: (run_dir / n).read_text() for n in ("trainer.log", "worker0.log") if (run_dir / n).is_file()}
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-2000:] for v in logs.values())
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["num_pre_Q"] == 8 and cfg["all_steps"] == 2 and cfg["lr_schedule"] == "linear", cfg
+    assert cfg["num_pre_Q"] == 8 and cfg["all_steps"] == 3 and cfg["lr_schedule"] == "linear", cfg
     assert cfg["prompt_format"] == "trl" and cfg["use_bias_correction_kl"] is True, cfg  # trl_defaults.json's
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["batches_from_ranks"] == 0 and r["batches_from_workers"] == 2, r  # 2 ranks x 1 batch, all worker's
-        assert "reward/short" in r and "reward/digits" in r
+        assert "reward/short" in r and "reward/digits" in r and "reward/judge" in r
         assert r["skipped_groups"] == 0 and r["reward_std"] == 0.0, r  # no spread, trained all the same (as TRL)
+    # the worker's reward process called the judge once per round (both groups at once), every call on one loop
+    assert max(r.get("judge_calls", 0) for r in rows) >= 3, rows
     assert "Traceback" not in "".join(logs.values())
-    # log_completions: every trained completion (2 steps x 2 ranks x 8), the worker's, scored by the user's rewards
+    # log_completions: every trained completion (3 steps x 2 ranks x 8), the worker's, scored by the user's rewards
     done = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in done] == [1] * 16 + [2] * 16
-    assert all(set(r["rewards"]) == {"short", "digits", "flat"} and r["producer"].startswith("worker")
+    assert [r["step"] for r in done] == [1] * 16 + [2] * 16 + [3] * 16
+    assert all(set(r["rewards"]) == {"short", "digits", "judge", "flat"} and r["producer"].startswith("worker")
                for r in done), done[0]
+    assert all(r["rewards"]["judge"] is not None for r in done)  # scored, not timed out
     assert {r["advantage"] for r in done} == {0.0} and {r["reward"] for r in done} == {1.0}
     assert all(r["prompt"] in prompts for r in done), done[0]["prompt"]  # the user's text, exactly (TRL's)
     assert "completions trained at step 2 (2 of 16" in logs["trainer.log"]

@@ -125,6 +125,28 @@ async def shout(text: str) -> str:
     return text.upper()
 
 
+_QUEUE = None  # made at the first call, bound to the loop that call ran on: a second loop cannot use it
+
+
+async def echo_later(text: str) -> str:
+    """Say it back a moment later, through a queue kept across calls (a loop-bound client, as a judge keeps one).
+
+    Args:
+        text: What to say.
+    """
+    import asyncio
+    global _QUEUE
+    _QUEUE = _QUEUE or asyncio.Queue()
+    asyncio.get_running_loop().call_later(0.01, _QUEUE.put_nowait, text)
+    return await _QUEUE.get()  # waits: binds the queue to the running loop
+
+
+async def spin_async() -> str:
+    """Never awaits: only ending its process stops it."""
+    while True:
+        pass
+
+
 class Plain:
     """An environment without get_reward."""
 

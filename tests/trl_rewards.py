@@ -80,6 +80,27 @@ async def async_len(prompts, completions, **kwargs):
     return [float(len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
 
 
+_QUEUE = None  # made at the first call, bound to its event loop (as a judge's AsyncOpenAI client is)
+
+
+async def _through_queue(value):
+    import asyncio
+    global _QUEUE
+    _QUEUE = _QUEUE or asyncio.Queue()
+    asyncio.get_running_loop().call_later(0.001, _QUEUE.put_nowait, value)
+    return await _QUEUE.get()  # waits: binds the queue to the running loop; another loop cannot use it
+
+
+async def queued_len(prompts, completions, **kwargs):
+    """An async TRL-style reward keeping a loop-bound object across calls: each completion's length."""
+    return [float(await _through_queue(len(c))) for c in completions]
+
+
+async def queued_ours(completion, ground_truth):
+    """The same in our signature, one completion a call."""
+    return float(await _through_queue(len(completion)))
+
+
 def curriculum(prompts, completions, trainer_state, **kwargs):
     """TRL's curriculum pattern: reads trainer_state.global_step (and max_steps, epoch); logs as TRL rewards do."""
     kwargs["log_extra"]("state", [f"{trainer_state.global_step}/{trainer_state.max_steps}"] * len(completions))
@@ -150,3 +171,10 @@ def env_bump(completions, environments, **kwargs):
     for e in environments:
         e.value += 100
     return [float(e.value) for e in environments]
+
+
+def slow_batch(prompts, completions, **kwargs):
+    """1.3 s a call, whatever its size (reward_timeout tests)."""
+    import time
+    time.sleep(1.3)
+    return [1.0] * len(completions)

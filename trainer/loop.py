@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ from trainer.run.step_metrics import (
     model_summary,
     reduce_metrics,
     reward_logged_metrics,
+    reward_stats,
+    scored_rewards,
 )
 from trainer.runtime import make_client, setup_logging
 from trainer.tools import ToolBox
@@ -76,10 +79,12 @@ def round_info(infos: list[dict]) -> dict:
 
 
 def round_metrics(batches: list) -> dict:
-    """Reward metrics of the batches this step trained on, averaged over them."""
+    """Reward metrics of the batches this step trained on, averaged over them; reward_mean / reward_std over their
+    scored completions together (TRL's nanmean / nanstd over the batch)."""
     rows = [batch_metrics(b) for b in batches]
-    keys = set().union(*rows)
-    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+    keys = set().union(*rows) - {"reward_mean", "reward_std"}
+    out = {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+    return {**out, **reward_stats([v for b in batches for v in scored_rewards(b)])}
 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scorer=None, toolbox=None) -> dict:
@@ -292,7 +297,8 @@ def _train(cfg: GRPOConfig, started: list) -> None:
             row["example_indices"] = trained  # per rank: the examples trained this step (exact-resume check)
             metrics.log(step, row)
             tools = {"tools": f"{row['tools/calls_per_completion']:.2f}"} if toolbox is not None else {}
-            bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
+            bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row.get('reward_mean', math.nan):.3f}",
+                            kl=f"{row['kl']:.4f}",
                             **tools)  # tools: tool calls per completion
         bar.update(1)
         if cfg.save_strategy == "steps" and (step % cfg.save_steps == 0 or step == cfg.all_steps or stopping):

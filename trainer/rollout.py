@@ -23,6 +23,7 @@ from trainer.data.prompt_formats import resolve_format
 from trainer.dist.comm import all_reduce, all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
+from trainer.rewards.scoring import Group
 from trainer.tools.loop import messages_extra, stats_extra, tool_rollouts
 
 
@@ -219,13 +220,21 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     seen = started_prompts([ex for ex, _ in kept for _ in range(q)], tool_stats)
     # TRL's trainer_state: the policy version that sampled these rollouts, the run's length, the passes over the data
     scorer.set_state(policy_version, cfg.all_steps, epoch)
-    scores = [scorer.score_group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in group],
-                                 [s.completion_ids.tolist() for s in group],
-                                 messages[g * q:(g + 1) * q] if messages is not None else None,
-                                 env_rewards[g * q:(g + 1) * q] if env_rewards is not None else None,
-                                 envs[g * q:(g + 1) * q] if envs is not None else None,
-                                 seen[g * q:(g + 1) * q] if seen is not None else None)
-              for g, ((ex, _), group) in enumerate(zip(kept, groups))]
+    cut = lambda xs, g: xs[g * q:(g + 1) * q] if xs is not None else None  # noqa: E731 - group g's share
+    # one call of each reward function for the round's groups, as TRL calls them once per generation batch
+    scored = scorer.score_round([Group(ex, [tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+                                            for s in group], [s.completion_ids.tolist() for s in group],
+                                       cut(messages, g), cut(env_rewards, g), cut(envs, g), cut(seen, g))
+                                 for g, ((ex, _), group) in enumerate(zip(kept, groups))]) if kept else None
+    scores = scored.groups if scored is not None else []
+    pending = getattr(scorer, "pending_metrics", None)  # TRL's _pending_metrics: until a batch carries them
+    if pending is not None and scored is not None:
+        for name, values in scored.metrics.items():
+            pending.setdefault(name, []).extend(values)
+    # what log_metric logged in this round (and earlier ones that trained nothing), taken once a batch carries it;
+    # every batch of the round carries it, under the round's id (counted once a step: reward_logged_metrics)
+    logged_metrics: dict | None = None
+    round_id = uuid.uuid4().hex
     all_rewards = [torch.tensor(sc.rewards, dtype=torch.float32) for sc in scores]  # NaN: unscorable (all None)
     penalties = [overlong_penalty(torch.tensor([len(s.completion_ids) for s in group]), cfg.max_new_tokens,
                                   cfg.overlong_buffer, cfg.overlong_penalty) for group in groups]
@@ -254,8 +263,11 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
                                               {k: v[0] for k, v in sc.components.items()}))
             continue
         ids, plens, clens = pack_rows(rows, tokenizer.pad_token_id)
+        if logged_metrics is None:
+            logged_metrics = scorer.take_metrics() if pending is not None else dict(scored.metrics)
         extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],
-                 "logged": sc.logged, "reward_metrics": sc.metrics,  # TRL's log_extra / log_metric
+                 "logged": sc.logged,  # TRL's log_extra
+                 "round_metrics": [{"round": round_id, "metrics": logged_metrics}],  # TRL's log_metric
                  # what the ref server needs: the T of the logprobs, and whether to run the reference at all
                  "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
         if cfg.overlong_buffer > 0:

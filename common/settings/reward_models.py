@@ -86,8 +86,9 @@ class RewardModels:
     reward_processing_classes: list | None = knob(None, "TRL name: one tokenizer per reward_fns entry (a path or hub "
                                                         "id, or null = the reward model's own), used by reward "
                                                         "models only (docs/reward_models.md).")
-    reward_model_timeout: float = knob(120.0, "Seconds one batch of completions may take to be scored by the reward "
-                                              "models in the ref server; past it the run stops, naming the model.")
+    reward_model_timeout: float = knob(120.0, "Seconds one group of completions may take to be scored by a reward "
+                                              "model in the ref server (a round's request gets this per group); "
+                                              "past it the run stops, naming the model.")
 
     def reward_models(self) -> list[dict]:
         """[{index, spec, path, name, tokenizer}] for the reward_fns entries that are reward models, in order."""

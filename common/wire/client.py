@@ -199,12 +199,17 @@ class RefClient:
             if time.monotonic() >= deadline:
                 return None
 
-    def reward_scores(self, model: str, prompts: list, completions: list, timeout: float) -> list[float]:
+    def reward_scores(self, model: str, prompts: list, completions: list, timeout: float,
+                      chat_template_kwargs: dict | None = None) -> list[float]:
         """The reward model `model` held by the server (ref_server/reward_models.py) scores these completions;
-        `timeout`: seconds the scoring may take (a batch of a whole group, beyond the usual request timeout)."""
+        `timeout`: seconds the scoring may take (a round's groups, beyond the usual request timeout);
+        chat_template_kwargs: the run's, for the reward tokenizer's chat template (TRL's)."""
+        body = {"model": model, "prompts": prompts, "completions": completions}
+        if chat_template_kwargs:
+            body["chat_template_kwargs"] = chat_template_kwargs
         # no retry: past `timeout` the model is too slow (or stuck), which the run must hear about, not wait out
         _, r = self._request("POST", self._rotation("_rr_upload"), "/reward", retry=False, read_timeout=timeout,
-                             json={"model": model, "prompts": prompts, "completions": completions})
+                             json=body)
         return [float(v) for v in r.json()["rewards"]]
 
     # -- policy weights (ref_server/weights.py): rank 0 publishes, workers follow -------------

@@ -127,6 +127,23 @@ def build_prompt(tokenizer, prompt, system_prompt: str | None = SYSTEM_PROMPT, p
     return _render(tokenizer, messages, tools, kw)
 
 
+def prompt_as_seen(prompt, system_prompt: str | None, prompt_format: str):
+    """The prompt as the policy saw it, in TRL's terms (what a reward model scores it with): the messages, system
+    prompt included, where build_prompt sent it through the chat template (chat, messages), the text where it did
+    not (trl's text prompts, raw, r1zero's template). system_prompt as the config says it ('default': the R1-style
+    prompt for chat, none for messages; encode_prompts' rule)."""
+    fmt = resolve_format(prompt_format, prompt)
+    system = (SYSTEM_PROMPT if fmt == "chat" else None) if system_prompt == "default" else system_prompt
+    added = [{"role": "system", "content": system}] if system and system != "none" else []
+    if fmt == "chat":
+        return added + [{"role": "user", "content": prompt}]
+    if fmt == "messages":
+        return added + list(prompt) if not (added and prompt and prompt[0].get("role") == "system") else list(prompt)
+    if fmt == "r1zero":
+        return R1ZERO_TEMPLATE.format(prompt=prompt.strip().rstrip("."))
+    return prompt  # trl (a text as it is, a conversation as it is), raw
+
+
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None, kw: dict) -> str:
     # tools=None, never []: some templates (Llama) render their tool boilerplate for an empty list (TRL's note)
     return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,

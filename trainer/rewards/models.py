@@ -11,14 +11,25 @@ log = logging.getLogger("trainer")
 
 
 class RewardModelFn:
-    """One reward model, called as TRL calls reward functions (by keyword; the other columns are ignored)."""
+    """One reward model, called as TRL calls reward functions (by keyword; the other columns are ignored). Each
+    prompt goes as the policy saw it (prompt_formats.prompt_as_seen: a text prompt of a `chat` run as its system +
+    user messages, which the reward tokenizer's chat template renders, as TRL renders a conversational prompt), with
+    the run's chat_template_kwargs (TRL: `apply_chat_template(..., **self.chat_template_kwargs)`)."""
 
-    def __init__(self, name: str, client, timeout: float) -> None:
+    def __init__(self, name: str, client, timeout: float, system_prompt: str | None = "default",
+                 prompt_format: str = "auto", template_kwargs: dict | None = None) -> None:
         self.__name__ = name  # TRL's name: config._name_or_path.split("/")[-1]
         self.client, self.timeout = client, timeout
+        self.system_prompt, self.prompt_format = system_prompt, prompt_format
+        self.template_kwargs = dict(template_kwargs or {})
 
-    def __call__(self, prompts: list, completions: list, **_columns) -> list[float]:
-        return self.client.reward_scores(self.__name__, prompts, completions, self.timeout)
+    def __call__(self, prompts: list, completions: list, groups: int = 1, **_columns) -> list[float]:
+        """One float per completion; a call covering `groups` groups (a round) may take reward_model_timeout each."""
+        from trainer.data.prompt_formats import prompt_as_seen
+
+        seen = [prompt_as_seen(p, self.system_prompt, self.prompt_format) for p in prompts]
+        return self.client.reward_scores(self.__name__, seen, completions, self.timeout * groups,
+                                         self.template_kwargs)
 
 
 def reward_model_fns(cfg) -> dict[int, RewardModelFn]:
@@ -31,4 +42,5 @@ def reward_model_fns(cfg) -> dict[int, RewardModelFn]:
     client = make_client(cfg)
     for m in models:  # said by every producer: its weights are not loaded here (the e2e test reads this)
         log.info("reward model %s (%s): scored by the ref server %s", m["name"], m["spec"], cfg.ref_server)
-    return {m["index"]: RewardModelFn(m["name"], client, cfg.reward_model_timeout) for m in models}
+    return {m["index"]: RewardModelFn(m["name"], client, cfg.reward_model_timeout, cfg.system_prompt,
+                                      cfg.prompt_format, cfg.chat_template_kwargs) for m in models}

@@ -8,6 +8,7 @@ TRL-style batch functions `f(prompts, completions, **columns) -> list[float | No
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -85,3 +86,27 @@ def score_completion(completion: str, ground_truth: str, fns: list[RewardFn]) ->
             raise ValueError(f"reward function {name!r} returned {r!r}")
         parts[name] = r
     return sum(parts.values()), parts
+
+
+OURS_SIG = "fn(completion: str, ground_truth: str) -> float"
+TRL_SIG = "fn(prompts, completions, **columns) -> list[float | None]"
+
+
+def reward_kind(fn, name: str) -> str:
+    """'ours' or 'trl' from the signature; anything else is an error naming both signatures."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"reward function {name!r}: cannot read its signature ({e})") from e
+    params = sig.parameters
+    if "completions" in params:
+        return "trl"
+    try:
+        sig.bind("completion", "ground truth")
+        return "ours"
+    except TypeError:
+        pass
+    if all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params.values()) and params:
+        return "trl"  # keyword-only / **kwargs: TRL calls by keyword
+    raise ValueError(f"reward function {name!r} has signature {sig}, which fits neither {OURS_SIG} (ours) "
+                     f"nor {TRL_SIG} (TRL-style)")

@@ -26,35 +26,11 @@ from dataclasses import dataclass, field
 
 from trainer.rewards.environments import takes_environments
 from trainer.rewards.models import reward_model_fns
-from trainer.rewards.registry import load_reward_fns, reward_name
+from trainer.rewards.registry import load_reward_fns, reward_kind, reward_name  # noqa: F401 (reward_kind)
 from trainer.rewards.state import TrainerState
 from trainer.rewards.timeout import RewardCallError, make_caller
 
 log = logging.getLogger("trainer")
-
-OURS_SIG = "fn(completion: str, ground_truth: str) -> float"
-TRL_SIG = "fn(prompts, completions, **columns) -> list[float | None]"
-
-
-def reward_kind(fn, name: str) -> str:
-    """'ours' or 'trl' from the signature; anything else is an error naming both signatures."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"reward function {name!r}: cannot read its signature ({e})") from e
-    params = sig.parameters
-    if "completions" in params:
-        return "trl"
-    try:
-        sig.bind("completion", "ground truth")
-        return "ours"
-    except TypeError:
-        pass
-    if all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params.values()) and params:
-        return "trl"  # keyword-only / **kwargs: TRL calls by keyword
-    raise ValueError(f"reward function {name!r} has signature {sig}, which fits neither {OURS_SIG} (ours) "
-                     f"nor {TRL_SIG} (TRL-style)")
-
 
 @dataclass
 class GroupScore:
@@ -64,6 +40,29 @@ class GroupScore:
     timed_out: dict[str, list[int]] = field(default_factory=dict)
     logged: dict[str, list] = field(default_factory=dict)  # log_extra: column -> one value per completion
     metrics: dict[str, list[float]] = field(default_factory=dict)  # log_metric: name -> values logged
+
+
+@dataclass
+class Group:
+    """One prompt's completions as a round hands them to the rewards. completion_ids: the sampled token ids (TRL's
+    `completion_ids`). messages: in a tool run, each completion as its list of messages (assistant turns with their
+    tool_calls, tool turns): TRL-style `completions` for a conversational prompt; the text is then the whole
+    completion's. env_rewards: per completion, {environment class name: its get_reward()} from the tool loop.
+    environments: per completion, the copy of its episode's instance (when `wants_environments`). prompts: per
+    completion, the prompt as its rollout started (reset()'s text appended), TRL's `prompts` (else the example's)."""
+    example: object
+    completions: list[str]
+    completion_ids: list[list[int]] | None = None
+    messages: list[list[dict]] | None = None
+    env_rewards: list[dict | None] | None = None
+    environments: list[dict] | None = None
+    prompts: list | None = None
+
+
+@dataclass
+class RoundScore:
+    groups: list[GroupScore]  # one per Group, in order
+    metrics: dict[str, list[float]]  # log_metric over the round's calls: name -> values (TRL: once per batch)
 
 
 def _short(x, n: int = 300) -> str:
@@ -123,6 +122,8 @@ class RewardScorer:
         self.caller = make_caller([self.specs[i] for i in fn_idx], [loaded[i] for i in fn_idx],
                                   timeout if fn_idx else 0)  # no functions: no worker
         self.state = TrainerState()  # trainer_state of the next groups (set_state)
+        # log_metric values of generated rounds not yet carried by a batch (TRL's _pending_metrics; rollout.py)
+        self.pending_metrics: dict[str, list[float]] = {}
 
     @classmethod
     def from_config(cls, cfg, reward_models: bool = True) -> RewardScorer:
@@ -138,6 +139,11 @@ class RewardScorer:
     def set_state(self, global_step: int, max_steps: int = 0, epoch: float = 0.0) -> None:
         """What TRL-style rewards get as trainer_state (trainer/rewards/state.py) for the groups scored next."""
         self.state = TrainerState(int(global_step), int(max_steps), float(epoch))
+
+    def take_metrics(self) -> dict[str, list[float]]:
+        """The pending log_metric values, now carried by a batch (emptied)."""
+        out, self.pending_metrics = self.pending_metrics, {}
+        return out
 
     def close(self) -> None:
         self.caller.close()
@@ -174,66 +180,96 @@ class RewardScorer:
             kwargs["environments"] = environments
         return kwargs  # the reward worker passes each function the names it takes (timeout.accepted_kwargs)
 
+    def _round_kwargs(self, groups: list[Group]) -> dict:
+        """The keyword lists of one call over the round: each group's, concatenated (a column a row lacks: None)."""
+        parts = [self._trl_kwargs(g.example, g.completions, g.completion_ids, g.messages, g.environments, g.prompts)
+                 for g in groups]
+        keys = list(dict.fromkeys(k for part in parts for k in part))
+        return {k: [v for g, part in zip(groups, parts) for v in part.get(k, [None] * len(g.completions))]
+                for k in keys}
+
     def score_group(self, example, completions: list[str], completion_ids: list[list[int]] | None = None,
                     messages: list[list[dict]] | None = None, env_rewards: list[dict | None] | None = None,
                     environments: list[dict] | None = None, prompts: list | None = None) -> GroupScore:
-        """Rewards for the completions of one prompt (decoded text, special tokens stripped; TRL-style
-        functions also get `completion_ids`, the sampled token ids, when given). `messages`: in a tool run, each
-        completion as its list of messages (assistant turns with their tool_calls, tool turns): what TRL-style
-        functions receive as `completions` for a conversational prompt; the text is then the whole completion's
-        (tool turns included), for functions of our signature and plain-text prompts. `env_rewards`: per completion,
-        {environment class name: its get_reward()} from the tool loop (None: no environment reward read).
-        `environments`: per completion, the copy of its episode's instance (when `wants_environments`).
-        `prompts`: per completion, the prompt as its rollout started (an environment's reset() text appended), what
-        TRL-style functions get as `prompts` (else the example's prompt)."""
-        n = len(completions)
-        comps: dict[str, list[float | None]] = {}
-        score = GroupScore(rewards=[0.0] * n, components=comps)
-        kwargs = self._trl_kwargs(example, completions, completion_ids, messages, environments, prompts)
-        gathered = self._gather(example, completions, kwargs)
+        """score_round of one group (eval, launch.sh check); its `metrics` are what the rewards logged."""
+        out = self.score_round([Group(example, completions, completion_ids, messages, env_rewards, environments,
+                                      prompts)])
+        out.groups[0].metrics = out.metrics
+        return out.groups[0]
+
+    def score_round(self, groups: list[Group]) -> RoundScore:
+        """Rewards for the groups of one generation round, each reward function called once for all of them, as TRL
+        calls them once per generation batch (decoded text, special tokens stripped; see Group). Functions of our
+        signature are called per completion, each under reward_timeout; a TRL-style call (and the gathered async
+        ones) covers every group of the round, under reward_timeout x groups: reward_timeout stays one function's
+        time on one group."""
+        sizes = [len(g.completions) for g in groups]
+        starts = [sum(sizes[:g]) for g in range(len(groups))]
+        n = sum(sizes)
+        where = [(g, k) for g, size in enumerate(sizes) for k in range(size)]  # flat index -> (group, completion)
+        scores = [GroupScore(rewards=[0.0] * size, components={}) for size in sizes]
+        metrics: dict[str, list[float]] = {}
+        kwargs = self._round_kwargs(groups)
+        gathered = self._gather(groups, where, kwargs)
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             try:
                 if kind == "ours":
-                    values, late = self.caller.call_simple(self.call_idx[i],
-                                                           [(c, example.ground_truth) for c in completions])
-                elif kind == "model":  # scored in the ref server, under reward_model_timeout
-                    values, late = self._call_model(i, kwargs["prompts"], kwargs["completions"]), []
+                    values, late = self.caller.call_simple(
+                        self.call_idx[i], [(c, g.example.ground_truth) for g in groups for c in g.completions])
+                elif kind == "model":  # scored in the ref server, under reward_model_timeout per group
+                    values, late = self._call_model(i, kwargs["prompts"], kwargs["completions"], len(groups)), []
                 else:
-                    answer = gathered[i] if i in gathered else self.caller.call_trl(self.call_idx[i], kwargs,
-                                                                                    self.state.to_dict())
+                    answer = gathered[i] if i in gathered else self.caller.call_trl(
+                        self.call_idx[i], kwargs, self.state.to_dict(), len(groups))
                     late = [] if answer is not None else list(range(n))
                     values, logged = answer if answer is not None else ([None] * n, {})
-                    self._keep_logged(score, i, example, completions, logged)
+                    self._keep_logged(i, groups, where, scores, metrics, logged)
             except RewardCallError as e:
-                bad = completions[e.item] if kind == "ours" else f"(the group of {n}; first) {completions[0]!r}"
-                self._fail(i, example, bad, str(e))
+                self._fail_at(i, groups, where, e.item if kind == "ours" else None, str(e))
             if len(values) != n:
-                self._fail(i, example, completions[0], f"returned {len(values)} values for {n} completions")
+                self._fail_at(i, groups, where, None, f"returned {len(values)} values for {n} completions")
             for k, v in enumerate(values):
                 if v is not None and not math.isfinite(v):  # a NaN would poison the group's advantages
-                    self._fail(i, example, completions[k], f"returned {v!r}")
+                    self._fail_at(i, groups, where, k, f"returned {v!r}")
             if late:
-                calls = len(late) if kind == "ours" else 1
-                score.timeouts += calls
-                score.timed_out[name] = late
-                log.warning("reward function %r timed out (%.1f s) on prompt %s, completion %s: counted as not "
-                            "applicable", name, self.timeout, _short(example.prompt, 120),
-                            _short(completions[late[0]], 120))
-            comps[name] = values
-            for k, v in enumerate(values):
-                if v is not None:
-                    score.rewards[k] += self.weights[i] * v
-        for name in self.env_names:  # weight 1; None for a rollout of another environment or with no reading
-            key = name.split("#")[0]  # the class name the tool loop reports
-            values = [(d or {}).get(key) for d in env_rewards] if env_rewards is not None else [None] * n
-            comps[name] = values
-            score.rewards = [r + v if v is not None else r for r, v in zip(score.rewards, values)]
-        for k in range(n):  # TRL: every reward said None -> NaN, out of the group's baseline, advantage 0
-            if all(vals[k] is None for vals in comps.values()):
-                score.rewards[k] = math.nan
-        return score
+                self._timed_out(name, kind, groups, where, scores, late)
+            for g, sc in enumerate(scores):
+                sc.components[name] = vals = values[starts[g]:starts[g] + sizes[g]]
+                sc.rewards = [r + self.weights[i] * v if v is not None else r for r, v in zip(sc.rewards, vals)]
+        for g, sc in zip(groups, scores):
+            for name in self.env_names:  # weight 1; None for a rollout of another environment or with no reading
+                key = name.split("#")[0]  # the class name the tool loop reports
+                values = [(d or {}).get(key) for d in g.env_rewards] if g.env_rewards is not None \
+                    else [None] * len(sc.rewards)
+                sc.components[name] = values
+                sc.rewards = [r + v if v is not None else r for r, v in zip(sc.rewards, values)]
+            for k in range(len(sc.rewards)):  # TRL: every reward said None -> NaN, out of the baseline, advantage 0
+                if all(vals[k] is None for vals in sc.components.values()):
+                    sc.rewards[k] = math.nan
+        return RoundScore(scores, metrics)
 
-    def _gather(self, example, completions: list[str], kwargs: dict) -> dict[int, tuple | None]:
+    def _fail_at(self, i: int, groups: list[Group], where: list, k: int | None, why: str):
+        """_fail naming completion k of the round (its group's row), or the whole call (k None: the first row)."""
+        if k is not None:
+            g, j = where[k]
+            self._fail(i, groups[g].example, groups[g].completions[j], why)
+        first = groups[0].completions[0] if groups[0].completions else ""
+        self._fail(i, groups[0].example, f"(the call's {len(where)} completions of {len(groups)} group(s); first) "
+                                         f"{first!r}", why)
+
+    def _timed_out(self, name: str, kind: str, groups: list[Group], where: list, scores: list, late: list[int]):
+        """Count a timed-out call in each group it covered (ours: each completion's own call) and say so once."""
+        for k in late if kind == "ours" else sorted({where[k][0] for k in late}):
+            g, j = where[k] if kind == "ours" else (k, None)
+            scores[g].timeouts += 1
+            scores[g].timed_out.setdefault(name, []).extend([j] if j is not None else range(len(groups[g].completions)))
+        g, j = where[late[0]]
+        limit = self.timeout * (1 if kind == "ours" else len(groups))
+        log.warning("reward function %r timed out (%.1f s) on prompt %s, completion %s%s: counted as not applicable",
+                    name, limit, _short(groups[g].example.prompt, 120), _short(groups[g].completions[j], 120),
+                    "" if kind == "ours" else f" (one call for {len(groups)} group(s))")
+
+    def _gather(self, groups: list[Group], where: list, kwargs: dict) -> dict[int, tuple | None]:
         """TRL gathers the `async def` rewards on one event loop: {function index: (values, logged) or None (the
         gather timed out: every one of them counts as timed out)}."""
         idxs = [i for i, (fn, kind) in enumerate(zip(self.fns, self.kinds))
@@ -241,36 +277,31 @@ class RewardScorer:
         if not idxs:
             return {}
         try:
-            answers = self.caller.gather_trl([self.call_idx[i] for i in idxs], kwargs, self.state.to_dict())
+            answers = self.caller.gather_trl([self.call_idx[i] for i in idxs], kwargs, self.state.to_dict(),
+                                             len(groups))
         except RewardCallError as e:  # fn_index: the reward worker's index
             idx = next(i for i in idxs if self.call_idx[i] == e.fn_index)
-            self._fail(idx, example, f"(the group of {len(completions)}; first) {completions[0]!r}", str(e))
+            self._fail_at(idx, groups, where, None, str(e))
         return dict(zip(idxs, answers if answers is not None else [None] * len(idxs)))
 
-    def _call_model(self, i: int, prompts: list, completions: list) -> list[float]:
+    def _call_model(self, i: int, prompts: list, completions: list, groups: int) -> list[float]:
         from common.wire.client import RefServerError
 
         try:
-            return self.fns[i](prompts, completions)
+            return self.fns[i](prompts, completions, groups=groups)
         except RefServerError as e:
             raise RewardCallError(i, 0, str(e)) from e
 
-    def _keep_logged(self, score: GroupScore, i: int, example, completions: list[str], logged: dict) -> None:
-        """What a TRL-style reward logged with log_extra (a column: one value per completion) / log_metric."""
+    def _keep_logged(self, i: int, groups: list[Group], where: list, scores: list, metrics: dict,
+                     logged: dict) -> None:
+        """What a TRL-style reward logged with log_extra (a column: one value per completion of the call, split
+        into its groups) / log_metric (the round's: name -> values)."""
         for column, values in (logged.get("extra") or {}).items():
-            if len(values) != len(completions):
-                self._fail(i, example, completions[0], f"log_extra({column!r}) got {len(values)} values for "
-                                                       f"{len(completions)} completions")
-            score.logged[column] = values
+            if len(values) != len(where):
+                self._fail_at(i, groups, where, None, f"log_extra({column!r}) got {len(values)} values for "
+                                                      f"{len(where)} completions")
+            for k, v in enumerate(values):
+                g, _ = where[k]
+                scores[g].logged.setdefault(column, []).append(v)
         for name, values in (logged.get("metrics") or {}).items():
-            score.metrics.setdefault(name, []).extend(values)
-
-
-def component_means(components: dict[str, list]) -> dict[str, float]:
-    """Per-function mean over the completions where it applied ("reward/<name>" metrics)."""
-    out = {}
-    for name, vals in components.items():
-        vs = [v for v in vals if v is not None]
-        if vs:
-            out[f"reward/{name}"] = sum(vs) / len(vs)
-    return out
+            metrics.setdefault(name, []).extend(values)

@@ -7,9 +7,10 @@ reward functions by the same names/dotted paths as the trainer (nothing is pickl
 JSON lines on a private pipe (stdout is redirected to stderr there, so a reward that prints cannot
 corrupt the protocol).
 
-Per-completion functions (`fn(completion, ground_truth)`) are sent a whole group at once and answer
+Per-completion functions (`fn(completion, ground_truth)`) are sent a whole round at once and answer
 item by item, each item with its own deadline: a call that hangs costs one timeout, the worker is
-killed and restarted for the rest of the group. A TRL-style batch function is one call per group.
+killed and restarted for the rest. A TRL-style batch function is one call per round (as TRL calls it once
+per generation batch), whose deadline is `timeout` per group it covers.
 A timed-out call yields None ("not applicable"); an exception in the reward stays a hard error.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 import time
 import traceback
 
+from common import event_loop
 from trainer.rewards.environments import expand, prepare
 from trainer.rewards.state import TrainerState
 from trainer.run.child_pipe import ChildExited, JsonLineReader
@@ -54,9 +56,10 @@ def to_value(x) -> float | None:
 
 
 def awaited(out):
-    """An `async def` reward's coroutine, run to its value (TRL runs them on an event loop); anything else as is.
+    """An `async def` reward's coroutine, run to its value on the process's one persistent event loop (as TRL runs
+    them: common/event_loop.py; a client bound to the loop survives across calls); anything else as is.
     Inside the reward worker, so the call's timeout covers the wait."""
-    return asyncio.run(out) if inspect.iscoroutine(out) else out
+    return event_loop.run(out) if inspect.iscoroutine(out) else out
 
 
 def accepted_kwargs(fn, kwargs: dict) -> dict:
@@ -109,12 +112,12 @@ def _count(kwargs: dict) -> int:
 
 
 def gather_trl_fns(fns: list, idxs: list[int], kwargs: dict, state: dict | None = None) -> list[tuple[list, dict]]:
-    """The `async def` TRL-style rewards of a group, gathered on one event loop as TRL does (asyncio.gather):
+    """The `async def` TRL-style rewards of a call, gathered on the process's loop as TRL does (asyncio.gather):
     [(values, logged)] in order. The first that raised -> RewardCallError naming it."""
     async def every():
         return await asyncio.gather(*(_call_trl_async(fns[i], kwargs, state) for i in idxs), return_exceptions=True)
 
-    out = asyncio.run(every())
+    out = event_loop.run(every())
     for i, r in zip(idxs, out):
         if isinstance(r, Exception):
             raise RewardCallError(i, 0, f"{type(r).__name__}: {r}") from r
@@ -141,13 +144,13 @@ class InProcessCaller:
                 raise RewardCallError(idx, k, f"{type(e).__name__}: {e}") from e
         return out, []
 
-    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None) -> tuple[list, dict] | None:
+    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None, groups: int = 1) -> tuple[list, dict] | None:
         try:
             return call_trl_fn(self.fns[idx], kwargs, state)
         except Exception as e:  # noqa: BLE001 - re-raised with the function and the example named
             raise RewardCallError(idx, 0, f"{type(e).__name__}: {e}") from e
 
-    def gather_trl(self, idxs: list[int], kwargs: dict, state: dict | None = None) -> list | None:
+    def gather_trl(self, idxs: list[int], kwargs: dict, state: dict | None = None, groups: int = 1) -> list | None:
         return gather_trl_fns(self.fns, idxs, kwargs, state)
 
     def close(self) -> None:
@@ -216,8 +219,8 @@ class ProcessCaller:
         self._kill()  # a hung call cannot be interrupted any other way; restarted lazily by the next send
 
     # ------------------------------------------------------------------ calls
-    def _answer(self, idx: int, item: int) -> tuple[bool, object]:
-        msg = self._read(self.timeout)
+    def _answer(self, idx: int, item: int, groups: int = 1) -> tuple[bool, object]:
+        msg = self._read(self.timeout * groups)
         if msg is None:
             self._on_timeout()
             return False, None
@@ -240,16 +243,18 @@ class ProcessCaller:
                     break  # worker killed: resend the rest of the group to a fresh one
         return out, timed_out
 
-    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None) -> tuple[list, dict] | None:
-        """(values, what the function logged), or None when it timed out."""
+    def call_trl(self, idx: int, kwargs: dict, state: dict | None = None, groups: int = 1) -> tuple[list, dict] | None:
+        """(values, what the function logged), or None when it timed out; a call covering `groups` groups may take
+        `timeout` seconds for each."""
         self._send({"fn": idx, "kind": "trl", "kwargs": kwargs, "state": state})
-        done, value = self._answer(idx, 0)
+        done, value = self._answer(idx, 0, groups)
         return (value["values"], value["logged"]) if done else None
 
-    def gather_trl(self, idxs: list[int], kwargs: dict, state: dict | None = None) -> list | None:
-        """The async rewards of a group at once, under one timeout: [(values, logged)], or None when it passed."""
+    def gather_trl(self, idxs: list[int], kwargs: dict, state: dict | None = None, groups: int = 1) -> list | None:
+        """The async rewards of a call at once, under one timeout (per group covered): [(values, logged)], or None
+        when it passed."""
         self._send({"fn": idxs[0], "fns": idxs, "kind": "gather", "kwargs": kwargs, "state": state})
-        done, value = self._answer(idxs[0], 0)
+        done, value = self._answer(idxs[0], 0, groups)
         return [(v["values"], v["logged"]) for v in value] if done else None
 
 

@@ -9,7 +9,6 @@ import torch
 from common.wire.protocol import ScoredBatch
 from trainer.dist import comm
 from trainer.lora.adapters import is_lora, trainable_summary
-from trainer.rewards.scoring import component_means
 from trainer.tools.loop import tool_metrics
 
 log = logging.getLogger("trainer")
@@ -24,12 +23,29 @@ SUM_KEYS = ["skipped_groups", "skipped_long_prompts", "rejected_batches", "dropp
 MAX_KEYS = ["staleness_max", "peak_mem_mb", "peak_reserved_mb", "logp_mismatch_max"]
 
 
+def scored_rewards(b: ScoredBatch) -> list[float]:
+    """The batch's rewards of the completions some reward scored: an unscorable one (every component None; NaN in
+    TRL, 0 on the wire) is left out, as TRL's nanmean leaves it out."""
+    if b.rewards is None:
+        return []
+    comps = list(b.extra.get("components", {}).values())
+    return [float(r) for k, r in enumerate(b.rewards.tolist())
+            if not comps or any(vals[k] is not None for vals in comps)]
+
+
+def reward_stats(values: list[float]) -> dict:
+    """reward_mean / reward_std as TRL logs them (nanmean, nanstd with Bessel's correction); none of either
+    when no completion was scored (TRL: NaN), never 0."""
+    if not values:
+        return {}
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return {"reward_mean": mean, "reward_std": var ** 0.5}
+
+
 def batch_metrics(b: ScoredBatch) -> dict:
     """Reward metrics of the batch trained on (its rollouts came from whichever producer)."""
-    out = {}
-    if b.rewards is not None:
-        out["reward_mean"] = float(b.rewards.mean())
-        out["reward_std"] = float(b.rewards.std()) if b.rewards.numel() > 1 else 0.0
+    out = reward_stats(scored_rewards(b))
     comps = b.extra.get("components", {})
     for name, key in (("correct", "correct_rate"), ("format", "format_rate")):
         vals = [v for v in comps.get(name, []) if v is not None]  # None: not applicable / timed out
@@ -45,15 +61,26 @@ def batch_metrics(b: ScoredBatch) -> dict:
     return out
 
 
+def nan_aware(key: str) -> bool:
+    """A reward metric that may have no value (TRL: NaN, left out of nanmean): reward_mean, reward_std and
+    reward/<name> (a function None on every completion it saw)."""
+    return key.startswith("reward")
+
+
 def reduce_metrics(d: dict, mean: list[str], total: list[str], most: list[str]) -> dict:
-    """Combine per-rank metrics: means, sums (counts, rank-0-only figures) and maxima."""
+    """Combine per-rank metrics: means, sums (counts, rank-0-only figures) and maxima. A reward metric (nan_aware)
+    is averaged over the ranks that have it and left out of the row when none has it (logged absent, not 0)."""
     vals = lambda keys: torch.tensor([float(d.get(k, 0.0)) for k in keys], dtype=torch.float64)  # noqa: E731
-    m, t, x = vals(mean), vals(total), vals(most)
+    have = torch.tensor([float(k in d) for k in mean], dtype=torch.float64)
+    m, t, x = torch.cat([vals(mean), have]), vals(total), vals(most)
     comm.all_reduce(m)  # on the group's device (NCCL: CUDA), see trainer/dist/comm.py
     comm.all_reduce(t)
     comm.all_reduce(x, "max")
-    m /= torch.distributed.get_world_size()
-    return {**dict(zip(mean, m.tolist())), **dict(zip(total, t.tolist())), **dict(zip(most, x.tolist()))}
+    m, have = m[:len(mean)], m[len(mean):]
+    world = torch.distributed.get_world_size()
+    means = {k: v / (n if nan_aware(k) else world) for k, v, n in zip(mean, m.tolist(), have.tolist())
+             if n > 0 or not nan_aware(k)}
+    return {**means, **dict(zip(total, t.tolist())), **dict(zip(most, x.tolist()))}
 
 
 def model_summary(policy, rank: int) -> dict:
@@ -83,19 +110,31 @@ def memory_row(rank: int, world: int) -> dict:
 
 
 def reward_logged_metrics(batches: list[ScoredBatch], taken: dict) -> dict:
-    """What reward functions logged with TRL's log_metric(name, value) for the trained batches: each name's mean
-    over every value every rank's batches carry (an object collective: every rank calls it). Named as logged; a
-    name one of our own metrics has (`taken`) keeps ours."""
-    mine: dict[str, list[float]] = {}
+    """What reward functions logged with TRL's log_metric(name, value) in the generation rounds the step's batches
+    came from (every rank's; a round counted once, however many of its batches there are; a round that trained
+    nothing is in the next one's): each name's mean over those values (an object collective: every rank calls it).
+    Named as logged; a name one of our own metrics has (`taken`) keeps ours."""
+    mine: dict[str, dict] = {}
     for b in batches:
-        for name, values in (b.extra.get("reward_metrics") or {}).items():
-            mine.setdefault(name, []).extend(float(v) for v in values)
+        for entry in b.extra.get("round_metrics") or []:
+            mine[entry["round"]] = entry["metrics"]
     parts: list = [mine]
     if torch.distributed.is_initialized():
         parts = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(parts, mine)
+    rounds = {rid: m for part in parts for rid, m in part.items()}
     merged: dict[str, list[float]] = {}
-    for part in parts:
-        for name, values in part.items():
-            merged.setdefault(name, []).extend(values)
+    for m in rounds.values():
+        for name, values in m.items():
+            merged.setdefault(name, []).extend(float(v) for v in values)
     return {name: sum(vs) / len(vs) for name, vs in merged.items() if vs and name not in taken}
+
+
+def component_means(components: dict[str, list]) -> dict[str, float]:
+    """Per-function mean over the completions where it applied ("reward/<name>" metrics)."""
+    out = {}
+    for name, vals in components.items():
+        vs = [v for v in vals if v is not None]
+        if vs:
+            out[f"reward/{name}"] = sum(vs) / len(vs)
+    return out

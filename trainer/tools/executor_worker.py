@@ -13,7 +13,6 @@ Requests and answers, one JSON object a line:
 """
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import os
@@ -25,9 +24,12 @@ import threading
 import time
 from pathlib import Path
 
+from common import event_loop
 from common.user_code import load_object
 from trainer.rewards.environments import lost, snapshot  # imported before the limits are set, as the tools are
 from trainer.tools.types import one_line, truncate
+
+STUCK = threading.Event()  # an async call past its CPU limit still holds the loop: exit after answering
 
 
 class CPULimitExceeded(Exception):
@@ -69,7 +71,15 @@ def call_with_cpu_limit(fn, arguments: dict, cpu_seconds: float):
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
     try:
         out = fn(**arguments)
-        return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL takes async tools too
+        if not inspect.iscoroutine(out):
+            return out
+        try:  # TRL takes async tools (and get_reward) too, and runs them on one persistent loop
+            return event_loop.run(out)
+        except CPULimitExceeded:  # cancelled; one that never awaits keeps the loop's thread: end this process
+            resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))  # SIGXCPU repeats each second past the limit
+            if not event_loop.responsive(1.0):
+                STUCK.set()
+            raise
     finally:  # lifted between calls: SIGXCPU, sent every second past the soft limit, must not hit the serve loop
         resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
 
@@ -181,6 +191,8 @@ def serve(conf: dict) -> None:
     send({"ready": True})
     for line in sys.stdin.buffer:
         send(worker.handle(json.loads(line)))
+        if STUCK.is_set():  # the parent sees us gone at its next request and starts a fresh process (a kill)
+            return
 
 
 if __name__ == "__main__":
