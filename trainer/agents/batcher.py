@@ -1,0 +1,96 @@
+"""Requests that arrive together, served by one engine call: a small batching queue in front of a GenEngine.
+
+    batcher = Batcher(engine, version=lambda: policy_version)
+    sample, version = batcher.generate(context_ids, max_new_tokens)   # blocks this request's thread
+    with batcher.lock: engine.load_weights(...)                         # never inside a call
+
+One thread owns the engine. It takes the first waiting request, then every request that arrives within
+`window_s` of the last one (agents of a round start together), and makes one `generate(prompts, 1,
+max_new_tokens=[each one's budget])`: the HF engine batches them in one left-padded `generate`, vLLM schedules
+them with its own continuous batching inside that call. Requests that arrive while the engine is busy wait and go
+together into the next call. A failing engine call fails each of its requests with the engine's error (the endpoint
+answers it), so no request waits forever on a dead engine.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from trainer.engines.base import GenEngine, Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    context: list[int]
+    limit: int
+    done: threading.Event = field(default_factory=threading.Event)
+    sample: Sample | None = None
+    version: int = 0
+    error: BaseException | None = None
+
+
+class Batcher:
+    def __init__(self, engine: GenEngine, version=lambda: 0, window_s: float = 0.01, max_rows: int = 512):
+        self.engine, self.version, self.window_s, self.max_rows = engine, version, window_s, max_rows
+        self.lock = threading.Lock()  # held for each engine call: a weight load takes it, so none lands inside one
+        self.engine_calls = 0         # generate calls made, and the requests they served (batching, in metrics)
+        self.requests = 0
+        self._q: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="agent-engine", daemon=True)
+        self._thread.start()
+
+    def generate(self, context: list[int], max_new_tokens: int) -> tuple[Sample, int]:
+        """One completion of `context` (n=1) at the run's sampling, and the policy version that sampled it."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the agent endpoint's engine thread has stopped")
+        job = _Job(list(context), int(max_new_tokens))
+        self._q.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.sample, job.version
+
+    def _collect(self, first: _Job) -> list[_Job]:
+        jobs = [first]
+        while len(jobs) < self.max_rows:
+            try:
+                nxt = self._q.get(timeout=self.window_s)
+            except queue.Empty:
+                break
+            if nxt is None:  # close(): serve what was collected, then stop
+                self._q.put(None)
+                break
+            jobs.append(nxt)
+        return jobs
+
+    def _run(self) -> None:
+        while True:
+            first = self._q.get()
+            if first is None:
+                return
+            jobs = self._collect(first)
+            with self.lock:
+                version = int(self.version())
+                try:
+                    out = self.engine.generate([j.context for j in jobs], 1, max_new_tokens=[j.limit for j in jobs])
+                    if len(out) != len(jobs):
+                        raise RuntimeError(f"the engine returned {len(out)} completions for {len(jobs)} requests")
+                except Exception as e:  # any failure: every waiting request gets it, none hangs
+                    log.error("agent endpoint: engine call for %d request(s) failed: %s: %s", len(jobs),
+                              type(e).__name__, e)
+                    out, error = [None] * len(jobs), e
+                else:
+                    error = None
+                self.engine_calls += 1
+                self.requests += len(jobs)
+            for j, s in zip(jobs, out):
+                j.sample, j.version, j.error = s, version, error
+                j.done.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=60)
