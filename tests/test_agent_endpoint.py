@@ -251,6 +251,9 @@ def test_bad_requests_get_openai_errors_never_a_5xx(tok, endpoint):
             {"id": "c", "type": "function", "function": {"name": "mul", "arguments": "{oops"}}]}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         ask(client, Q, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_prompt_length 400") as e:
+        ask(client, [{"role": "user", "content": "x " * 500}])
+    assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=Q)
     gone = openai.OpenAI(base_url=srv.base_url(s).replace(s.id, "not-a-session"), api_key="x", max_retries=0)
@@ -270,3 +273,15 @@ def test_bad_requests_get_openai_errors_never_a_5xx(tok, endpoint):
         assert set(err) == {"message", "type", "param", "code"} and err["message"], (path, data)
     assert eng.rec.calls == []  # nothing refused reached the engine
     ask(client, Q)  # and the session still serves
+
+
+def test_messages_the_chat_template_refuses_are_a_400(tok, endpoint):
+    import copy
+    strict = copy.deepcopy(tok)
+    strict.chat_template = ("{%- for m in messages %}{%- if m['role'] == 'developer' %}"
+                            "{{- raise_exception('this template has no developer role') }}{%- endif %}{%- endfor %}"
+                            + tok.chat_template)
+    _, s, client = endpoint(ScriptedEngine(strict, [spelled(tok, "a") + [tok.eos_token_id]]))
+    with pytest.raises(openai.BadRequestError, match="no developer role"):
+        ask(client, [{"role": "developer", "content": "be brief"}, *Q])
+    assert ask(client, Q).choices[0].message.content == "a"  # a model TRL cannot parse: its text is the content

@@ -77,9 +77,11 @@ class Endpoint:
             new = s.extends_chat(messages, tools)
             if new is not None:
                 seg = s.current
-                added = ([] if seg.closed else list(self.turn_end)) + self._continue(seg.last_reply, new, tools)
+                added = ([] if seg.closed else list(self.turn_end)) + self._render(
+                    continuation_ids, self.tok, self.stop_ids, seg.last_reply, new, tools)
             else:
-                seg = Segment("chat", self._check_prompt(prompt_ids(self.tok, messages, tools)), messages, tools)
+                seg = Segment("chat", self._check_prompt(self._render(prompt_ids, self.tok, messages, tools)),
+                              messages, tools)
                 added = []
             call, text = self._generate(s, seg, added, limit, _stops(body.get("stop")))
             if call is None:
@@ -157,11 +159,15 @@ class Endpoint:
                 return ids[:k], text[:min(hits)]
         return ids, None
 
-    def _continue(self, reply: dict, new: list[dict], tools) -> list[int]:
+    def _render(self, fn, *args) -> list[int]:
+        """The chat template's tokens for messages it may refuse (a tool message with no call before it, a
+        template's own raise_exception): its refusal is the request's 400, not the endpoint's 500."""
+        from jinja2 import TemplateError
         try:
-            return continuation_ids(self.tok, self.stop_ids, reply, new, tools)
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from e
+            return fn(*args)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise ApiError(400, f"the model's chat template cannot render these messages: {type(e).__name__}: "
+                                f"{e}", "messages") from e
 
     def _text_ids(self, prompt, special: bool) -> list[int]:
         if isinstance(prompt, list):
