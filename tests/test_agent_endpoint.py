@@ -285,3 +285,29 @@ def test_messages_the_chat_template_refuses_are_a_400(tok, endpoint):
     with pytest.raises(openai.BadRequestError, match="no developer role"):
         ask(client, [{"role": "developer", "content": "be brief"}, *Q])
     assert ask(client, Q).choices[0].message.content == "a"  # a model TRL cannot parse: its text is the content
+
+
+@pytest.fixture(scope="module")
+def vllm_probe(tiny_model_dir) -> dict:
+    """tests/agent_vllm_probe.py: the endpoint over the real vLLM engine, in a child process (vLLM's own thread
+    and torch.distributed settings stay out of pytest's)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+    proc = subprocess.run([sys.executable, "-m", "tests.agent_vllm_probe", str(tiny_model_dir)], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+@pytest.mark.multiproc  # a vLLM engine in a child process (the probe)
+def test_vllm_two_call_session_trains_the_sampled_ids_with_the_samplers_logprobs(vllm_probe):
+    r = vllm_probe
+    assert "error" not in r, r
+    assert r["context_reused"] and r["row_is_sampled"] and r["mask_ok"] and r["segments"] == 1
+    assert r["row_logprobs"] == r["engine_logprobs"] == r["response_logprobs"]  # the sampler's, in row and reply
+    assert r["masked_logprobs"] and set(r["masked_logprobs"]) == {0.0}
+    assert r["roles"] == ["assistant", "user", "assistant"]
+    # 8 agents at once: served by vLLM's batching in at most 2 engine calls, each its own completion
+    assert r["concurrent_done"] == 8 and r["concurrent_engine_calls"] <= 2 and r["rows_match"]
