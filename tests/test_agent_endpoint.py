@@ -311,3 +311,11 @@ def test_vllm_two_call_session_trains_the_sampled_ids_with_the_samplers_logprobs
     assert r["roles"] == ["assistant", "user", "assistant"]
     # 8 agents at once: served by vLLM's batching in at most 2 engine calls, each its own completion
     assert r["concurrent_done"] == 8 and r["concurrent_engine_calls"] <= 2 and r["rows_match"]
+
+
+def test_a_refused_request_leaves_its_keep_alive_connection_usable(tok, endpoint):
+    srv, s, _ = endpoint(ScriptedEngine(tok, [spelled(tok, "a") + [tok.eos_token_id]]))
+    with httpx.Client(base_url=srv.base_url(s), timeout=30) as c:  # one pooled connection for both requests
+        assert c.post("/nothing", content=b'{"model": "policy", "messages": []}').status_code == 404
+        ok = c.post("/chat/completions", json={"model": "policy", "messages": Q})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "a"

@@ -50,14 +50,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, method: str) -> None:
         try:
-            self._route(method)
+            raw = self._body()  # read first, whatever the route: a keep-alive connection must not keep its bytes
+            self._route(method, raw)
         except ApiError as e:
             self._json(e.status, e.body())
         except Exception as e:  # the engine failed (not the request): a 500 the agent sees, and the log names it
             log.exception("agent endpoint: %s %s failed", method, self.path.split("/", 2)[-1])
             self._json(500, ApiError(500, f"the engine failed: {type(e).__name__}: {e}", kind="server_error").body())
 
-    def _route(self, method: str) -> None:
+    def _route(self, method: str, raw: bytes) -> None:
         ep = self.server.endpoint
         path = self.path.split("?", 1)[0]
         sid, _, rest = path.lstrip("/").partition("/")
@@ -72,7 +73,7 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "models":
             self._json(200, ep.models())
             return
-        body = parse_body(self._body(), kind)
+        body = parse_body(raw, kind)
         done = ep.chat(session, body) if kind == "chat" else ep.text(session, body)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -82,9 +83,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> bytes:
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise ApiError(411, "the request needs a Content-Length header")
-        if int(length) > MAX_BODY:
+        if length is None and self.command == "GET":
+            return b""
+        if length is None or not length.isdigit() or int(length) > MAX_BODY:
+            self.close_connection = True  # what follows on this connection cannot be told from the body
+            if length is None or not length.isdigit():
+                raise ApiError(411, "the request needs a Content-Length header")
             raise ApiError(413, f"the request body is {length} bytes, over {MAX_BODY}")
         return self.rfile.read(int(length))
 
@@ -128,3 +132,4 @@ class AgentServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(timeout=10)
+        self.endpoint.batcher.close()
