@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import httpx
 import openai
@@ -319,3 +320,25 @@ def test_a_refused_request_leaves_its_keep_alive_connection_usable(tok, endpoint
         assert c.post("/nothing", content=b'{"model": "policy", "messages": []}').status_code == 404
         ok = c.post("/chat/completions", json={"model": "policy", "messages": Q})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "a"
+
+
+def test_each_call_records_its_policy_version_and_a_weight_load_never_lands_inside_one(tok):
+    version = [0]
+    eng = ScriptedEngine(tok, [spelled(tok, "a") + [tok.eos_token_id]], delay=0.3)
+    srv = serve(eng, tok, model="policy", max_new_tokens=50, max_prompt_length=400, version=lambda: version[0])
+    try:
+        s = srv.endpoint.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(s), api_key="x", max_retries=0, timeout=30)
+        first = {}
+        t = threading.Thread(target=lambda: first.setdefault("r", ask(client, Q)))
+        t.start()
+        while not srv.endpoint.batcher.lock.locked():  # the call is in the engine
+            time.sleep(0.001)
+        with srv.endpoint.batcher.lock:  # what a weight load takes
+            assert len(eng.rec.calls) == 1  # the call in flight had finished
+            version[0] = 1
+        t.join(30)
+        ask(client, Q + [first["r"].choices[0].message.model_dump(), {"role": "user", "content": "again"}])
+        assert s.stats()["policy_versions"] == [0, 1] and [c.version for c in s.segments[0].calls] == [0, 1]
+    finally:
+        srv.close()
