@@ -5,11 +5,12 @@
     with batcher.lock: engine.load_weights(...)                         # never inside a call
 
 One thread owns the engine. It takes the first waiting request, then every request that arrives within
-`window_s` of the last one (agents of a round start together), and makes one `generate(prompts, 1,
-max_new_tokens=[each one's budget])`: the HF engine batches them in one left-padded `generate`, vLLM schedules
-them with its own continuous batching inside that call. Requests that arrive while the engine is busy wait and go
-together into the next call. A failing engine call fails each of its requests with the engine's error (the endpoint
-answers it), so no request waits forever on a dead engine.
+`window_s` of the last one (agents of a round start together, but each builds its client first: tens of ms apart),
+until as many wait as there are open sessions (`expected`: then no one else can come), and makes one
+`generate(prompts, 1, max_new_tokens=[each one's budget])`: the HF engine batches them in one left-padded
+`generate`, vLLM schedules them with its own continuous batching inside that call. Requests that arrive while the
+engine is busy wait and go together into the next call. A failing engine call fails each of its requests with the
+engine's error (the endpoint answers it), so no request waits forever on a dead engine.
 """
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ class _Job:
 
 
 class Batcher:
-    def __init__(self, engine: GenEngine, version=lambda: 0, window_s: float = 0.01, max_rows: int = 512):
+    def __init__(self, engine: GenEngine, version=lambda: 0, window_s: float = 0.05, max_rows: int = 512,
+                 expected=lambda: 0):
         self.engine, self.version, self.window_s, self.max_rows = engine, version, window_s, max_rows
+        self.expected = expected  # how many requests could come at most (the open sessions): stop waiting there
         self.lock = threading.Lock()  # held for each engine call: a weight load takes it, so none lands inside one
         self.engine_calls = 0         # generate calls made, and the requests they served (batching, in metrics)
         self.requests = 0
@@ -56,7 +59,7 @@ class Batcher:
 
     def _collect(self, first: _Job) -> list[_Job]:
         jobs = [first]
-        while len(jobs) < self.max_rows:
+        while len(jobs) < self.max_rows and len(jobs) < self.expected():
             try:
                 nxt = self._q.get(timeout=self.window_s)
             except queue.Empty:
