@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -25,6 +26,15 @@ from generation import build_qwen05b  # noqa: E402
 
 from common.config import GRPOConfig  # noqa: E402
 from common.modeling import resolve_model_path  # noqa: E402
+
+
+def qwen05b_with_template(out: Path) -> str:
+    """bench/generation.py's random Qwen2.5-0.5B shape, with the tiny tokenizer's chat template too (the agents'
+    requests are chat messages; that builder copies the tokenizer files only)."""
+    path = build_qwen05b(out)
+    for f in Path(resolve_model_path("tiny")).glob("chat_template*"):
+        shutil.copy(f, path / f.name)
+    return str(path)
 
 
 def messages_of(i: int) -> list[dict]:
@@ -103,7 +113,7 @@ def main() -> None:
     out: dict = {"model": "tiny" if args.tiny else "qwen2.5-0.5b-shape (random weights)", "rollouts": args.rollouts,
                  "new_tokens": args.new_tokens, "repeats": args.repeats, "smoke": args.smoke}
     with tempfile.TemporaryDirectory() as tmp:
-        path = resolve_model_path("tiny") if args.tiny else str(build_qwen05b(Path(tmp) / "qwen05b"))
+        path = resolve_model_path("tiny") if args.tiny else qwen05b_with_template(Path(tmp) / "qwen05b")
         for backend in backends:
             out[backend] = measure(backend, path, args)
     print(json.dumps(out))
