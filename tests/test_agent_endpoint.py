@@ -342,3 +342,18 @@ def test_each_call_records_its_policy_version_and_a_weight_load_never_lands_insi
         assert s.stats()["policy_versions"] == [0, 1] and [c.version for c in s.segments[0].calls] == [0, 1]
     finally:
         srv.close()
+
+
+def test_an_engine_failure_is_a_500_for_its_requests_and_the_endpoint_serves_on(tok, endpoint):
+    class Flaky(ScriptedEngine):
+        def generate(self, prompt_ids, n, *, max_new_tokens, greedy=False):
+            if not self.rec.calls and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("engine fell over")
+            return super().generate(prompt_ids, n, max_new_tokens=max_new_tokens, greedy=greedy)
+
+    _, _, client = endpoint(Flaky(tok, [spelled(tok, "a") + [tok.eos_token_id]]))
+    with pytest.raises(openai.InternalServerError, match="engine fell over") as e:
+        ask(client, Q)
+    assert e.value.body["type"] == "server_error"
+    assert ask(client, Q).choices[0].message.content == "a"

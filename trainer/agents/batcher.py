@@ -52,7 +52,9 @@ class Batcher:
             raise RuntimeError("the agent endpoint's engine thread has stopped")
         job = _Job(list(context), int(max_new_tokens))
         self._q.put(job)
-        job.done.wait()
+        while not job.done.wait(0.5):  # the engine thread gone (close(), or it died): no request waits for it
+            if not self._thread.is_alive():
+                raise RuntimeError("the agent endpoint's engine thread has stopped")
         if job.error is not None:
             raise job.error
         return job.sample, job.version
