@@ -357,3 +357,22 @@ def test_an_engine_failure_is_a_500_for_its_requests_and_the_endpoint_serves_on(
         ask(client, Q)
     assert e.value.body["type"] == "server_error"
     assert ask(client, Q).choices[0].message.content == "a"
+
+
+def test_a_rounds_agents_connecting_at_once_are_all_accepted(tok, endpoint):
+    srv, s, _ = endpoint(ScriptedEngine(tok, [spelled(tok, "a") + [tok.eos_token_id]]))
+    gate, codes = threading.Barrier(96), []
+
+    def connect():
+        gate.wait()
+        try:
+            codes.append(httpx.get(srv.base_url(s) + "/models", timeout=30).status_code)
+        except httpx.TransportError as e:
+            codes.append(type(e).__name__)
+
+    threads = [threading.Thread(target=connect) for _ in range(96)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert codes == [200] * 96

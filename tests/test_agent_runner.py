@@ -144,3 +144,22 @@ def test_an_async_agent_past_its_timeout_is_cancelled(tok, server):
     (run,) = run_agents(srv, solve, [{"prompt": "p"}], timeout=0.3)
     assert run.error == "timed out after 0.3 s (agent_timeout)" and time.monotonic() - t0 < 3
     assert cancelled.wait(2)
+
+
+def test_a_rounds_first_calls_go_in_one_engine_call_however_spread_their_starts(tok, server):
+    """Agents that start slowly (here 0.25 s apart, as a loaded machine spreads them) are waited for: the batcher
+    knows which started agents have not called yet, so a round of single-call agents is one engine call."""
+    srv = server([spelled(tok, "a") + [tok.eos_token_id]])
+    order = iter(range(100))
+    lock = threading.Lock()
+
+    def solve(base_url, model, prompt):
+        with lock:
+            k = next(order)
+        time.sleep(0.25 * k)  # staggered past the 0.1 s window
+        openai.OpenAI(base_url=base_url, api_key="k", max_retries=0).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}])
+        return 1.0
+
+    runs = run_agents(srv, solve, [{"prompt": f"q{i}"} for i in range(5)], timeout=30)
+    assert [r.value for r in runs] == [1.0] * 5 and srv.endpoint.batcher.engine_calls == 1

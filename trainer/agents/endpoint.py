@@ -48,6 +48,10 @@ class Endpoint:
             self.sessions[s.id] = s
         return s
 
+    def coming(self) -> int:
+        """Sessions whose agent has started but not yet called: the batcher waits for their first calls."""
+        return sum(1 for s in list(self.sessions.values()) if s.started and not s.calls and not s.closed)
+
     def session(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None or s.closed:

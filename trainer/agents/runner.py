@@ -44,19 +44,22 @@ def _verdict(run: AgentRun, value) -> None:
 
 
 def _raised(e: BaseException) -> str:
-    return one_line(f"raised {type(e).__name__}: {e}", 300)
+    """One line: the exception, and its cause where the SDK wraps one ("Connection error." says nothing alone)."""
+    cause = e.__cause__ or e.__context__
+    why = f" (cause: {type(cause).__name__}: {cause})" if cause is not None and str(cause) != str(e) else ""
+    return one_line(f"raised {type(e).__name__}: {e}{why}", 300)
 
 
 def run_agents(server, agent, rows: list[dict], *, timeout: float, max_concurrency: int | None = None
                ) -> list[AgentRun]:
-    """One AgentRun per row, in order; every session closed when this returns."""
+    """One AgentRun per row, in order; each session is closed when its agent is done (a later call: 404)."""
     ep = server.endpoint
     runs = [AgentRun(ep.open_session()) for _ in rows]
     kwargs = [{**row, "base_url": server.base_url(r.session), "model": ep.model} for r, row in zip(runs, rows)]
     limit = max(1, max_concurrency or len(rows) or 1)
     try:
         if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__):
-            _run_async(agent, runs, kwargs, timeout, limit)
+            _run_async(agent, runs, kwargs, timeout, limit, ep)
         else:
             _run_sync(agent, runs, kwargs, timeout, limit, ep)
     finally:
@@ -65,16 +68,18 @@ def run_agents(server, agent, rows: list[dict], *, timeout: float, max_concurren
     return runs
 
 
-def _run_async(agent, runs: list[AgentRun], kwargs: list[dict], timeout: float, limit: int) -> None:
+def _run_async(agent, runs: list[AgentRun], kwargs: list[dict], timeout: float, limit: int, ep) -> None:
     async def one(run: AgentRun, kw: dict, gate: asyncio.Semaphore) -> None:
         async with gate:
             t0 = time.monotonic()
+            run.session.started = True
             try:
                 _verdict(run, await asyncio.wait_for(agent(**kw), timeout))
             except asyncio.TimeoutError:
                 run.error = f"timed out after {timeout:g} s (agent_timeout)"
             except Exception as e:  # the agent's own failure: its rollout has no reward, the round goes on
                 run.error = _raised(e)
+            ep.close_session(run.session)  # done: the batcher no longer waits for it
             run.seconds = time.monotonic() - t0
 
     async def round_() -> None:
@@ -106,6 +111,7 @@ def _run_sync(agent, runs: list[AgentRun], kwargs: list[dict], timeout: float, l
 
     def one(i: int) -> None:
         t0 = time.monotonic()
+        runs[i].session.started = True
         try:
             value = agent(**kwargs[i])
             if not finished[i].is_set():
@@ -113,6 +119,7 @@ def _run_sync(agent, runs: list[AgentRun], kwargs: list[dict], timeout: float, l
         except Exception as e:  # the agent's own failure (a timed-out one's calls now get 404s): no reward
             if not finished[i].is_set():
                 runs[i].error = _raised(e)
+        ep.close_session(runs[i].session)  # done: the batcher no longer waits for it
         runs[i].seconds = time.monotonic() - t0
         finished[i].set()
         release(i)

@@ -114,10 +114,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a connection an agent left open does not hold the worker's exit
+    request_queue_size = 1024  # listen backlog: a round's agents connect at once (the default 5 refused some of 32)
+
+
 class AgentServer:
     def __init__(self, endpoint, host: str = "127.0.0.1", port: int = 0):
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True  # a connection an agent left open does not hold the worker's exit
+        self.httpd = _Server((host, port), _Handler)
         self.httpd.endpoint = endpoint
         self.endpoint = endpoint
         self.host, self.port = host, self.httpd.server_address[1]

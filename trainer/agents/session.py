@@ -89,6 +89,7 @@ class Session:
         self.sampled = 0      # sampled tokens over every segment (max_completion_length bounds it)
         self.refused = 0      # calls answered `length` without generating (budget or call limit spent)
         self.closed = False
+        self.started = False  # its agent was called (trainer/agents/runner.py): its first call is coming
 
     @property
     def current(self) -> Segment | None:
