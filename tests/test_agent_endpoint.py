@@ -252,6 +252,8 @@ def test_bad_requests_get_openai_errors_never_a_5xx(tok, endpoint):
             {"id": "c", "type": "function", "function": {"name": "mul", "arguments": "{oops"}}]}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         ask(client, Q, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        ask(client, Q, max_completion_tokens=0, max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="max_prompt_length 400") as e:
         ask(client, [{"role": "user", "content": "x " * 500}])
     assert e.value.body["code"] == "context_length_exceeded"

@@ -76,7 +76,8 @@ class Endpoint:
             self._say("tool_choice", f"tool_choice {choice!r} is not enforced (no constrained decoding): the model "
                                      f"calls a tool when it writes one, as with 'auto'")
         messages = normalized(body["messages"])
-        limit = self._request_limit(body.get("max_completion_tokens") or body.get("max_tokens"))
+        asked = body.get("max_completion_tokens")
+        limit = self._request_limit(asked if asked is not None else body.get("max_tokens"))
         with s.lock:
             new = s.extends_chat(messages, tools)
             if new is not None:
