@@ -37,7 +37,7 @@ def test_config_takes_trl_names_and_ours_and_refuses_by_name():
     assert args.resolved.lr == 2e-5
     for bad, words in (({"fp16": True}, "'fp16'=True (precision comes from bf16"),
                        ({"steps_per_generation": 4}, "'steps_per_generation'=4 (batch shape"),
-                       ({"learning_rate": 1e-5, "lr": 2e-5}, "the TRL name 'learning_rate' (1e-05) and our 'lr' (2e-05)"),
+                       ({"learning_rate": 1e-5, "lr": 2e-5}, "'learning_rate' (1e-05) and our 'lr' (2e-05)"),
                        ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type='polynomial' is not supported"),
                        ({"num_genrations": 4}, "did you mean 'num_generations'"),
                        ({"model_init_kwargs": {"dtype": object()}}, "is not a plain value")):
