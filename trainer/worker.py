@@ -21,6 +21,7 @@ from common.settings.gen_defaults import resolve_at_start
 from common.weights.sync import WeightSync
 from common.wire.client import RefServerError
 from trainer import resume
+from trainer.agents.rollout import AgentRollouts
 from trainer.data import run_data
 from trainer.data.loading import PromptSampler
 from trainer.dist.nodes import host_label
@@ -70,6 +71,7 @@ def genonly(cfg: GRPOConfig) -> None:
         wait_for_workers(client, cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
+    agents = AgentRollouts.from_config(cfg, engine, tok)  # None without `agent`: its endpoint on this engine
     syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
               if cfg.sync_steps else None)
     # LoRA runs publish adapters only (merged into W0 here); a delta brings only the tensors that changed
@@ -106,7 +108,7 @@ def genonly(cfg: GRPOConfig) -> None:
             doing["now"] = (f"{note}; " if note else "") + f"generating round {rounds + 1}"
             batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}",
-                                           toolbox=toolbox, epoch=sampler.progress())
+                                           toolbox=toolbox, epoch=sampler.progress(), agents=agents)
             for rb in batches:
                 if stop["now"]:
                     break
@@ -137,6 +139,8 @@ def genonly(cfg: GRPOConfig) -> None:
     scorer.close()
     if toolbox is not None:
         toolbox.close()
+    if agents is not None:
+        agents.close()
     heartbeat.stop("done")
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
              "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,
