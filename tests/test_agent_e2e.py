@@ -1,9 +1,11 @@
 """Issue 61 from a user's folder, with no PYTHONPATH, through launch.sh: an `async def` agent written with the openai
 SDK (two calls: an answer offered a function tool with tool_choice auto, then a follow-up user turn) trains with an
-HF genonly worker on the tiny model; completions.jsonl holds its conversation, and its own float reward is logged
-under its name. One run, shared by the tests that read it."""
+HF genonly worker and with a vLLM one on the tiny model; completions.jsonl holds its conversation, and its own float
+reward is logged under its name. One run per engine, shared by the tests that read it; launch.sh train's checks
+run the agent once first (trainer/check_agent.py)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -36,22 +38,28 @@ def user_turns(prompts, completions, **kwargs):
 '''
 
 
-@pytest.fixture(scope="module")
-def agent_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("agent_user")
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"))])
+def agent_run(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"agent_user_{request.param}")
     (folder / "my_agent.py").write_text(AGENT_FILE)
     (folder / "my_rewards.py").write_text(REWARD_FILE)
     (folder / "train.json").write_text(json.dumps([{"prompt": f"Write {n}.", "answer": str(n)} for n in range(8)]))
     args = ["--model", "tiny", "--data", "train.json", "--agent", "my_agent.py:solve",
             "--reward_fns", "my_rewards.py:user_turns", "--num_pre_Q", "4", "--Q_batch_size", "2",
             "--max_new_tokens", "64", "--all_steps", "2", "--get_wait", "240", "--log_completions", "true",
-            "--train_zero_spread", "true", "--save_steps", "100", "--agent_timeout", "60"]
+            "--train_zero_spread", "true", "--save_steps", "100", "--agent_timeout", "60",
+            "--gen_backend", request.param]
     cmd = ["bash", str(REPO / "launch.sh"), "train", "--run-dir", "run", "--workers", "1", "--gpus", "1",
            "--port", str(find_free_port()), "--", *args]
     proc = run_process_group(cmd, cwd=folder, env=user_env(), timeout=400)
     run_dir = folder / "run"
     logs = {n: (run_dir / n).read_text() for n in ("trainer.log", "worker0.log") if (run_dir / n).is_file()}
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(v[-3000:] for v in logs.values())
+    # launch.sh train's checks ran the agent once against the real endpoint, and printed what it recorded
+    said = proc.stdout + proc.stderr
+    assert "[check] ok   agent    my_agent.py:solve ran on row 0" in said, said[-3000:]
+    assert "[check]      | user: 'Say it again.'" in said and "trained (sampled)" in said
     return run_dir, logs
 
 
