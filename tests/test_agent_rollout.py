@@ -78,8 +78,9 @@ def test_an_agent_round_trains_its_sessions_token_exact(tok):
 def test_a_follow_up_extends_one_row_and_a_failing_agent_has_no_reward(tok, caplog):
     answer = spelled(tok, "6") + [tok.eos_token_id]
     engine = ScriptedEngine(tok, [answer])
+    # max_prompt_length 60: the prompt fits as the agent sends it, not with the R1 system prompt (~100 tokens)
     cfg = GRPOConfig(model="tiny", num_pre_Q=2, max_new_tokens=50, agent="my_agent.py:solve", reward_fns=[],
-                     train_zero_spread=True).validate()
+                     train_zero_spread=True, max_prompt_length=60).validate()
     scorer = RewardScorer.from_config(cfg)
     agents = AgentRollouts(cfg, engine, tok, solve)
     exs = [Example(prompt="2 * 3?", ground_truth="6", columns={"answer": "6"}, index=0),
@@ -121,3 +122,18 @@ def test_agent_config_defaults_and_what_is_allowed():
     assert c.agent_timeout == 300 and c.agent_max_concurrency is None and c.reward_specs() == []
     GRPOConfig(agent="my_agent.py:solve", zero_stage=3, num_gen_workers=1, get_wait=0).validate()
     assert GRPOConfig().agent is None and GRPOConfig().reward_specs() == ["correct", "format"]
+
+
+def test_a_round_where_every_agent_fails_ends_the_producer_in_one_line(tok):
+    engine = ScriptedEngine(tok, [spelled(tok, "6") + [tok.eos_token_id]])
+    cfg = GRPOConfig(model="tiny", num_pre_Q=2, max_new_tokens=50, agent="my_agent.py:solve").validate()
+    scorer = RewardScorer.from_config(cfg)
+    agents = AgentRollouts(cfg, engine, tok, solve)
+    try:
+        with pytest.raises(RuntimeError, match=r"^agent my_agent.py:solve: every rollout of the round failed; the "
+                                               r"first: raised ValueError: boom$"):
+            generate_batches(engine, tok, [Example(prompt="raise", ground_truth="6", columns={"answer": "6"})], cfg,
+                             scorer, agents=agents)
+    finally:
+        agents.close()
+        scorer.close()

@@ -18,7 +18,7 @@ def check_agent(c) -> str:
     cfg = c.cfg
     if c.tokenizer is None or not c.examples:
         raise ValueError("no tokenizer or no data row: the agent cannot be run")
-    kept, _ = encode_prompts(c.tokenizer, c.examples[:1], cfg.system_prompt, sys.maxsize, cfg.prompt_format,
+    kept, _ = encode_prompts(c.tokenizer, c.examples[:1], None, sys.maxsize, cfg.prompt_format,
                              template_kwargs=cfg.chat_template_kwargs)
     engine = make_engine(dataclasses.replace(cfg, gen_backend="hf"), c.model_path, tokenizer=c.tokenizer)
     agents = AgentRollouts.from_config(cfg, engine, c.tokenizer)

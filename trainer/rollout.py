@@ -205,7 +205,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     stats = RolloutStats()
     # a tool run renders with TRL's training chat template where it swaps one in (ToolBox.template_kwargs)
     render_kw = toolbox.template_kwargs if toolbox is not None else cfg.chat_template_kwargs
-    kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
+    system = None if agents is not None else cfg.system_prompt  # an agent owns its prompt: none added to count it
+    kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, system, cfg.max_prompt_length,
                                                      cfg.prompt_format, toolbox.prompt_tools if toolbox else None,
                                                      render_kw)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
