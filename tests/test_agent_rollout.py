@@ -109,6 +109,8 @@ def test_a_follow_up_extends_one_row_and_a_failing_agent_has_no_reward(tok, capl
     ({"zero_stage": 3}, "genonly workers"),
     ({"zero_stage": 3, "num_gen_workers": 1, "get_wait": 2.0}, "genonly workers"),
     ({"agent": "solve"}, "names no function"),
+    ({"eval_steps": 5}, "in-training evaluation does not run the agent yet"),
+    ({"eval_before": True}, "in-training evaluation does not run the agent yet"),
     ({"agent_timeout": 0}, "agent_timeout must be > 0"),
     ({"agent_max_concurrency": 0}, "agent_max_concurrency must be >= 1"),
 ])

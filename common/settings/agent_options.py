@@ -43,6 +43,9 @@ class AgentOptions:
         if self.zero_stage == 3 and (self.num_gen_workers == 0 or self.get_wait > 0):
             out.append("agent with zero_stage 3: ranks generating for themselves must generate in lockstep, which "
                        "agents' uneven calls cannot keep; use genonly workers (num_gen_workers >= 1) and get_wait 0")
+        if self.eval_steps or self.eval_before:  # trainer/evaluate.py samples plain completions, scored as text
+            out.append("agent with eval_steps/eval_before: in-training evaluation does not run the agent yet "
+                       "(docs/agents.md, Not wired yet); set eval_steps 0 and eval_before false")
         if self.agent_timeout <= 0:
             out.append("agent_timeout must be > 0 seconds")
         if self.agent_max_concurrency is not None and self.agent_max_concurrency < 1:
