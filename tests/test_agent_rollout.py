@@ -139,3 +139,39 @@ def test_a_round_where_every_agent_fails_ends_the_producer_in_one_line(tok):
     finally:
         agents.close()
         scorer.close()
+
+
+def test_a_rank_generating_for_itself_runs_the_agent_from_the_users_folder(tok, tmp_path, monkeypatch):
+    """trainer/batches.py: a rank's own rounds get its AgentRollouts (an endpoint over the rank's HF engine, the
+    user's function loaded from GRPO_USER_DIR); launch.sh runs this path with --workers 0 (no genonly worker)."""
+    import trainer.batches as tb
+    from common.user_code import USER_DIR_ENV
+    from trainer.rollout import RolloutStats
+
+    (tmp_path / "rank_agent.py").write_text("def solve(base_url, model, prompt, **columns):\n    return None\n")
+    monkeypatch.setenv(USER_DIR_ENV, str(tmp_path))
+    seen = {}
+    monkeypatch.setattr(tb, "generate_batches", lambda *a, **k: (seen.update(k), ([], RolloutStats()))[1])
+
+    class Sampler:
+        def next_batch(self, n):
+            return []
+
+        def progress(self) -> float:
+            return 0.0
+
+    cfg = GRPOConfig(model="tiny", agent="rank_agent.py:solve", num_gen_workers=0, max_new_tokens=8).validate()
+    class Client:
+        outages = 0
+
+    src = tb.BatchSource(cfg, Client(), None, tok, Sampler(), [], [tok.eos_token_id], len(tok),
+                         producer_id="trainer-rank0")
+    try:
+        src._generate(0, {"gen_s": 0.0}, RolloutStats())
+        assert seen["agents"] is src.agents and src.agents.agent.__name__ == "solve"
+        assert src.agents.server.endpoint.batcher.engine is src.engine  # the rank's own engine serves it
+        models = openai.OpenAI(base_url=src.agents.server.base_url(src.agents.server.endpoint.open_session()),
+                               api_key="k", max_retries=0).models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+    finally:
+        src.agents.close()
