@@ -87,11 +87,12 @@ def test_a_follow_up_extends_one_row_and_a_failing_agent_has_no_reward(tok, capl
            Example(prompt="raise", ground_truth="6", columns={"answer": "6"}, index=1)]
     try:
         with caplog.at_level("WARNING", logger="trainer"):
-            batches, _ = generate_batches(engine, tok, exs, cfg, scorer, agents=agents)
+            batches, stats = generate_batches(engine, tok, exs, cfg, scorer, agents=agents)
     finally:
         agents.close()
         scorer.close()
     b, = batches  # the raising prompt's rollouts made no calls: no rows to train
+    assert stats.agent_faults == 2  # counted (the worker's /status: agent_faults)
     assert b.num_rows == 2 and b.extra["components"] == {"solve": [1.0, 1.0]}  # reward_fns []: its float alone
     mask = b.loss_mask[0, :int(b.completion_lens[0])].tolist()
     sampled = [i for i, m in enumerate(mask) if m]

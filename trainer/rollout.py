@@ -40,6 +40,7 @@ class RolloutStats:
     rewards: list = field(default_factory=list)
     components: dict = field(default_factory=dict)
     tools: dict = field(default_factory=dict)  # tool run: per-completion statistics (trainer/tools/loop.py)
+    agent_faults: int = 0  # agent run: rollouts whose agent raised, timed out or never called (reward None)
     skipped_samples: list = field(default_factory=list)  # a few (completion, {reward: value}) of skipped groups
 
 
@@ -215,6 +216,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     q = cfg.num_pre_Q
     if agents is not None:  # the user's agent per rollout, against this engine's endpoint
         ar = agents.round(kept, q, policy_version)
+        stats.agent_faults = ar.faults
         samples, messages, tool_stats, env_rewards, envs, seen = ar.samples, ar.messages, None, ar.env_rewards, \
             None, ar.prompts
     else:

@@ -78,13 +78,14 @@ def genonly(cfg: GRPOConfig) -> None:
     load_policy = policy_loader(engine, model_path, held=lambda: syncer.held,
                                 revision=cfg.load_options().get("revision"))
 
-    rounds = uploaded = skipped = timeouts = gen_tokens = 0
+    rounds = uploaded = skipped = timeouts = gen_tokens = agent_faults = 0
     tool_totals: dict = {}  # cumulative tool counters for the /status view (tool runs)
     gen_s = 0.0
     stall = StallReporter.from_config(f"worker{cfg.worker_id}", cfg)  # NothingToTrain: exit 7 (trainer/main.py)
     doing = {"now": "starting"}
     heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
-                          lambda: {"rounds": rounds, "skipped_groups": skipped, **tool_totals}).start()
+                          lambda: {"rounds": rounds, "skipped_groups": skipped, **tool_totals,
+                                   **({"agent_faults": agent_faults} if agents is not None else {})}).start()
     epochs_run_length(client, cfg, doing)  # num_train_epochs: the ranks' step count, for trainer_state.max_steps
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
@@ -130,6 +131,7 @@ def genonly(cfg: GRPOConfig) -> None:
             raise
         stall.maybe_log()
         timeouts += st.reward_timeouts
+        agent_faults += st.agent_faults  # rollouts with no reward: their agent failed (in /status)
         add_tool_totals(tool_totals, st.tools)
         gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds
         resume.write_json(state_path, resume.capture(sampler))
