@@ -255,9 +255,9 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     for g, ((ex, _), group, sc, rewards, penalty, shaped, adv) in enumerate(zip(kept, groups, scores, all_rewards,
                                                                               penalties, all_shaped, advantages)):
         tools = stats_extra(tool_stats[g * q:(g + 1) * q]) if tool_stats is not None else None
-        said = None
+        conv = None
         if agents is not None:  # each rollout's segment rows, sharing its reward and advantage
-            group, sc, rewards, penalty, shaped, adv, said = expand_group(ar.rows[g * q:(g + 1) * q], sc, rewards,
+            group, sc, rewards, penalty, shaped, adv, conv = expand_group(ar.rows[g * q:(g + 1) * q], sc, rewards,
                                                                           penalty, shaped, adv, cut(messages, g))
             if not group:  # no agent of the group called the endpoint: nothing to train
                 continue
@@ -293,8 +293,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/run/step_metrics.py)
             if (said := messages_extra(messages[g * q:(g + 1) * q])) is not None:  # TRL's parsed turns
                 extra["messages"] = said  # completions.jsonl's `messages`
-        if said is not None:
-            extra["agent_completion"] = said  # completions.jsonl's `completion`: the conversation
+        if conv is not None and (conv := messages_extra(conv)) is not None:  # if it fits the wire's room
+            extra["agent_completion"] = conv  # completions.jsonl's `completion`: the conversation
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
