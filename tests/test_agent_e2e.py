@@ -64,6 +64,7 @@ def agent_run(request, tmp_path_factory):
         return run_dir, logs
     assert "[check] ok   agent    my_agent.py:solve ran on row 0" in said, said[-3000:]
     assert "[check]      | user: 'Say it again.'" in said and "trained (sampled)" in said
+    assert "[check]      | <|im_start|>user" in said and "You are a helpful assistant" not in said  # no system prompt
     return run_dir, logs
 
 

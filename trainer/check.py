@@ -102,7 +102,8 @@ def check_data(c: Checker) -> str:
         return read + " (prompts not rendered: no tokenizer)"
     # counted as the model sees them: chat template, the tools section, what an environment's reset() adds
     examples, schemas, render_kw = _as_generated(c)
-    kept, _ = encode_prompts(c.tokenizer, examples, cfg.system_prompt, sys.maxsize, cfg.prompt_format, schemas,
+    system = None if cfg.agent else cfg.system_prompt  # an agent owns its prompt (counted so in rollouts too)
+    kept, _ = encode_prompts(c.tokenizer, examples, system, sys.maxsize, cfg.prompt_format, schemas,
                              template_kwargs=render_kw)
     over = [(row, len(ids)) for row, (_, ids) in enumerate(kept) if len(ids) > cfg.max_prompt_length]
     if over:
