@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from common.settings.agent_options import AgentOptions
 from common.settings.checks import LOSS_TYPES, ConfigChecks
 from common.settings.generation_options import GenerationOptions
 from common.settings.knobs import knob
@@ -23,7 +24,7 @@ from common.settings.trl_options import TRLOptions
 
 
 @dataclass
-class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, GenerationOptions, StartOrder, SpinLimits, Saving,
+class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, GenerationOptions, StartOrder, SpinLimits, Saving,
                  ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).

@@ -19,9 +19,10 @@ import time
 from common.placement.plan import describe as describe_placement
 
 MAX_PARTICIPANTS = 1000  # the table is bounded: identities come from clients
-# cumulative totals a client reports in its heartbeat; the tool_* ones (and completions) from tool runs
+# cumulative totals a client reports in its heartbeat; the tool_* ones (and completions) from tool runs,
+# agent_faults from agent runs (rollouts whose agent failed: reward None)
 _COUNTS = ("skipped_groups", "dropped_stale", "rounds", "completions", "tool_calls", "tool_failed", "tool_timed_out",
-           "tool_malformed", "all_steps")  # all_steps: a rank's run length (workers' trainer_state.max_steps)
+           "tool_malformed", "all_steps", "agent_faults")  # all_steps: a rank's run length (trainer_state.max_steps)
 
 
 def _clean(value: object, limit: int = 80) -> str:

@@ -181,3 +181,11 @@ def test_a_worker_takes_the_ranks_step_count_under_num_train_epochs(server):
     plain = GRPOConfig(all_steps=5)
     epochs_run_length(None, plain, doing)  # no client call at all
     assert plain.all_steps == 5
+
+
+def test_agent_faults_from_heartbeats_are_kept():
+    t = HeartbeatTable()
+    t.on_heartbeat({"id": "worker0", "role": "worker", "host": "h", "version": 1},
+                   {"state": "generating", "rounds": 3, "agent_faults": 5})
+    rows, _ = t.snapshot(stall_warn=100)
+    assert rows[0]["agent_faults"] == 5  # GET /status: rollouts whose agent failed (trainer/worker.py)

@@ -71,6 +71,7 @@ def test_generate_batches_with_tools(tok):
     assert stats.tools["turns"] == [2.0] * 3
     # the turns as TRL's parse_response gives them (what the rewards got), on the wire for completions.jsonl
     call, result, answer = b.extra["messages"][0]
+    assert "agent_completion" not in b.extra  # an agent run's only (completions.jsonl keeps the text here)
     assert call["content"] == "" and call["reasoning_content"] == "apples"  # no <tool_call> markup, no <think>
     assert call["tool_calls"] == [{"type": "function", "function": {"name": "mul", "arguments": {"a": 12, "b": 34}}}]
     assert result == {"role": "tool", "name": "mul", "content": "408"} and answer["content"] == "<answer> 408 </answer>"

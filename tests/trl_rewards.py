@@ -178,3 +178,10 @@ def slow_batch(prompts, completions, **kwargs):
     import time
     time.sleep(1.3)
     return [1.0] * len(completions)
+
+
+def said_turns(prompts, completions, **kwargs):
+    """Conversational signature (agent runs): prompts are message lists, completions the messages after them; the
+    reward is the number of assistant turns plus 10 times the user turns the conversation added."""
+    assert all(isinstance(p, list) and isinstance(c, list) for p, c in zip(prompts, completions)), prompts
+    return [sum(m["role"] == "assistant" for m in c) + 10.0 * sum(m["role"] == "user" for m in c) for c in completions]

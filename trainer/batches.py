@@ -8,6 +8,7 @@ import time
 from common.config import GRPOConfig
 from common.wire.client import RefServerError
 from common.wire.protocol import ProtocolError, ScoredBatch, collate
+from trainer.agents.rollout import AgentRollouts
 from trainer.dist.comm import all_reduce_int
 from trainer.engines.hf import HFEngine
 from trainer.objective.update import truncated_mask
@@ -75,6 +76,9 @@ class BatchSource:
                                gen_batch_size=cfg.gen_batch_size, synced_gpus=lockstep,
                                extra=cfg.sampling_extras(),
                                seq_len=cfg.max_prompt_length + cfg.max_new_tokens)  # batches to its GPU's memory
+        # `agent`: the user's agent makes this rank's own rollouts too, against an endpoint on this engine (not
+        # under ZeRO-3 lockstep: refused at start, common/settings/agent_options.py)
+        self.agents = AgentRollouts.from_config(cfg, self.engine, tokenizer)
         self.in_flight = 0  # batches we uploaded and have not seen come back (any rank may take them)
         self.outages_at_upload = 0  # client.outages when we last uploaded: a later outage means a server died
         self.stall = StallReporter.from_config(producer_id, cfg)  # says so when every group is skipped; exit 7
@@ -201,7 +205,7 @@ class BatchSource:
         self._doing("generating its own rollouts")
         batches, st = generate_batches(self.engine, self.tok, self.sampler.next_batch(self.cfg.Q_batch_size),
                                        self.cfg, self.scorer, policy_version, self.producer_id, self.toolbox,
-                                       epoch=self.sampler.progress())
+                                       epoch=self.sampler.progress(), agents=self.agents)
         info["gen_s"] += time.time() - t0
         _merge_stats(gen, st)
         self._doing("uploading its rollouts to the ref server {url}")

@@ -1,5 +1,5 @@
 """Find in seconds what would fail in minutes: `./launch.sh check [launch.sh options] -- [trainer args]`, and the
-checks `./launch.sh train` runs before it starts anything. No model weights are loaded.
+checks `./launch.sh train` runs before it starts anything. No model weights are loaded (but for `agent`).
 
 One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
     config   the trainer's config parses and validates (TRL names included)
@@ -8,6 +8,9 @@ One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
              (the first prompt is printed as the model will see it, template and all)
     rewards  every reward function imports as the workers import it (common/user_code.py) and scores a whole group
              (num_generations completions) of each of the first rows, as training does
+    agent    with `agent`, in place of `rewards`: the agent once on the first row against the real endpoint (the
+             model's weights loaded), its conversation and token counts printed, its rollout scored
+             (trainer/check_agent.py)
     tools    with tools/environment_factory: each tool imports and has a JSON schema (one line per tool), and the
              chat template shows them to the model: which family parses the calls, which chat template the
              run renders with (TRL's training template where TRL swaps one in), refused where TRL refuses
@@ -69,7 +72,8 @@ def check_config(c: Checker, argv: list[str]) -> str:
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("gen_backend vllm (TRL: use_vllm true) but vLLM is not installed in this environment")
-    specs = c.cfg.reward_specs() + [f"{n} (get_reward)" for n in c.cfg.env_reward_names()]
+    specs = c.cfg.reward_specs() + [f"{n} (get_reward)" for n in c.cfg.env_reward_names()] + [
+        f"{n} (the agent's own)" for n in c.cfg.agent_reward_names()]
     return f"model {c.cfg.model}, data {c.cfg.data}, rewards {','.join(map(str, specs))}, workers " \
            f"generate with {backend_words(c.cfg)}"
 
@@ -98,7 +102,8 @@ def check_data(c: Checker) -> str:
         return read + " (prompts not rendered: no tokenizer)"
     # counted as the model sees them: chat template, the tools section, what an environment's reset() adds
     examples, schemas, render_kw = _as_generated(c)
-    kept, _ = encode_prompts(c.tokenizer, examples, cfg.system_prompt, sys.maxsize, cfg.prompt_format, schemas,
+    system = None if cfg.agent else cfg.system_prompt  # an agent owns its prompt (counted so in rollouts too)
+    kept, _ = encode_prompts(c.tokenizer, examples, system, sys.maxsize, cfg.prompt_format, schemas,
                              template_kwargs=render_kw)
     over = [(row, len(ids)) for row, (_, ids) in enumerate(kept) if len(ids) > cfg.max_prompt_length]
     if over:
@@ -270,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         c.run("data", lambda: check_data(c))
         if c.cfg.reward_models():
             c.run("reward models", lambda: check_reward_models(c))
-        c.run("rewards", lambda: check_rewards(c))
+        if c.cfg.agent:  # the agent once against the real endpoint, its rollout scored (trainer/check_agent.py)
+            from trainer.check_agent import check_agent
+            c.run("agent", lambda: check_agent(c))
+        else:
+            c.run("rewards", lambda: check_rewards(c))
         if c.cfg.tools or c.cfg.environment_factory:
             from trainer.check_tools import check_tools
             check_tools(c)

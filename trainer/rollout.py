@@ -18,6 +18,7 @@ from common.logprobs import forward_calls, sequence_logprobs
 from common.pack_choice import choose_packed
 from common.prompts import SYSTEM_PROMPT
 from common.wire.protocol import RolloutBatch
+from trainer.agents.rollout import expand_group
 from trainer.data.loading import Example, build_prompt
 from trainer.data.prompt_formats import resolve_format
 from trainer.dist.comm import all_reduce, all_reduce_int
@@ -39,6 +40,7 @@ class RolloutStats:
     rewards: list = field(default_factory=list)
     components: dict = field(default_factory=dict)
     tools: dict = field(default_factory=dict)  # tool run: per-completion statistics (trainer/tools/loop.py)
+    agent_faults: int = 0  # agent run: rollouts whose agent raised, timed out or never called (reward None)
     skipped_samples: list = field(default_factory=list)  # a few (completion, {reward: value}) of skipped groups
 
 
@@ -186,8 +188,8 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
 
 
 def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg, scorer,
-                     policy_version: int = 0, producer_id: str = "", toolbox=None, epoch: float = 0.0
-                     ) -> tuple[list[RolloutBatch], RolloutStats]:
+                     policy_version: int = 0, producer_id: str = "", toolbox=None, epoch: float = 0.0,
+                     agents=None) -> tuple[list[RolloutBatch], RolloutStats]:
     """One generation round: a RolloutBatch per prompt group with reward spread.
 
     toolbox (trainer/tools ToolBox, or None): multi-turn rollouts with tools; the batches then carry a loss_mask
@@ -195,6 +197,8 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     messages where the prompt is conversational (scorer.score_group).
 
     scorer: a trainer.rewards.scoring.RewardScorer (rewards, per-function components, timeouts per group).
+    agents (trainer/agents/rollout.py AgentRollouts, or None): the user's agent makes each rollout; its
+    segment rows share their rollout's reward and advantage, with a loss_mask and extra["agent_completion"].
     epoch: passes over the training data so far (PromptSampler.progress()), TRL's trainer_state.epoch.
     gen_logps are the engine's own logprobs when it returns them (vLLM, no second forward), otherwise
     one forward of the HF engine's model, the same computation the trainer does."""
@@ -202,22 +206,29 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     stats = RolloutStats()
     # a tool run renders with TRL's training chat template where it swaps one in (ToolBox.template_kwargs)
     render_kw = toolbox.template_kwargs if toolbox is not None else cfg.chat_template_kwargs
-    kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, cfg.system_prompt, cfg.max_prompt_length,
+    system = None if agents is not None else cfg.system_prompt  # an agent owns its prompt: none added to count it
+    kept, stats.skipped_long_prompt = encode_prompts(tokenizer, examples, system, cfg.max_prompt_length,
                                                      cfg.prompt_format, toolbox.prompt_tools if toolbox else None,
                                                      render_kw)
     synced = getattr(engine, "synced_gpus", False)  # ZeRO-3 ranks generating together (trainer/batches.py)
     if not kept and not synced:
         return [], stats
-    samples, messages, tool_stats = sample_groups(
-        engine, tokenizer, kept, cfg.num_pre_Q, cfg.max_new_tokens, toolbox=toolbox,
-        max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
-        prompt_format=cfg.prompt_format, template_kwargs=render_kw,
-        snapshots=getattr(scorer, "wants_environments", False))
     q = cfg.num_pre_Q
+    if agents is not None:  # the user's agent per rollout, against this engine's endpoint
+        ar = agents.round(kept, q, policy_version)
+        stats.agent_faults = ar.faults
+        samples, messages, tool_stats, env_rewards, envs, seen = ar.samples, ar.messages, None, ar.env_rewards, \
+            None, ar.prompts
+    else:
+        samples, messages, tool_stats = sample_groups(
+            engine, tokenizer, kept, q, cfg.max_new_tokens, toolbox=toolbox,
+            max_iterations=cfg.max_tool_calling_iterations, system_prompt=cfg.system_prompt,
+            prompt_format=cfg.prompt_format, template_kwargs=render_kw,
+            snapshots=getattr(scorer, "wants_environments", False))
+        env_rewards = [s.get("env_rewards") for s in tool_stats] if tool_stats is not None else None
+        envs = [s.get("environment") for s in tool_stats] if tool_stats is not None else None  # TRL's environments
+        seen = started_prompts([ex for ex, _ in kept for _ in range(q)], tool_stats)
     groups = [samples[g * q:(g + 1) * q] for g in range(len(kept))]
-    env_rewards = [s.get("env_rewards") for s in tool_stats] if tool_stats is not None else None
-    envs = [s.get("environment") for s in tool_stats] if tool_stats is not None else None  # TRL's `environments`
-    seen = started_prompts([ex for ex, _ in kept for _ in range(q)], tool_stats)
     # TRL's trainer_state: the policy version that sampled these rollouts, the run's length, the passes over the data
     scorer.set_state(policy_version, cfg.all_steps, epoch)
     cut = lambda xs, g: xs[g * q:(g + 1) * q] if xs is not None else None  # noqa: E731 - group g's share
@@ -244,6 +255,12 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
     for g, ((ex, _), group, sc, rewards, penalty, shaped, adv) in enumerate(zip(kept, groups, scores, all_rewards,
                                                                               penalties, all_shaped, advantages)):
         tools = stats_extra(tool_stats[g * q:(g + 1) * q]) if tool_stats is not None else None
+        conv = None
+        if agents is not None:  # each rollout's segment rows, sharing its reward and advantage
+            group, sc, rewards, penalty, shaped, adv, conv = expand_group(ar.rows[g * q:(g + 1) * q], sc, rewards,
+                                                                          penalty, shaped, adv, cut(messages, g))
+            if not group:  # no agent of the group called the endpoint: nothing to train
+                continue
         rows = [(s.prompt_ids, s.completion_ids) for s in group]
         truncated = [s.truncated for s in group]
         stats.groups += 1
@@ -276,13 +293,15 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/run/step_metrics.py)
             if (said := messages_extra(messages[g * q:(g + 1) * q])) is not None:  # TRL's parsed turns
                 extra["messages"] = said  # completions.jsonl's `messages`
+        if conv is not None and (conv := messages_extra(conv)) is not None:  # if it fits the wire's room
+            extra["agent_completion"] = conv  # completions.jsonl's `completion`: the conversation
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
                              rewards=torch.nan_to_num(rewards, nan=0.0),  # the wire takes finite rewards
                              policy_version=policy_version, producer_id=producer_id,
                              batch_id=uuid.uuid4().hex, extra=extra,
-                             loss_mask=loss_mask(group) if toolbox is not None else None)
+                             loss_mask=loss_mask(group) if toolbox is not None or agents is not None else None)
         if cfg.compute_gen_logps and group[0].logprobs is not None:
             batch.gen_logps = engine_logps(group)
             batch.extra["gen_logps_source"] = "engine"  # the trainer's mismatch metric compares against these

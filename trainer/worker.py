@@ -21,6 +21,7 @@ from common.settings.gen_defaults import resolve_at_start
 from common.weights.sync import WeightSync
 from common.wire.client import RefServerError
 from trainer import resume
+from trainer.agents.rollout import AgentRollouts
 from trainer.data import run_data
 from trainer.data.loading import PromptSampler
 from trainer.dist.nodes import host_label
@@ -70,19 +71,21 @@ def genonly(cfg: GRPOConfig) -> None:
         wait_for_workers(client, cfg)
     engine = make_engine(cfg, model_path, tokenizer=tok)  # after wait_ready: the server may still be loading
     log.info("generation engine: %s, eos ids %s", cfg.gen_backend, engine.eos_ids)
+    agents = AgentRollouts.from_config(cfg, engine, tok)  # None without `agent`: its endpoint on this engine
     syncer = (WeightSync(client=None if cfg.sync_dir else client, sync_dir=cfg.sync_dir, delta=cfg.sync_delta)
               if cfg.sync_steps else None)
     # LoRA runs publish adapters only (merged into W0 here); a delta brings only the tensors that changed
     load_policy = policy_loader(engine, model_path, held=lambda: syncer.held,
                                 revision=cfg.load_options().get("revision"))
 
-    rounds = uploaded = skipped = timeouts = gen_tokens = 0
+    rounds = uploaded = skipped = timeouts = gen_tokens = agent_faults = 0
     tool_totals: dict = {}  # cumulative tool counters for the /status view (tool runs)
     gen_s = 0.0
     stall = StallReporter.from_config(f"worker{cfg.worker_id}", cfg)  # NothingToTrain: exit 7 (trainer/main.py)
     doing = {"now": "starting"}
     heartbeat = Heartbeat(client, cfg.heartbeat_s, lambda: doing["now"],
-                          lambda: {"rounds": rounds, "skipped_groups": skipped, **tool_totals}).start()
+                          lambda: {"rounds": rounds, "skipped_groups": skipped, **tool_totals,
+                                   **({"agent_faults": agent_faults} if agents is not None else {})}).start()
     epochs_run_length(client, cfg, doing)  # num_train_epochs: the ranks' step count, for trainer_state.max_steps
     t_start = time.time()
     while not stop["now"] and (cfg.worker_rounds == 0 or rounds < cfg.worker_rounds):
@@ -106,7 +109,7 @@ def genonly(cfg: GRPOConfig) -> None:
             doing["now"] = (f"{note}; " if note else "") + f"generating round {rounds + 1}"
             batches, st = generate_batches(engine, tok, sampler.next_batch(cfg.Q_batch_size), cfg, scorer,
                                            policy_version=version, producer_id=f"worker{cfg.worker_id}",
-                                           toolbox=toolbox, epoch=sampler.progress())
+                                           toolbox=toolbox, epoch=sampler.progress(), agents=agents)
             for rb in batches:
                 if stop["now"]:
                     break
@@ -128,6 +131,7 @@ def genonly(cfg: GRPOConfig) -> None:
             raise
         stall.maybe_log()
         timeouts += st.reward_timeouts
+        agent_faults += st.agent_faults  # rollouts with no reward: their agent failed (in /status)
         add_tool_totals(tool_totals, st.tools)
         gen_tokens, gen_s = gen_tokens + st.completion_tokens, gen_s + st.seconds
         resume.write_json(state_path, resume.capture(sampler))
@@ -137,6 +141,8 @@ def genonly(cfg: GRPOConfig) -> None:
     scorer.close()
     if toolbox is not None:
         toolbox.close()
+    if agents is not None:
+        agents.close()
     heartbeat.stop("done")
     log.info("worker done: %d rounds, %d batches uploaded in %.0f s, %d reward_timeouts; generated %d tokens in "
              "%.1f s: %.1f tokens/s", rounds, uploaded, time.time() - t_start, timeouts, gen_tokens, gen_s,

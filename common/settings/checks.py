@@ -74,7 +74,7 @@ class ConfigChecks(RewardSources, RewardModels):
              "max_tool_calling_iterations must be >= 0 (or null = no limit)"),
             (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
             (self.tool_output_chars >= 50, "tool_output_chars must be >= 50 (room for the truncation note)"),
-        ]
+        ] + [(False, msg) for msg in self.agent_errors()]  # issue 61
         checks += [  # --- generation engine / mismatch (issue 12) ---
             (self.gen_backend in ("hf", "vllm", "auto"),
              f"unknown gen_backend {self.gen_backend!r}; use hf, vllm or auto"),

@@ -33,13 +33,14 @@ class RewardSources:
         """reward_fns as a list. Not given (null): the built-in correct,format, unless an environment gives the
         reward, which is then the only one (TRL: reward_funcs may be empty; nothing is added silently)."""
         if self.reward_fns is None:
-            return [] if self.env_reward_names() else list(DEFAULT_REWARDS)
+            # an agent's own float is a reward too (issue 61): then it is the only one, as an environment's
+            return [] if self.agent or self.env_reward_names() else list(DEFAULT_REWARDS)
         fns = self.reward_fns if isinstance(self.reward_fns, list) else str(self.reward_fns).split(",")
         return [str(f).strip() for f in fns if str(f).strip()]
 
     def reward_source_errors(self) -> list[str]:
         """One line when nothing gives a reward (reward_fns: [] without an environment reward)."""
-        if self.reward_fns is None or self.reward_specs():
+        if self.reward_fns is None or self.reward_specs() or self.agent:  # an agent's float: the reward
             return []
         if tool_spec_errors([], self.environment_factory):  # a spec that names no class: said by its own check
             return []

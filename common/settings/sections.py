@@ -23,6 +23,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "vllm_tensor_parallel_size"]),
     ("tools", "Multi-turn rollouts: tools the model calls while it generates (docs/tools.md).", [
         "tools", "environment_factory", "max_tool_calling_iterations", "tool_timeout", "tool_output_chars"]),
+    ("agents", "Your own agent program as the rollout, against the worker's OpenAI-compatible endpoint "
+               "(docs/agents.md).", ["agent", "agent_timeout", "agent_max_concurrency"]),
     ("objective", "The GRPO loss: KL, clipping, advantages, aggregation, off-policy correction, variants.", [
         "beta", "loss_type", "eps_low", "eps_high", "advantage_mode", "aggregation", "mu", "mask_truncated",
         "train_zero_spread", "logp_temperature", "old_logps", "vllm_importance_sampling_correction",

@@ -11,7 +11,7 @@ and the SDK raises in it, and nothing waits for it. An agent that raises, outrun
 endpoint, or returns something other than None or a number has `error` set (its rollout's reward is None: TRL's
 all-None semantics); an async agent that blocks the loop without awaiting cannot be cut by its timeout.
 
-Not yet called by the worker (docs/agents.md).
+Called per generation round by trainer/agents/rollout.py (docs/agents.md).
 """
 from __future__ import annotations
 

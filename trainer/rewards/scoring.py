@@ -129,11 +129,14 @@ class RewardScorer:
     def from_config(cls, cfg, reward_models: bool = True) -> RewardScorer:
         """reward_models=False: the reward functions only (launch.sh check: no ref server to score with)."""
         conversational = {"messages": True, "auto": None, "trl": None}.get(cfg.prompt_format, False)
+        conversational = True if getattr(cfg, "agent", None) else conversational  # an agent's rollout: messages
         specs, weights = cfg.reward_specs(), cfg.reward_weights
         if not reward_models:
             keep = [i for i in range(len(specs)) if i not in {m["index"] for m in cfg.reward_models()}]
             specs, weights = [specs[i] for i in keep], [weights[i] for i in keep] if weights else weights
-        return cls(specs, weights, cfg.reward_timeout, conversational, cfg.env_reward_names(),
+        # an agent's own float: one more reward named after its function, weight 1, as an environment's (issue 61)
+        return cls(specs, weights, cfg.reward_timeout, conversational,
+                   cfg.env_reward_names() + cfg.agent_reward_names(),
                    reward_model_fns(cfg) if reward_models else None, bool(cfg.environment_factory))
 
     def set_state(self, global_step: int, max_steps: int = 0, epoch: float = 0.0) -> None:

@@ -8,7 +8,9 @@ rewards saw it), rewards (function name -> value, null where a function did not 
 sum), advantage, policy_version and producer (the worker or rank that generated it). A tool run's rows also have
 tokens / model_tokens and `messages`: the completion as TRL logs it and its rewards got it (assistant turns as
 TRL's parse_response gives them, `content` without the call markup, the calls in `tool_calls`; the tool turns),
-for a group whose messages fit the batch's room on the wire (trainer/tools/loop.py messages_extra).
+for a group whose messages fit the batch's room on the wire (trainer/tools/loop.py messages_extra). An agent
+run's `completion` is its session's conversation after the first request's messages, a list of {role, content,
+tool_calls?} (trainer/agents/rollout.py).
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def completion_rows(batches: list[ScoredBatch], tokenizer, step: int) -> list[di
                 rows[-1].update(tokens=c, model_tokens=int(b.loss_mask[i, :c].sum()))
             if len(b.extra.get("messages") or []) == b.num_rows:  # a tool run: the turns as TRL parses them
                 rows[-1]["messages"] = b.extra["messages"][i]
+            if len(b.extra.get("agent_completion") or []) == b.num_rows:  # an agent run: its conversation
+                rows[-1]["completion"] = b.extra["agent_completion"][i]
     return rows
 
 
