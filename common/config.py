@@ -2,8 +2,7 @@
 
     cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])  # common/settings/knobs.py
 
-Every field carries a `help` string in its metadata; `--help` prints them all. The same machinery
-(common/settings/knobs.py) serves the ref server's `ServerConfig` (ref_server/config.py).
+Every field carries a `help` string; `--help` prints them all. The same machinery serves ref_server/config.py.
 """
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ from common.settings.trl_options import TRLOptions
 
 
 @dataclass
-class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, GenerationOptions, StartOrder, SpinLimits, Saving,
-                 ConfigChecks):
+class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, GenerationOptions, StartOrder, SpinLimits,
+                 Saving, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
     validate() and the rules it checks: common/settings/checks.py; more fields: the mixins of common/settings/."""
