@@ -60,11 +60,16 @@ def common_flags(p: argparse.ArgumentParser, run_dir: bool = True, run_dir_requi
         p.add_argument("--run-dir", required=run_dir_required, help="this host's own run directory (logs, checkpoints)")
 
 
+def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launch.sh's own options, the trainer's: what follows `--`)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_extra(argv)
     p = ArgumentParser(prog="launch.sh", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="role", required=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common.run_record import write_end, write_start
 from common.settings.cli import ArgumentParser
-from trainer.dist.hosts import ROOT, caller_path, trainer_args
+from trainer.dist.hosts import ROOT, caller_path, split_extra, trainer_args
 from trainer.dist.slurm_plan import AllocationError, Plan, make_plan, shared_marker, this_node
 from trainer.run.requeue import EXIT_REQUEUE, STOP_FILE, request_stop
 
@@ -35,10 +35,7 @@ SHARED_WAIT_S = 60  # how long a node looks for node 0's marker (a network files
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_extra(argv)
     p = ArgumentParser(prog="launch.sh slurm", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, help="the run directory, on storage every node and the login "
