@@ -75,12 +75,13 @@ class RewardModels:
     @staticmethod
     def render(tok, prompt, completion, template_kwargs: dict | None = None) -> str:
         """The text TRL scores: the chat template over prompt + completion messages (TRL's apply_chat_template, imported
-        here, lazily: ~1 s once), or prompt + completion."""
+        here, lazily: ~1 s once, through common/trl_import.py like every TRL import), or prompt + completion."""
         if isinstance(prompt, list):
-            from trl.data_utils import apply_chat_template
+            from common.trl_import import trl_module
 
             turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-            return apply_chat_template({"messages": list(prompt) + list(turns)}, tok, **(template_kwargs or {}))["text"]
+            return trl_module("data_utils").apply_chat_template({"messages": list(prompt) + list(turns)}, tok,
+                                                                **(template_kwargs or {}))["text"]
         return str(prompt) + (completion if isinstance(completion, str) else "".join(
             str(t.get("content") or "") for t in completion))
 
