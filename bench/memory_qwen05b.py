@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,14 +24,10 @@ from pathlib import Path
 
 import psutil
 
+from common.listen import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the real-vocabulary builder lives with the tests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def role(p: psutil.Process) -> str | None:

@@ -26,13 +26,9 @@ from pathlib import Path
 import psutil
 import requests
 
+from common.listen import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(p: psutil.Process) -> float:

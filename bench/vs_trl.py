@@ -197,7 +197,7 @@ def run_trl(a, python: Path, sft: str, prompts: Path, out: Path, threads: int) -
 
 
 def run_ours(a, sft: str, out: Path) -> dict:
-    from trainer.demo.phases import free_port
+    from common.listen import free_port
     from trainer.run.metrics import read_metrics
 
     cmd = [str(REPO / "launch.sh"), "train", *(["--skip-checks"] if a.smoke else []), "--run-dir", str(out),

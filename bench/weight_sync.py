@@ -28,60 +28,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import requests
 import torch
 
 from common.weights.delta import as_bits
 from common.weights.sync import WeightSync
 from common.wire.client import RefClient
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_lib, next to this script
+from bench_lib.relay import start_server  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: torch.nn.Module) -> tuple[subprocess.Popen, str]:
-    """A real ref server process; it only relays weights, so it loads the tiny model as its reference. Its
-    --max_weights_mb fits `model` published in float32 (the widest dtype a publish uses) plus 64 MiB for the
-    header: the default, derived from the tiny model (~70 MiB, ref_server/weights_limit.py), would refuse the
-    published weights with 413. (ref_server.weights_limit cannot be imported here: bench/ref_server.py shadows
-    the package for a script run from bench/.)"""
-    from common.tiny_model import ensure_tiny_model
-    limit_mb = math.ceil(sum(p.numel() for p in model.parameters()) * 4 / (1 << 20)) + 64
-    port = free_port()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    log = tempfile.TemporaryFile()  # its output, shown if it does not start
-    srv = subprocess.Popen([sys.executable, "-m", "ref_server", "--model", str(ensure_tiny_model()), "--port",
-                            str(port), "--max_weights_mb", str(limit_mb)],
-                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if requests.get(url + "/health", timeout=1).ok:
-                return srv, url
-        except requests.RequestException:
-            if srv.poll() is not None:
-                break
-            time.sleep(0.2)
-    srv.terminate()
-    srv.wait(30)
-    log.seek(0)
-    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
-    raise SystemExit("ref server did not start: " + " | ".join(tail))
 
 
 QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
@@ -211,24 +172,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--qwen_layers", type=int, default=24,
                    help="decoder layers of the Qwen2.5-0.5B-shaped model (24, its own; fewer: less memory, the same "
                         "width and vocabulary)")
-    p.add_argument("--relay_vs_file", action="store_true", help="the older benchmark: relay vs a local file")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=5, help="--relay_vs_file: best-of-N for both sides")
+    p.add_argument("--relay_vs_file", action="store_true",
+                   help="the older benchmark, relay vs a local file: bench/weight_sync_file.py, which takes the "
+                        "arguments after this one (see its --help)")
     p.add_argument("--smoke", action="store_true",
                    help="seconds-long run (the test suite's): 1 step per lr on a 2-layer, hidden-256 body with the "
-                        "real vocabulary; with --relay_vs_file: hidden 128, 2 layers, vocab 32000, 2 repeats")
+                        "real vocabulary")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--relay_vs_file" in argv:
+        from weight_sync_file import main as relay_vs_file  # next to this script (it imports nothing of this one)
+        return relay_vs_file([x for x in argv if x != "--relay_vs_file"])
     a = p.parse_args(argv)
     if a.smoke:
         a.steps = 1
-        if a.relay_vs_file:
-            a.hidden, a.layers, a.vocab, a.repeats = 128, 2, 32000, 2
-    if a.relay_vs_file:
-        from weight_sync_file import relay_vs_file  # next to this script
-        relay_vs_file(a, start_server)
-    else:
-        delta_study(a)
+    delta_study(a)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ written to a local file, fsync'd, and read back into memory. ratio = file_copy_s
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -23,6 +25,9 @@ import torch
 from common.weights.blob import parameters_blob
 from common.weights.sync import WeightSync
 from common.wire.client import RefClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_lib, next to this script
+from bench_lib.relay import start_server  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, vocab: int):
@@ -86,8 +91,23 @@ def relay_vs_file(a, start_server) -> None:
                       "ratio": round(copy_s / sync_s, 3), "bytes": len(blob), "repeats": a.repeats}))
 
 
-if __name__ == "__main__":  # the same as bench/weight_sync.py --relay_vs_file [--smoke ...]
-    from weight_sync import main  # next to this script
-    main(["--relay_vs_file", *sys.argv[1:]])
+def main(argv: list[str] | None = None) -> None:
+    """Also what `bench/weight_sync.py --relay_vs_file ARGS` runs."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeats", type=int, default=5, help="best-of-N for both sides")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds-long run (the test suite's): hidden 128, 2 layers, vocab 32000, 2 repeats")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.hidden, a.layers, a.vocab, a.repeats = 128, 2, 32000, 2
+    relay_vs_file(a, start_server)
+
+
+if __name__ == "__main__":
+    main()
     from common.fast_exit import exit_cleanly  # done: skip the interpreter's teardown (~1-2 CPU-s after torch)
     exit_cleanly(0)

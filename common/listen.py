@@ -1,7 +1,8 @@
 """The ref server's listening socket, and the check that a port is free for it (trainer/check.py): one function, so
 the check binds exactly what the server will bind (its host, SO_REUSEADDR) and a port left in TIME-WAIT by a run
-that just ended counts as free, as it is for the server. And a free port for a listener started seconds later
-(launch.sh's DeepSpeed master port)."""
+that just ended counts as free, as it is for the server. And free ports for the project's scripts: `free_port` (the
+OS's pick, for a listener bound at once) and `free_port_for_later` (launch.sh's DeepSpeed master port, bound seconds
+later). The one definition outside tests/ (issue 64)."""
 from __future__ import annotations
 
 import random
@@ -32,6 +33,14 @@ def ephemeral_range() -> tuple[int, int]:
         return int(lo), int(hi)
     except (OSError, ValueError):
         return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on `host`, as the OS hands out for bind(0): for a server the caller starts right away (a ref
+    server, a demo's or bench's run). A listener bound seconds later wants free_port_for_later."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def free_port_for_later(host: str = "127.0.0.1") -> int:

@@ -255,7 +255,7 @@ def test_registry_the_cuda_12_set_resolves_and_its_vllm_has_the_api_the_engine_u
 
 def test_gpu_check_says_why_torch_sees_no_gpu(tmp_path, monkeypatch):
     import importlib.util
-    monkeypatch.setattr(sys, "path", list(sys.path))  # gpu_check.py puts bench/ first (bench/ref_server.py)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # gpu_check.py puts bench/ first
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)

@@ -21,7 +21,7 @@ def models(request):
     """The check's CPU model (its --smoke shape), built once in pytest's cache (as conftest's qwen_instruct_dir) and
     passed as --models, instead of once per test in each --work: building the real-vocabulary checkpoint is not what
     either test checks (tests/test_qwen_vocab.py does), and it is not under the check's deadline."""
-    with pytest.MonkeyPatch.context() as mp:  # bench/ off the path again after (bench/ref_server.py would shadow)
+    with pytest.MonkeyPatch.context() as mp:  # bench/ off the path again after (kept off: bench/ first shadows)
         mp.syspath_prepend(str(REPO / "bench"))
         from gpu_check import SIZES
     return qwen_vocab_dir(request, "instruct", **SIZES["cpu"]).parent

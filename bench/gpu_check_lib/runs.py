@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,9 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # common/ on a bare GPU machine (GRPO_PYTHON, no editable install)
+from common.listen import free_port  # noqa: E402
+
 VARIANTS = {  # trainer flags of each run; the rank trains bf16 weights in all of them
     "zero2_vllm": ["--zero_stage", "2", "--bf16", "true"],  # + --gen_backend vllm where vLLM imports
     "zero3_micro_packed": ["--zero_stage", "3", "--bf16", "true", "--micro_batch_size", "3", "--padding_free", "true"],
@@ -28,12 +30,6 @@ GIB_RE = re.compile(r"= ([\d.]+) GiB")
 # cmdline marker -> process (first match; the rank's command names --ref_server, the launcher's trainer/main.py)
 ROLES = (("genonly", "worker0"), ("-m ref_server", "ref_server"), ("deepspeed.launcher", None), ("bin/deepspeed", None),
          ("trainer/main.py", "rank0"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_cmd(model: Path, variant: str, run: Path, steps: int, max_new_tokens: int, vllm: bool,

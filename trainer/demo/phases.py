@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from common.listen import free_port
 from trainer.demo.plot import make_plot
 from trainer.demo.tool_report import tool_summary, tool_table
 
@@ -30,12 +30,6 @@ class Log:
 
     def banner(self, msg: str) -> None:
         self(f"\n=== {msg} " + "=" * max(3, 76 - len(msg)))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch_size: int, device: str) -> dict:

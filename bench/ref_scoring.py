@@ -1,7 +1,7 @@
 """Ref server benchmarks (not a test). Prints ratios; the last line is one JSON object.
 
-    .venv/bin/python bench/ref_server.py                 # both parts, defaults below
-    .venv/bin/python bench/ref_server.py --skip-memory   # throughput only
+    .venv/bin/python bench/ref_scoring.py                 # both parts, defaults below
+    .venv/bin/python bench/ref_scoring.py --skip-memory   # throughput only
 
 1. Throughput: upload -> score -> get through a real server process (HTTP, safetensors,
    queues; `--in-flight` batches outstanding) against the same sequence_logprobs calls made
@@ -28,7 +28,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common.listen import free_port  # noqa: E402
 from common.logprobs import logprobs_from_hidden, sequence_logprobs  # noqa: E402
 from common.wire.client import RefClient  # noqa: E402
 from common.wire.protocol import RolloutBatch  # noqa: E402
@@ -155,12 +155,6 @@ def run_through_server(client: RefClient, server: psutil.Process, batches: list[
     if errors:
         raise errors[0]
     return dt, cpu, got
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def throughput(a: argparse.Namespace) -> dict:
