@@ -5,13 +5,13 @@ hands over grad_accum training batches of scored groups -> train_update computes
 (common/logprobs.py) and the GRPO loss (trainer/objective/grpo.py, off-policy weights from
 trainer/objective/offpolicy.py) -> DeepSpeed backward per batch + one update -> metrics reduced over ranks
 (trainer/run/step_metrics.py) -> rank 0 publishes the weights for the genonly workers (trainer/publish.py over
-common/weights/sync.py).
+common/weights/sync.py). What a step reports (its row, completions.jsonl, the bar) is trainer/run/step_report.py:
+the loop's body is the algorithm's step, and fits on a screen.
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -33,8 +33,7 @@ from trainer.evaluate import CORRECTNESS_REWARDS
 from trainer.objective.update import metric_keys, new_round, starts_round, train_update
 from trainer.publish import Publisher
 from trainer.rewards.scoring import RewardScorer
-from trainer.rollout import RolloutStats
-from trainer.run.completions import CompletionLog, completion_rows, gather_rows
+from trainer.run.completions import CompletionLog
 from trainer.run.health import (
     EXIT_PEER_GONE,
     EXIT_UNUSABLE_BATCHES,
@@ -44,47 +43,15 @@ from trainer.run.health import (
     WeightsRefused,
     write_diagnosis,
 )
-from trainer.run.requeue import EXIT_REQUEUE, StopRequest, agreed
+from trainer.run.requeue import EXIT_REQUEUE, StopRequest
 from trainer.run.step_metrics import (
-    MAX_KEYS,
-    MEAN_KEYS,
-    SUM_KEYS,
-    batch_metrics,
-    mem_keys,
-    memory_row,
     model_summary,
-    reduce_metrics,
-    reward_logged_metrics,
-    reward_stats,
-    scored_rewards,
 )
+from trainer.run.step_report import StepReport, round_info
 from trainer.runtime import make_client, setup_logging
 from trainer.tools import ToolBox
-from trainer.tools.loop import add_tool_totals, tool_metric_keys
 
 log = logging.getLogger("trainer")
-
-
-def round_info(infos: list[dict]) -> dict:
-    """BatchSource's counters summed over the batches fetched this step (none on a round's later passes)."""
-    out = {"wait_s": 0.0, "gen_s": 0.0, "rejected_batches": 0, "dropped_stale": 0, "lost_batches": 0}
-    own = RolloutStats()
-    for info in infos:
-        for k in out:
-            out[k] += info[k]
-        for k, v in vars(info["own_gen"]).items():
-            if isinstance(v, (int, float)):
-                setattr(own, k, getattr(own, k) + v)
-    return {**out, "own_gen": own}
-
-
-def round_metrics(batches: list) -> dict:
-    """Reward metrics of the batches this step trained on, averaged over them; reward_mean / reward_std over their
-    scored completions together (TRL's nanmean / nanstd over the batch)."""
-    rows = [batch_metrics(b) for b in batches]
-    keys = set().union(*rows) - {"reward_mean", "reward_std"}
-    out = {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
-    return {**out, **reward_stats([v for b in batches for v in scored_rewards(b)])}
 
 
 def run_eval(model, tok, cfg: GRPOConfig, examples, lockstep: bool = False, scorer=None, toolbox=None) -> dict:
@@ -162,8 +129,6 @@ _is_dist_error = comm.is_dist_error  # gloo's and NCCL's words for a failed coll
 
 
 def _train(cfg: GRPOConfig, started: list) -> None:
-    from tqdm import tqdm
-
     from trainer.run.metrics import MetricsLogger
 
     deepspeed, rank, world, on_gpu = init_deepspeed(cfg)
@@ -232,82 +197,49 @@ def _train(cfg: GRPOConfig, started: list) -> None:
         if metrics:
             metrics.log(0, {**res, "phase": "eval_before"})
         watchdog.stepped()
+    report = StepReport(cfg, rank, world, start_step, setup_row, scorer.names, metric_keys(cfg), totals, metrics,
+                        completions, tok, stop, toolbox)
+    device = next(engine.module.parameters()).device
 
-    keys = MEAN_KEYS + [f"reward/{name}" for name in scorer.names]
-    keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
-    keys += tool_metric_keys(toolbox.names) if toolbox is not None else []  # tools/... per completion
-    objective_mean, objective_sum = metric_keys(cfg)  # IS weights, masked shares, GSPO band, round pass
-    keys += objective_mean
-    bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
-    stopping, step = False, start_step
-    while not stopping and step < cfg.all_steps:
+    def fetch(step: int, rnd):
+        """The step's batches: a new generation round of grad_accum batches every mu-th step, else the round's."""
+        if not starts_round(step, start_step, cfg.mu):
+            return rnd, round_info([]), False  # a later pass over the round's batches: nothing fetched
+        got = [source.next(policy_version=step - 1) for _ in range(cfg.grad_accum)]
+        rnd, info = new_round([g[0] for g in got], cfg, device), round_info([g[1] for g in got])
+        info["ref_skipped_batches"] = sum(b.ref_logps is None for b in rnd.batches)
+        return rnd, info, True
+
+    def checkpoint(step: int) -> None:
+        watchdog.activity = f"saving the checkpoint of step {step}"
+        states: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(states, resume.capture(source.sampler))
+        if nodes.is_node_leader():  # each host's own copy, before `latest` moves to this tag
+            resume.save_rank_states(out / "ds", f"step{step}", states)
+        save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
+
+    stopping, step, rnd = False, start_step, None
+    while not stopping and step < cfg.all_steps:  # the GRPO step: get a batch, update, report, publish, eval, save
         step, t0 = step + 1, time.time()
-        fetched = starts_round(step, start_step, cfg.mu)
-        if fetched:  # a new generation round: grad_accum batches for mu steps
-            got = [source.next(policy_version=step - 1) for _ in range(cfg.grad_accum)]
-            rnd = new_round([g[0] for g in got], cfg, next(engine.module.parameters()).device)
-            info = round_info([g[1] for g in got])
-            info["ref_skipped_batches"] = sum(b.ref_logps is None for b in rnd.batches)
-        else:  # a later pass over the round's batches: nothing fetched this step
-            info = round_info([])
+        rnd, info, fetched = fetch(step, rnd)
         t1 = time.time()
         watchdog.activity = f"training step {step}"
         stats = train_update(engine, rnd, cfg)
         watchdog.stepped()
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
         client.set_version(step)
-        own: RolloutStats = info["own_gen"]
-        versions = [b.policy_version for b in rnd.batches]
-        row = {**round_metrics(rnd.batches), **stats, "wait_s": info["wait_s"], "gen_s": info["gen_s"],
-               "skipped_groups": own.skipped_no_spread, "skipped_long_prompts": own.skipped_long_prompt,
-               "rejected_batches": info["rejected_batches"], "lost_batches": info["lost_batches"],
-               "staleness": sum((step - 1) - v for v in versions) / len(versions),
-               "tokens_per_s": sum(b.num_completion_tokens() for b in rnd.batches) / max(time.time() - t1, 1e-9),
-               "step_s": time.time() - t0, "round_pass": rnd.passes}
-        row["staleness_max"] = max((step - 1) - v for v in versions)
-        row["dropped_stale"] = info["dropped_stale"]
-        row["ref_skipped_batches"] = info.get("ref_skipped_batches", 0)
-        from_ranks = sum(b.producer_id.startswith(RANK_PRODUCER) for b in rnd.batches)  # trained this step, by producer
-        row["batches_from_ranks"], row["batches_from_workers"] = from_ranks, len(rnd.batches) - from_ranks
-        row.update(memory_row(rank, world))
-        if step == start_step + 1:
-            row.update(setup_row)  # trainable parameters, full-weights size: once, in the first row
-        mine = [int(i) for b in rnd.batches for i in b.extra.get("example_index", [])]  # what this rank trained on
-        trained: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(trained, (mine, stop.asked))  # with it: has any rank been asked to stop
-        trained, stopping = agreed(trained)
-        if cfg.log_completions and fetched and step % cfg.log_completions_steps == 0:  # every rank: a collective
-            rows = gather_rows(completion_rows(rnd.batches, tok, step))
-            if completions is not None:
-                completions.log(step, rows, metrics)
-        totals["dropped_stale"] += info["dropped_stale"]
-        add_tool_totals(totals, own.tools)  # what this rank's own rollouts called (the /status view)
+        row, stopping = report.row(step, rnd, info, stats, fetched, t0, t1)
         if publisher.active and step % cfg.sync_steps == 0:
             watchdog.activity = f"publishing the weights of step {step}"
             row.update(publisher.publish(step))
         watchdog.activity = f"exchanging the results of step {step} with the other ranks (collectives)"
-        once = list(setup_row) if step == start_step + 1 else []
-        row = reduce_metrics(row, keys, SUM_KEYS + objective_sum + mem_keys(world) + once, MAX_KEYS)
-        row.update(reward_logged_metrics(rnd.batches, row))  # TRL's log_metric, from the reward functions
+        row = report.reduce(step, row, rnd)
         if cfg.eval_steps and step % cfg.eval_steps == 0 and eval_examples:
             watchdog.activity = f"evaluating at step {step}"
             row.update(maybe_eval(step))
-        if rank == 0 and step % cfg.log_every == 0:
-            row["lr"] = engine.get_lr()[0]
-            row["example_indices"] = trained  # per rank: the examples trained this step (exact-resume check)
-            metrics.log(step, row)
-            tools = {"tools": f"{row['tools/calls_per_completion']:.2f}"} if toolbox is not None else {}
-            bar.set_postfix(loss=f"{row['loss']:.4f}", reward=f"{row.get('reward_mean', math.nan):.3f}",
-                            kl=f"{row['kl']:.4f}",
-                            **tools)  # tools: tool calls per completion
-        bar.update(1)
+        report.log(step, row, engine.get_lr)
         if cfg.save_strategy == "steps" and (step % cfg.save_steps == 0 or step == cfg.all_steps or stopping):
-            watchdog.activity = f"saving the checkpoint of step {step}"
-            states: list = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(states, resume.capture(source.sampler))
-            if nodes.is_node_leader():  # each host's own copy, before `latest` moves to this tag
-                resume.save_rank_states(out / "ds", f"step{step}", states)
-            save_step(engine, tok, out, step, cfg, rank, zero_stage, hf_dtype)
+            checkpoint(step)
     stopping = step < cfg.all_steps  # stopped for a requeue: no `final` yet
     if cfg.save_strategy == "steps" and not stopping:  # "no": a run that keeps no weights (save_options.py)
         watchdog.activity = "saving the final checkpoint"
@@ -315,9 +247,7 @@ def _train(cfg: GRPOConfig, started: list) -> None:
     scorer.close()
     if toolbox is not None:
         toolbox.close()
-    bar.close()
-    if metrics:
-        metrics.close()
+    report.close()
     watchdog.stop()  # before the final barrier: a peer may exit as soon as it is passed
     heartbeat.stop("stopped for a requeue" if stopping else "done")
     log.info(f"stopped at step {step} for a requeue: checkpoint ds/step{step}" if stopping else
