@@ -74,6 +74,9 @@ def test_an_openai_sdk_agent_trains_and_completions_hold_its_conversation(agent_
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["batches_from_ranks"] == 0 and r["batches_from_workers"] >= 1 for r in rows), rows
+    # every session made its two calls into one training row; no rollout lost its reward
+    assert all((r["agent/calls_per_rollout"], r["agent/segments_per_rollout"], r["agent/faults"]) == (2.0, 1.0, 0)
+               for r in rows), rows
     done = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert done and all(r["producer"] == "worker0" for r in done)
     for r in done:  # the session's conversation after its first request: reply, the follow-up, the second reply

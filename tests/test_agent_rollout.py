@@ -102,6 +102,31 @@ def test_a_follow_up_extends_one_row_and_a_failing_agent_has_no_reward(tok, capl
                                                {"role": "assistant", "content": "6"}]
     assert "agent solve: 2 of 4 rollouts have no reward (None): rollout 2 (row 1): raised ValueError: boom" \
         in caplog.text
+    assert b.extra["agent_faults"] == [2]  # metrics.jsonl's agent/faults (trainer/run/step_report.py)
+    assert b.extra["agent"] == {"rollouts": [2], "calls": [4], "segments": [2]}  # the trained group's two sessions
+    from trainer.run.step_metrics import batch_metrics
+    got = batch_metrics(b)
+    assert (got["agent/calls_per_rollout"], got["agent/segments_per_rollout"]) == (2.0, 1.0)
+
+
+def test_faults_of_a_round_with_no_batch_reach_the_next_rounds_first_batch(tok):
+    """A round whose every group is dropped (here: no spread) uploads nothing: its faults ride on the next batch,
+    so metrics.jsonl's agent/faults counts every rollout that had no reward."""
+    from dataclasses import replace
+    engine = ScriptedEngine(tok, [spelled(tok, "6") + [tok.eos_token_id]])
+    cfg = GRPOConfig(model="tiny", num_pre_Q=2, max_new_tokens=50, agent="my_agent.py:solve", reward_fns=[],
+                     max_prompt_length=60).validate()
+    scorer = RewardScorer.from_config(cfg)
+    agents = AgentRollouts(cfg, engine, tok, solve)
+    ex = lambda p, i: Example(prompt=p, ground_truth="6", columns={"answer": "6"}, index=i)  # noqa: E731
+    try:
+        first, _ = generate_batches(engine, tok, [ex("raise", 0), ex("2 * 3?", 1)], cfg, scorer, agents=agents)
+        second, _ = generate_batches(engine, tok, [ex("2 * 3?", 2)], replace(cfg, train_zero_spread=True), scorer,
+                                     agents=agents)
+    finally:
+        agents.close()
+        scorer.close()
+    assert first == [] and [b.extra["agent_faults"] for b in second] == [[2]]
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -176,3 +201,33 @@ def test_a_rank_generating_for_itself_runs_the_agent_from_the_users_folder(tok, 
         assert [m.id for m in models.data] == ["tiny"]
     finally:
         src.agents.close()
+
+
+def test_a_batch_is_as_old_as_its_oldest_recorded_call(tok):
+    """Each call records the policy version that sampled it; a batch carries its oldest call's (the staleness bound
+    drops it by that). A weight load between two calls of a session (here: the version moved by hand) shows in the
+    calls' records, and the batch stays as old as the first call."""
+    engine = ScriptedEngine(tok, [spelled(tok, "6") + [tok.eos_token_id]])
+    cfg = GRPOConfig(model="tiny", num_pre_Q=2, max_new_tokens=50, agent="my_agent.py:solve", reward_fns=[],
+                     train_zero_spread=True, max_prompt_length=60).validate()
+    held: dict = {}
+
+    def moved(base_url, model, prompt, answer):
+        client = openai.OpenAI(base_url=base_url, api_key="anything", max_retries=0)
+        msgs = [{"role": "user", "content": prompt}]
+        r = client.chat.completions.create(model=model, messages=msgs)
+        held["agents"].version = 7  # newer weights between this session's calls
+        client.chat.completions.create(model=model, messages=msgs + [r.choices[0].message.model_dump(),
+                                                                     {"role": "user", "content": "Sure?"}])
+        return 1.0
+
+    scorer = RewardScorer.from_config(cfg)
+    agents = held["agents"] = AgentRollouts(cfg, engine, tok, moved)
+    try:
+        (b,), _ = generate_batches(engine, tok, [Example(prompt="2 * 3?", ground_truth="6",
+                                                         columns={"answer": "6"}, index=0)], cfg, scorer,
+                                   policy_version=5, agents=agents)
+    finally:
+        agents.close()
+        scorer.close()
+    assert b.policy_version == 5 and b.extra["agent"]["calls"] == [4]

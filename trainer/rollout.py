@@ -293,19 +293,28 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             extra["tools"] = tools  # tools/... metrics of the trained batch (trainer/run/step_metrics.py)
             if (said := messages_extra(messages[g * q:(g + 1) * q])) is not None:  # TRL's parsed turns
                 extra["messages"] = said  # completions.jsonl's `messages`
+        version = policy_version
+        if agents is not None:  # agent/... metrics of the trained batch (trainer/run/step_metrics.py)
+            st = ar.stats[g * q:(g + 1) * q]
+            # staleness per recorded call: the batch is as old as its oldest call (the bound drops it by that)
+            version = min((v for s in st for v in s["policy_versions"]), default=policy_version)
+            extra["agent"] = {"rollouts": [len(st)], "calls": [sum(s["calls"] for s in st)],
+                              "segments": [sum(s["segments"] for s in st)]}
         if conv is not None and (conv := messages_extra(conv)) is not None:  # if it fits the wire's room
             extra["agent_completion"] = conv  # completions.jsonl's `completion`: the conversation
         if ex.index is not None:  # which example this group answers (exact-resume checks, metrics)
             extra["example_index"] = [ex.index]  # a list: collate() concatenates lists
         batch = RolloutBatch(input_ids=ids, prompt_lens=plens, completion_lens=clens, advantages=adv,
                              rewards=torch.nan_to_num(rewards, nan=0.0),  # the wire takes finite rewards
-                             policy_version=policy_version, producer_id=producer_id,
+                             policy_version=version, producer_id=producer_id,
                              batch_id=uuid.uuid4().hex, extra=extra,
                              loss_mask=loss_mask(group) if toolbox is not None or agents is not None else None)
         if cfg.compute_gen_logps and group[0].logprobs is not None:
             batch.gen_logps = engine_logps(group)
             batch.extra["gen_logps_source"] = "engine"  # the trainer's mismatch metric compares against these
         batches.append(batch)
+    if agents is not None and batches:  # every fault since the last batch, on this round's first (agent/faults)
+        batches[0].extra["agent_faults"] = [agents.take_faults()]
     if cfg.compute_gen_logps:
         policy_logps([b for b in batches if b.gen_logps is None], engine, cfg, synced)
     stats.seconds = time.time() - t0

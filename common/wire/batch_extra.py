@@ -47,6 +47,14 @@ def check_extra(extra: dict, rows: int) -> None:
     if "messages" in extra:  # a tool run: each completion as its messages, as the rewards got it (completions.jsonl)
         per_row("messages", extra["messages"], lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
                 "message lists")
+    if "agent" in extra:  # an agent run's per-batch counts (trainer/rollout.py): the agent/... metrics
+        agent = extra["agent"]
+        if not isinstance(agent, dict) or not all(isinstance(v, list) and all(_number(x) for x in v)
+                                                  for v in agent.values()):
+            raise ExtraError("extra['agent'] must be an object {count: [number per batch]}")
+    if "agent_faults" in extra and not (isinstance(extra["agent_faults"], list)
+                                        and all(_number(x) for x in extra["agent_faults"])):
+        raise ExtraError("extra['agent_faults'] must be a list of numbers (per batch)")
     if "logp_temperature" in extra and not (_number(extra["logp_temperature"]) and extra["logp_temperature"] > 0):
         raise ExtraError(f"extra['logp_temperature'] must be a number > 0, got {extra['logp_temperature']!r}")
     if "needs_ref" in extra and not isinstance(extra["needs_ref"], bool):

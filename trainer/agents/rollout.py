@@ -56,6 +56,7 @@ class AgentRollouts:
     def __init__(self, cfg, engine, tokenizer, agent):
         self.cfg, self.agent, self.name = cfg, agent, cfg.agent_name()
         self.version = 0
+        self.unreported_faults = 0  # rollouts with no reward, not yet carried by an uploaded batch (metrics)
         self.server = serve(engine, tokenizer, model=str(cfg.model), max_new_tokens=cfg.max_new_tokens,
                             max_prompt_length=cfg.max_prompt_length, max_calls=cfg.max_tool_calling_iterations,
                             temperature=cfg.temperature, top_p=cfg.top_p, version=lambda: self.version)
@@ -85,6 +86,7 @@ class AgentRollouts:
             out.stats.append({**st, "error": run.error, "seconds": run.seconds})
         failed = [(k, r.error) for k, r in enumerate(runs) if r.error is not None]
         out.faults = len(failed)
+        self.unreported_faults += out.faults
         if failed:
             named = "; ".join(f"rollout {k} (row {kept[k // q][0].index}): {why}" for k, why in failed[:NAMED_FAULTS])
             log.warning("agent %s: %d of %d rollouts have no reward (None): %s%s", self.name, len(failed), len(runs),
@@ -93,6 +95,12 @@ class AgentRollouts:
             raise RuntimeError(f"agent {self.cfg.agent}: every rollout of the round failed; the first: "
                                f"{failed[0][1]}")
         return out
+
+    def take_faults(self) -> int:
+        """The faults since the last call: generate_batches puts them on a round's first batch (metrics.jsonl's
+        agent/faults), so a round whose groups all fail or have no spread still counts in a later round's batch."""
+        n, self.unreported_faults = self.unreported_faults, 0
+        return n
 
     def close(self) -> None:
         self.server.close()

@@ -56,6 +56,10 @@ def batch_metrics(b: ScoredBatch) -> dict:
     out["completion_len"] = float(b.completion_lens.float().mean())
     if "tools" in b.extra:  # a tool run: tools/... per completion (trainer/tools/loop.py)
         out.update(tool_metrics(b.extra["tools"]))
+    if "agent" in b.extra:  # an agent run: calls and training rows (segments) per rollout of the trained groups
+        n = max(sum(b.extra["agent"]["rollouts"]), 1)
+        out["agent/calls_per_rollout"] = sum(b.extra["agent"]["calls"]) / n
+        out["agent/segments_per_rollout"] = sum(b.extra["agent"]["segments"]) / n
     if "overlong_penalty" in b.extra:  # DAPO shaping: mean penalty added to the reward (not in reward_mean)
         out["overlong_penalty"] = sum(b.extra["overlong_penalty"]) / max(len(b.extra["overlong_penalty"]), 1)
     return out

@@ -68,6 +68,9 @@ class StepReport:
         self.keys += ["overlong_penalty"] if cfg.overlong_buffer > 0 else []
         self.keys += tool_metric_keys(toolbox.names) if toolbox is not None else []  # tools/... per completion
         self.keys += objective_mean
+        self.agent = bool(cfg.agent)  # agent/... : calls and rows per rollout (means), rollouts with no reward (sum)
+        self.keys += ["agent/calls_per_rollout", "agent/segments_per_rollout"] if self.agent else []
+        self.sums = self.objective_sum + (["agent/faults"] if self.agent else [])
         self.bar = tqdm(total=cfg.all_steps, initial=start_step, desc="grpo", disable=rank != 0, dynamic_ncols=True)
 
     def row(self, step: int, rnd, info: dict, stats: dict, fetched: bool, t0: float, t1: float) -> tuple[dict, bool]:
@@ -83,6 +86,8 @@ class StepReport:
         row["staleness_max"] = max((step - 1) - v for v in versions)
         row["dropped_stale"] = info["dropped_stale"]
         row["ref_skipped_batches"] = info.get("ref_skipped_batches", 0)
+        if self.agent:  # the faults the batches fetched this step carry (every fault of their producer's rounds)
+            row["agent/faults"] = sum(sum(b.extra.get("agent_faults", [])) for b in rnd.batches) if fetched else 0
         from_ranks = sum(b.producer_id.startswith(RANK_PRODUCER) for b in rnd.batches)  # trained this step, by producer
         row["batches_from_ranks"], row["batches_from_workers"] = from_ranks, len(rnd.batches) - from_ranks
         row.update(memory_row(self.rank, self.world))
@@ -104,7 +109,7 @@ class StepReport:
     def reduce(self, step: int, row: dict, rnd) -> dict:
         """The row over every rank (a collective), with TRL's log_metric values of the reward functions."""
         once = list(self.setup_row) if step == self.start_step + 1 else []
-        row = reduce_metrics(row, self.keys, SUM_KEYS + self.objective_sum + mem_keys(self.world) + once, MAX_KEYS)
+        row = reduce_metrics(row, self.keys, SUM_KEYS + self.sums + mem_keys(self.world) + once, MAX_KEYS)
         row.update(reward_logged_metrics(rnd.batches, row))  # TRL's log_metric, from the reward functions
         return row
 
