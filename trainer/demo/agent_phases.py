@@ -61,7 +61,7 @@ def run_agent_eval(model_dir: str, data: str, split: str, limit: int, cfg, batch
     called = [sum(len(m.get("tool_calls") or []) for m in c) for c in convs]
     n = max(len(runs), 1)
     return {"n": len(runs), "accuracy": sum(ok) / n, "tool_calls_per_completion": sum(called) / n,
-            "calls_per_rollout": sum(len(r.session.calls) for r in runs) / n,
+            "calls_per_rollout": sum(r.session.calls for r in runs) / n,
             "accuracy_with_call": sum(o for o, c in zip(ok, called) if c) / max(sum(1 for c in called if c), 1),
             "accuracy_own": sum(o for o, c in zip(ok, called) if not c) / max(sum(1 for c in called if not c), 1),
             "seconds": time.time() - t0,

@@ -202,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer_args += ["--agent", AGENT_SPEC]
     if a.quick:
         q = a.quick_sizes
-        trainer_args += ["--all_steps", str(q["grpo_steps"]), "--eval_steps", str(q["grpo_eval_steps"]),
-                         "--eval_limit", str(q["grpo_eval_limit"]), "--Q_batch_size", str(q["grpo_prompts"]),
+        trainer_args += ["--all_steps", str(q["grpo_steps"]), "--Q_batch_size", str(q["grpo_prompts"]),
                          "--train_batch_groups", str(q["grpo_groups"])]
+        if not a.agent:  # in-training evaluation does not run an agent (refused with `agent`)
+            trainer_args += ["--eval_steps", str(q["grpo_eval_steps"]), "--eval_limit", str(q["grpo_eval_limit"])]
     if a.grpo_steps is not None:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
