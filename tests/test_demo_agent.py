@@ -106,7 +106,7 @@ def test_demo_agent_quick_end_to_end(tmp_path: Path) -> None:
     user.mkdir()
     t0 = time.time()
     proc = run_process_group([str(REPO / "launch.sh"), "demo", "--agent", "--quick", "--seed", "3", "--run-dir",
-                              "run"], cwd=user, env=user_env(), timeout=600)
+                              "run", "--", "--log_completions", "true"], cwd=user, env=user_env(), timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     for line in ("1/5", "2/5", "3/5", "4/5", "5/5", "endpoint calls per rollout"):
@@ -131,7 +131,8 @@ def test_demo_agent_quick_end_to_end(tmp_path: Path) -> None:
     assert done and int(done.group(1)) > 0, log[-2000:]
     # completions.jsonl holds the agent's conversations, scored by the run's conversational reward
     comp = [json.loads(line) for line in (grpo / "completions.jsonl").read_text().splitlines() if line.strip()]
-    assert comp and all(isinstance(c["completion"], list) and c["completion"][0]["role"] == "assistant"
+    assert comp and all(c["producer"] == "worker0" and isinstance(c["completion"], list)
+                        and c["completion"][0]["role"] == "assistant"
                         for c in comp), comp[:1]
     assert all("reward_agent_answer" in c["rewards"] for c in comp), comp[:1]
     cfg = json.loads((grpo / "config.json").read_text())
