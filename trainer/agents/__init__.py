@@ -24,9 +24,10 @@ __all__ = ["AgentServer", "Batcher", "Endpoint", "Session", "rollout_of", "serve
 
 def serve(engine, tokenizer, *, model: str, max_new_tokens: int, max_prompt_length: int,
           max_calls: int | None = None, temperature: float = 1.0, top_p: float = 1.0, version=lambda: 0,
-          window_s: float = 0.1, port: int = 0) -> AgentServer:
-    """An endpoint over `engine` (its own batching thread) serving on 127.0.0.1 (`port` 0: a free one)."""
-    batcher = Batcher(engine, version=version, window_s=window_s)
+          window_s: float = 0.1, port: int = 0, greedy: bool = False) -> AgentServer:
+    """An endpoint over `engine` (its own batching thread) serving on 127.0.0.1 (`port` 0: a free one). greedy:
+    argmax decoding instead of temperature/top_p (an evaluation of the agent, as the demo's before/after)."""
+    batcher = Batcher(engine, version=version, window_s=window_s, greedy=greedy)
     ep = Endpoint(batcher, tokenizer, model=model, max_new_tokens=max_new_tokens,
                   max_prompt_length=max_prompt_length, stop_ids=engine.eos_ids, max_calls=max_calls,
                   temperature=temperature, top_p=top_p)

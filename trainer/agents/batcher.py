@@ -39,7 +39,8 @@ class _Job:
 
 class Batcher:
     def __init__(self, engine: GenEngine, version=lambda: 0, window_s: float = 0.1, max_rows: int = 512,
-                 expected=lambda: 0, coming=lambda: 0, max_wait_s: float = 2.0):
+                 expected=lambda: 0, coming=lambda: 0, max_wait_s: float = 2.0, greedy: bool = False):
+        self.greedy = greedy  # argmax decoding instead of the run's sampling (an evaluation's endpoint)
         self.engine, self.version, self.window_s, self.max_rows = engine, version, window_s, max_rows
         self.max_wait_s = max_wait_s  # the first request of a batch waits at most this long for the others
         self.coming = coming  # agents started that have not made their first call yet: they will come
@@ -52,7 +53,8 @@ class Batcher:
         self._thread.start()
 
     def generate(self, context: list[int], max_new_tokens: int) -> tuple[Sample, int]:
-        """One completion of `context` (n=1) at the run's sampling, and the policy version that sampled it."""
+        """One completion of `context` (n=1) at the run's sampling (greedy: argmax), and the policy version that
+        sampled it."""
         if not self._thread.is_alive():
             raise RuntimeError("the agent endpoint's engine thread has stopped")
         job = _Job(list(context), int(max_new_tokens))
@@ -91,7 +93,8 @@ class Batcher:
             with self.lock:
                 version = int(self.version())
                 try:
-                    out = self.engine.generate([j.context for j in jobs], 1, max_new_tokens=[j.limit for j in jobs])
+                    out = self.engine.generate([j.context for j in jobs], 1, max_new_tokens=[j.limit for j in jobs],
+                                               greedy=self.greedy)
                     if len(out) != len(jobs):
                         raise RuntimeError(f"the engine returned {len(out)} completions for {len(jobs)} requests")
                 except Exception as e:  # any failure: every waiting request gets it, none hangs

@@ -83,6 +83,9 @@ def parse_body(raw: bytes, kind: str) -> dict:
     except ValidationError as e:
         message, param = _errors_line(e)
         raise ApiError(400, f"invalid request: {message}", param) from e
+    if kind == "chat" and body.get("tools"):  # validated, but rendered as sent: pydantic drops a function's keys
+        body["tools"] = [dict(t) for t in data["tools"]]  # the SDK does not declare (transformers' `return`), which
+        # chat templates print with the schema's JSON: the prompt the model reads is the one the agent sent
     stream = data.get("stream")  # the SDK's base params leave it to their Streaming / NonStreaming variants
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"invalid request: stream: Input should be a valid boolean (got {stream!r})", "stream")

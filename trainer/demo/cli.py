@@ -3,6 +3,7 @@ the phases themselves are phases.py).
 
     ./launch.sh demo [--run-dir DIR] [--seed N] [--quick]
     ./launch.sh demo --tools [--run-dir DIR] [--seed N] [--quick]      # multi-turn, with the calculator
+    ./launch.sh demo --agent [--run-dir DIR] [--seed N] [--quick]      # an openai-SDK agent as the rollout
     ./launch.sh demo --model Qwen/Qwen2.5-1.5B-Instruct --data openai/gsm8k --config configs/gsm8k_qwen.json
 
 Default (CPU, the embedded tiny model):
@@ -20,6 +21,11 @@ call (tool_sft.py), then GRPO whose rollouts are multi-turn (configs/demo_tools.
 run with the tools, and once without them (accuracy_without_tools), and the summary adds the tool calls per
 completion before and after (tool_phases.py).
 
+With --agent (issue 61) the task and SFT are the tool demo's, but the rollout is a user's program: the openai-SDK
+agent examples/agents/calculator_agent.py, called by the genonly worker against its OpenAI-compatible endpoint
+(configs/demo_agent.json: `agent`); the evaluations run that agent, greedy, against the same endpoint over an HF
+engine (agent_phases.py).
+
 With --model/--data it runs the real thing (e.g. Qwen2.5 on GSM8K on GPU nodes): no SFT unless
 --sft-steps is given (and the data has worked solutions), the data's train/test splits, and
 everything after `--` is passed to the trainer.
@@ -35,6 +41,7 @@ from datetime import datetime
 from pathlib import Path
 
 from common.settings.cli import ArgumentParser
+from trainer.demo.agent_phases import AGENT_SPEC, run_agent_eval, sft_config, show_agent_samples
 from trainer.demo.phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
 from trainer.demo.tool_phases import run_tool_eval, show_tool_samples, tool_cold_start_sft
 from trainer.dist.hosts import caller_path
@@ -42,6 +49,7 @@ from trainer.dist.hosts import caller_path
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "demo.json"
 TOOLS_CONFIG = REPO / "configs" / "demo_tools.json"
+AGENT_CONFIG = REPO / "configs" / "demo_agent.json"
 
 # The demo's own settings (the GRPO phase's live in configs/demo.json); --quick shrinks them for CI.
 DEFAULTS = dict(sft_steps=400, sft_batch_size=64, sft_lr=1e-3, sft_target=0.40, sft_check_from=160, sft_check_every=20,
@@ -79,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="The tool demo (issue 32): ab*cd+e with the built-in calculator; SFT on traces with and "
                         "without a call, GRPO with multi-turn rollouts (configs/demo_tools.json); summary.json adds "
                         "tool_calls_per_completion_before/_after and accuracy_without_tools. Tiny model only.")
+    p.add_argument("--agent", action="store_true",
+                   help="The agent demo (issue 61): the tool demo's task and SFT, with the openai-SDK agent "
+                        "examples/agents/calculator_agent.py as the rollout (configs/demo_agent.json); before/after "
+                        "accuracy of that agent against the endpoint. Tiny model only.")
     p.add_argument("--sft-tool-share", type=float, default=None,
                    help=f"--tools: share of SFT traces that call the calculator (default "
                         f"{TOOLS['sft_tool_share']}); the rest compute by themselves.")
@@ -116,20 +128,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         "OpenMP step measured 3x the CPU time of a 1-thread one.")
     a = p.parse_args(argv)
     a.tiny = a.model is None
-    if a.tools and not a.tiny:
-        p.error("--tools runs the tiny tool demo: it takes no --model (give a real run `tools` in its config)")
-    if a.tiny and a.data not in (None, "arith_tools" if a.tools else "arith"):
+    if a.agent and a.tools:
+        p.error("--agent and --tools are two demos (the agent brings its own calculator): give one")
+    tooled = a.tools or a.agent  # the agent demo has the tool demo's task, SFT and sizes
+    if tooled and not a.tiny:
+        p.error(f"{'--agent' if a.agent else '--tools'} runs a tiny demo: it takes no --model (give a real run "
+                f"`{'agent' if a.agent else 'tools'}` in its config)")
+    if a.tiny and a.data not in (None, "arith_tools" if tooled else "arith"):
         p.error("--data needs --model (the tiny demo trains on its built-in task)")
-    if a.tools and a.sft_target is not None:
-        p.error("--sft-target is the plain demo's stopping rule; --tools runs --sft-steps steps")
-    own = {**DEFAULTS, **TOOLS} if a.tools else DEFAULTS
-    quick = {**QUICK, **TOOLS_QUICK} if a.tools else QUICK
+    if tooled and a.sft_target is not None:
+        p.error("--sft-target is the plain demo's stopping rule; --tools and --agent run --sft-steps steps")
+    own = {**DEFAULTS, **TOOLS} if tooled else DEFAULTS
+    quick = {**QUICK, **TOOLS_QUICK} if tooled else QUICK
     if a.tiny:
-        a.data = "arith_tools" if a.tools else "arith"
+        a.data = "arith_tools" if tooled else "arith"
     if a.sft_steps is None:
         a.sft_steps = (quick if a.quick else own)["sft_steps"] if a.tiny else 0
     if a.sft_target is None:
-        a.sft_target = DEFAULTS["sft_target"] if a.tiny and not a.quick and not a.tools else 0.0
+        a.sft_target = DEFAULTS["sft_target"] if a.tiny and not a.quick and not tooled else 0.0
     a.sft_batch_size = own["sft_batch_size"] if a.sft_batch_size is None else a.sft_batch_size
     a.sft_lr = own["sft_lr"] if a.sft_lr is None else a.sft_lr
     a.sft_tool_share = TOOLS["sft_tool_share"] if a.sft_tool_share is None else a.sft_tool_share
@@ -137,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error(f"--sft-tool-share must be within [0, 1], got {a.sft_tool_share}")
     a.own, a.quick_sizes = own, quick
     if a.config is None and a.tiny:
-        a.config = str(TOOLS_CONFIG if a.tools else DEMO_CONFIG)
+        a.config = str(AGENT_CONFIG if a.agent else TOOLS_CONFIG if a.tools else DEMO_CONFIG)
     # paths are the caller's, as for `launch.sh train` (launch.sh runs this from the checkout)
     a.run_dir = caller_path(a.run_dir or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}")
     a.config = caller_path(a.config)
@@ -182,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.data:
         trainer_args += ["--data", a.data]
     trainer_args += ["--seed", str(a.seed)]
+    if a.agent:  # the example in the checkout, whatever folder the demo runs from
+        trainer_args += ["--agent", AGENT_SPEC]
     if a.quick:
         q = a.quick_sizes
-        trainer_args += ["--all_steps", str(q["grpo_steps"]), "--eval_steps", str(q["grpo_eval_steps"]),
-                         "--eval_limit", str(q["grpo_eval_limit"]), "--Q_batch_size", str(q["grpo_prompts"]),
+        trainer_args += ["--all_steps", str(q["grpo_steps"]), "--Q_batch_size", str(q["grpo_prompts"]),
                          "--train_batch_groups", str(q["grpo_groups"])]
+        if not a.agent:  # in-training evaluation does not run an agent (refused with `agent`)
+            trainer_args += ["--eval_steps", str(q["grpo_eval_steps"]), "--eval_limit", str(q["grpo_eval_limit"])]
     if a.grpo_steps is not None:
         trainer_args += ["--all_steps", str(a.grpo_steps)]
     trainer_args += ["--eval_before", "false"]  # this script evaluates before and after itself
@@ -197,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_bs = a.eval_batch_size or (a.own["eval_batch_size"] if a.tiny else gen_bs)
     eval_limit = a.eval_limit or ((a.quick_sizes if a.quick else a.own)["eval_limit"] if a.tiny else cfg.eval_limit)
 
-    log.banner(f"{'Tool use' if a.tools else 'R1'} in miniature: run dir {run_dir}")
+    log.banner(f"{'An agent' if a.agent else 'Tool use' if a.tools else 'R1'} in miniature: run dir {run_dir}")
     log(f"seed {a.seed}   model {'tiny (built here)' if a.tiny else a.model}   data {a.data}   "
         f"SFT steps {a.sft_steps}   GRPO steps {cfg.all_steps}   held-out eval {eval_limit} examples"
         + (f"   torch threads {a.threads}" if not on_gpu else ""))
@@ -220,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. cold-start SFT -------------------------------------------------------------------------
     t0 = time.time()
-    if a.sft_steps > 0 and a.tools:
-        model_dir = tool_cold_start_sft(a, cfg, model_dir, run_dir, log, device)
+    if a.sft_steps > 0 and (a.tools or a.agent):
+        model_dir = tool_cold_start_sft(a, sft_config(cfg) if a.agent else cfg, model_dir, run_dir, log, device)
     elif a.sft_steps > 0:
         model_dir = cold_start_sft(a, cfg, model_dir, run_dir, log, device, eval_bs,
                                    check={"from": DEFAULTS["sft_check_from"], "every": DEFAULTS["sft_check_every"],
@@ -234,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     log.banner(f"3/5 held-out evaluation before GRPO ({cfg.eval_split} split, {eval_limit} examples, greedy)")
     without = None
-    if a.tools:
+    if a.agent:
+        before = run_agent_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
+        log(f"the agent (greedy, against the endpoint): accuracy {100 * before['accuracy']:.1f}%   calls per "
+            f"rollout {before['calls_per_rollout']:.2f}   ({before['seconds']:.0f} s)")
+        show_agent_samples(log, before)
+    elif a.tools:
         before = run_tool_eval(model_dir, a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device, with_tools=True)
         log(f"with the calculator: accuracy {100 * before['accuracy']:.1f}%   tool calls per completion "
             f"{before['tool_calls_per_completion']:.2f}   ({before['seconds']:.0f} s)")
@@ -268,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     # 5. eval after, table, summary, plot --------------------------------------------------------
     t0 = time.time()
     log.banner("5/5 held-out evaluation after GRPO")
-    if a.tools:
+    if a.agent:
+        after = run_agent_eval(str(final_dir), a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device)
+        show_agent_samples(log, after)
+    elif a.tools:
         after = run_tool_eval(str(final_dir), a.data, cfg.eval_split, eval_limit, cfg, eval_bs, device,
                               with_tools=True)
         show_tool_samples(log, after)
@@ -278,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["eval_after_s"] = round(time.time() - t0, 1)
     wall = time.time() - t_start
 
-    report(a, cfg, before, after, metrics, timings, wall, run_dir, grpo_dir, log, without=without)
+    report(a, cfg, before, after, metrics, timings, wall, run_dir, grpo_dir, log, without=without, agent=a.agent)
     return 0
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.listen import free_port
 from trainer.demo.plot import make_plot
-from trainer.demo.tool_report import tool_summary, tool_table
+from trainer.demo.tool_report import agent_summary, agent_table, tool_summary, tool_table
 
 REPO = Path(__file__).resolve().parents[2]
 DEV_HOLDOUT = 500  # the first 500 train-split problems: SFT's stopping check reads them, SFT never trains on them
@@ -139,14 +139,17 @@ def cold_start_sft(a, cfg, model_dir: str, run_dir: Path, log: Log, device: str,
 
 
 def report(a, cfg, before: dict, after: dict, metrics: list[dict], timings: dict, wall: float, run_dir: Path,
-           grpo_dir: Path, log: Log, without: dict | None = None) -> None:
+           grpo_dir: Path, log: Log, without: dict | None = None, agent: bool = False) -> None:
     """The before/after table on the terminal, RUN_DIR/summary.json and RUN_DIR/plot.png. `without`: the tool
-    demo's evaluation of the SFT model with tools disabled (its table and summary keys are tool_report.py's)."""
+    demo's evaluation of the SFT model with tools disabled; `agent`: the agent demo's evaluations (their tables and
+    summary keys are tool_report.py's)."""
     d_acc = 100 * (after["accuracy"] - before["accuracy"])
-    d_fmt = 100 * (after["format_rate"] - before["format_rate"])
-    if without is not None:
+    if agent:
+        agent_table(log, before, after)
+    elif without is not None:
         tool_table(log, before, after, without)
     else:
+        d_fmt = 100 * (after["format_rate"] - before["format_rate"])
         log("")
         log(f"{'held-out (' + str(before['n']) + ' examples)':<28}{'before':>10}{'after':>10}{'change':>10}")
         log(f"{'accuracy':<28}{100 * before['accuracy']:>9.1f}%{100 * after['accuracy']:>9.1f}%{d_acc:>+9.1f}")
@@ -161,14 +164,16 @@ def report(a, cfg, before: dict, after: dict, metrics: list[dict], timings: dict
 
     summary = {
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-        "format_before": before["format_rate"], "format_after": after["format_rate"],
         "steps": cfg.all_steps, "wall_seconds": round(wall, 1), "seed": a.seed,
         "eval_examples": before["n"], "sft_steps": a.sft_steps, "model": "tiny" if a.tiny else a.model,
         "data": a.data, "timings": timings, "run_dir": str(run_dir),
     }
-    if without is not None:
+    if agent:
+        summary.update(agent_summary(before, after), agent=cfg.agent)
+    elif without is not None:
         summary.update(tool_summary(before, after, without), tools=list(cfg.tools))
-        summary.pop("format_before"), summary.pop("format_after")  # the R1 format is not the tool traces' format
+    else:  # the plain demo's R1 format (the tool and agent traces have their own)
+        summary.update(format_before=before["format_rate"], format_after=after["format_rate"])
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = run_dir / "plot.png"
     make_plot(metrics, before, after, cfg.all_steps, plot,
@@ -182,6 +187,8 @@ def report(a, cfg, before: dict, after: dict, metrics: list[dict], timings: dict
 def _task_name(a) -> str:
     if not a.tiny:
         return a.data
+    if getattr(a, "agent", False):
+        return "ab*cd+e, an openai-SDK agent with a calculator (tiny Qwen2)"
     return "ab*cd+e with a calculator (tiny Qwen2)" if a.data == "arith_tools" else "a o b o c arithmetic (tiny Qwen2)"
 
 

@@ -1,5 +1,6 @@
-"""The tool demo's report (`./launch.sh demo --tools`): its rows of the before/after table and its summary.json
-keys. Apart from tool_phases.py because phases.report() calls it, and tool_phases.py builds on phases.py."""
+"""The tool and agent demos' reports (`./launch.sh demo --tools` / `--agent`): their rows of the before/after table
+and their summary.json keys. Apart from tool_phases.py and agent_phases.py because phases.report() calls them, and
+those build on phases.py."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,3 +27,26 @@ def tool_table(log: Callable[[str], None], before: dict, after: dict, without: d
         else:
             log(f"{name:<36}{b:>10.2f}{f:>10.2f}{f - b:>+10.2f}")
     log(f"{'accuracy without tools (SFT model)':<36}{100 * without['accuracy']:>9.1f}%")
+
+
+def agent_summary(before: dict, after: dict) -> dict:
+    """summary.json's keys of the agent demo, accuracies as fractions (the GRPO-phase counts are metrics.jsonl's)."""
+    return {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+            "tool_calls_per_completion_before": before["tool_calls_per_completion"],
+            "tool_calls_per_completion_after": after["tool_calls_per_completion"],
+            "calls_per_rollout_before": before["calls_per_rollout"],
+            "calls_per_rollout_after": after["calls_per_rollout"]}
+
+
+def agent_table(log, before: dict, after: dict) -> None:
+    log("")
+    log(f"{'held-out (' + str(before['n']) + ' examples, the agent)':<40}{'before':>10}{'after':>10}{'change':>10}")
+    for name, key, pct in (("accuracy", "accuracy", True), ("endpoint calls per rollout", "calls_per_rollout", False),
+                           ("tool calls per completion", "tool_calls_per_completion", False),
+                           ("  accuracy when it calls", "accuracy_with_call", True),
+                           ("  accuracy by itself", "accuracy_own", True)):
+        b, f = before[key], after[key]
+        if pct:
+            log(f"{name:<40}{100 * b:>9.1f}%{100 * f:>9.1f}%{100 * (f - b):>+10.1f}")
+        else:
+            log(f"{name:<40}{b:>10.2f}{f:>10.2f}{f - b:>+10.2f}")

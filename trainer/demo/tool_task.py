@@ -53,7 +53,8 @@ def load_arith_tools(split: str = "train") -> list[Example]:
     probs = all_problems()
     random.Random(SPLIT_SEED).shuffle(probs)
     chosen = probs[:HELD_OUT] if split == "test" else probs[HELD_OUT:]
-    return [Example(prompt=p, ground_truth=str(value(p))) for p in chosen]
+    # ground_truth also as a column: TRL-style rewards (the agent demo's) take the dataset's columns as keywords
+    return [Example(prompt=p, ground_truth=str(value(p)), columns={"ground_truth": str(value(p))}) for p in chosen]
 
 
 def own_solution(problem: str) -> str:
@@ -91,6 +92,17 @@ def reward_tool_answer(completion: str, ground_truth: str) -> float:
         return 1.0
     right = sum(a == b for a, b in zip(got, want)) if len(got) == len(want) else 0
     return -1.0 + right / (len(want) + 1)
+
+
+def reward_agent_answer(completions: list[list[dict]], ground_truth: list[str], **_) -> list[float]:
+    """The agent demo's reward (`./launch.sh demo --agent`), TRL's conversational signature: reward_tool_answer on
+    the last assistant message of each conversation (its last <answer>; the tool message's number never counts)."""
+    return [reward_tool_answer(_last_assistant(c), g) for c, g in zip(completions, ground_truth)]
+
+
+def _last_assistant(messages: list[dict]) -> str:
+    said = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
+    return said[-1] if said else ""
 
 
 def is_correct(completion: str, ground_truth: str) -> bool:
