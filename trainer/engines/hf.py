@@ -104,12 +104,14 @@ class HFEngine(GenEngine):
         out: list[Sample] = []
         was_training, saved = model.training, model.generation_config
         gc = self._clean_config(greedy, max(limits, default=1))  # each row is cut to its own budget below
+        # one choice for the whole call: every sample of a group has logprobs, or none has
+        keep = self._keeps_logits(greedy, min(len(jobs), self.gen_batch_size), max(limits, default=1))
+        if keep:  # generate returns its per-step raw logits with the sequences
+            gc.return_dict_in_generate, gc.output_logits = True, True
         model.eval()
         model.generation_config = copy.deepcopy(gc)  # nothing of the checkpoint's left to merge in
         try:
             calls = math.ceil(len(jobs) / self.gen_batch_size)
-            # one choice for the whole call: every sample of a group has logprobs, or none has
-            keep = self._keeps_logits(greedy, min(len(jobs), self.gen_batch_size), max(limits, default=1))
             if self.synced_gpus:  # as many generate calls as the rank with the most prompts; a dummy prompt past ours
                 calls = all_reduce_int(calls, "max")
             for c in range(calls):
@@ -124,8 +126,7 @@ class HFEngine(GenEngine):
                     ids[i, width - len(p):] = torch.tensor(p)
                     mask[i, width - len(p):] = 1
                 got = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=gc, synced_gpus=self.synced_gpus or None,
-                                     **(dict(return_dict_in_generate=True, output_logits=True) if keep else {}))
+                                     generation_config=gc, synced_gpus=self.synced_gpus or None)
                 if dummy:
                     continue
                 seqs = got.sequences if keep else got
