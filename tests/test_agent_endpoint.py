@@ -75,7 +75,10 @@ def test_two_call_session_trains_the_ids_the_engine_sampled(tiny_model_dir, endp
     assert row.loss_mask.tolist() == [True] * len(s1) + [False] * len(added) + [True] * len(s2)
     end = [] if s1[-1] in eng.eos_ids else [eng.tok.convert_tokens_to_ids("<|im_end|>")]  # a `length` reply closed
     assert added == end + enc(eng.tok, "\n<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\n")
-    assert row.logprobs is None  # HF samples without logprobs: the worker computes them, as for any HF rollout
+    # the HF engine's own logprobs (issue 62: from generate's logits): the sampled tokens', 0 on the template's
+    lp = row.logprobs.tolist()
+    assert len(lp) == len(row.completion_ids) and all(x < 0 for x in lp[:len(s1)] + lp[len(s1) + len(added):])
+    assert lp[len(s1):len(s1) + len(added)] == [0.0] * len(added)
     assert first.usage.prompt_tokens == len(p1) and first.usage.completion_tokens == len(s1)
     assert second.usage.prompt_tokens == len(p2) and second.usage.completion_tokens == len(s2)
     assert [m["role"] for m in completion] == ["assistant", "user", "assistant"]

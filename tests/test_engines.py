@@ -128,3 +128,32 @@ def test_unknown_backend_and_bad_values():
     cfg.gen_backend = "sglang"
     with pytest.raises(ValueError, match="unknown gen_backend"):
         make_engine(cfg, "tiny")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_logprobs_from_generate_match_the_trainers_forward(tiny_model_dir, temperature):
+    """With logprob_temperature the engine returns each sampled token's logprob from generate's own logits (issue 62:
+    no second forward in the worker): the trainer's forward (common/logprobs.py) on the same rows, left-padded
+    prompts of different lengths, with top_k/top_p sampling on (logprobs are the raw distribution at T), agrees
+    to float32 rounding. Too large a call (LOGITS_BYTES) samples without them."""
+    from common.logprobs import sequence_logprobs
+    from trainer.engines import hf
+    from trainer.rollout import pack_rows
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = load_model(str(tiny_model_dir), dtype="float32")
+    eng = HFEngine(model, tok, [tok.eos_token_id], temperature=temperature, top_p=0.9, top_k=20, gen_batch_size=8,
+                   logprob_temperature=temperature)
+    torch.manual_seed(3)
+    samples = eng.generate(PROMPTS, 4, max_new_tokens=10)
+    assert all(s.logprobs is not None and len(s.logprobs) == len(s.completion_ids) for s in samples)
+    ids, plens, clens = pack_rows([(s.prompt_ids, s.completion_ids) for s in samples], tok.pad_token_id)
+    want, _ = sequence_logprobs(model, ids, plens, clens, temperature=temperature)
+    for i, s in enumerate(samples):
+        assert torch.allclose(s.logprobs, want[i, :len(s.logprobs)].float(), atol=1e-4, rtol=0)
+    assert all(s.logprobs is None for s in eng.generate(PROMPTS, 2, max_new_tokens=4, greedy=True))
+    old, hf.LOGITS_BYTES = hf.LOGITS_BYTES, 0
+    try:
+        assert all(s.logprobs is None for s in eng.generate(PROMPTS, 2, max_new_tokens=4))
+    finally:
+        hf.LOGITS_BYTES = old

@@ -75,7 +75,9 @@ class BatchSource:
         self.engine = HFEngine(model, tokenizer, eos, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                gen_batch_size=cfg.gen_batch_size, synced_gpus=lockstep,
                                extra=cfg.sampling_extras(),
-                               seq_len=cfg.max_prompt_length + cfg.max_new_tokens)  # batches to its GPU's memory
+                               seq_len=cfg.max_prompt_length + cfg.max_new_tokens,  # batches to its GPU's memory
+                               # logprobs from generate's own logits: no second forward (issue 62)
+                               logprob_temperature=cfg.logprob_temperature() if cfg.compute_gen_logps else None)
         # `agent`: the user's agent makes this rank's own rollouts too, against an endpoint on this engine (not
         # under ZeRO-3 lockstep: refused at start, common/settings/agent_options.py)
         self.agents = AgentRollouts.from_config(cfg, self.engine, tokenizer)

@@ -2,9 +2,12 @@
 
 The checkpoint's generation_config is swapped for a clean one during each call (and restored after), so
 transformers merges nothing in: no repetition_penalty, no top_k of the checkpoint, in rollouts and in
-greedy evaluation alike. Behaviour logprobs are not returned (logprobs=None): the caller computes them
-with the same forward the trainer uses (common/logprobs.py), which generate's cached scores do not match
-exactly.
+greedy evaluation alike. Behaviour logprobs: with `logprob_temperature` set (from_config does where the run
+uploads them, compute_gen_logps), each sampled token's logprob under the raw distribution at that temperature,
+from the logits generate already computed (its `output_logits`: the model's own final logits, before any
+sampler setting), so the worker needs no second forward for them (issue 62); they match the trainer's forward
+to float rounding (tests/test_engines.py). Otherwise, and where a call's logits would exceed LOGITS_BYTES,
+logprobs=None: the caller computes them with the same forward the trainer uses (common/logprobs.py).
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ from trainer.dist.comm import all_reduce_int
 from trainer.engines.base import GenEngine, Sample, budgets, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)
+# generate keeps every step's (rows, vocab) float32 logits until it returns: above this, a call samples without
+# them and the caller's forward computes the logprobs (Qwen2.5's vocab: 256 rows x 256 tokens would be 40 GB)
+LOGITS_BYTES = 256 * 2**20
 
 
 def rows_that_fit(model, rows: int, seq_len: int, share: float = 0.5) -> int:
@@ -47,7 +53,7 @@ def rows_that_fit(model, rows: int, seq_len: int, share: float = 0.5) -> int:
 class HFEngine(GenEngine):
     def __init__(self, model, tokenizer, eos_ids: list[int], *, temperature: float, top_p: float, top_k: int,
                  gen_batch_size: int, synced_gpus: bool = False, extra: dict | None = None,
-                 seq_len: int | None = None):
+                 seq_len: int | None = None, logprob_temperature: float | None = None):
         self.model, self.tok, self.eos_ids = model, tokenizer, list(eos_ids)
         if seq_len is not None:  # batches to the GPU's memory (rows_that_fit); the calls count is agreed per call
             gen_batch_size = rows_that_fit(model, gen_batch_size, seq_len)
@@ -55,6 +61,7 @@ class HFEngine(GenEngine):
         # (each forward gathers the partitioned weights from every rank), as transformers' synced_gpus does.
         self.synced_gpus = synced_gpus
         self.temperature, self.top_p, self.top_k, self.gen_batch_size = temperature, top_p, top_k, gen_batch_size
+        self.logprob_temperature = logprob_temperature  # None: Samples carry no logprobs
         self.extra = dict(extra or {})  # min_p, repetition_penalty, generation_kwargs (TRL's), rollouts only
         ignored = ignored_generation_settings(getattr(model, "generation_config", None))
         if ignored:
@@ -71,7 +78,8 @@ class HFEngine(GenEngine):
         chat = cfg.prompt_format != "r1zero"  # templated prompts also stop at the template's turn end
         return cls(model, tok, model_eos_ids(tok, model, chat=chat), temperature=cfg.temperature, top_p=cfg.top_p,
                    top_k=cfg.top_k, gen_batch_size=cfg.gen_batch_size, extra=cfg.sampling_extras(),
-                   seq_len=cfg.max_prompt_length + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0))
+                   seq_len=cfg.max_prompt_length + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0),
+                   logprob_temperature=cfg.logprob_temperature() if cfg.compute_gen_logps else None)
 
     def _clean_config(self, greedy: bool, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -96,6 +104,10 @@ class HFEngine(GenEngine):
         out: list[Sample] = []
         was_training, saved = model.training, model.generation_config
         gc = self._clean_config(greedy, max(limits, default=1))  # each row is cut to its own budget below
+        # one choice for the whole call: every sample of a group has logprobs, or none has
+        keep = self._keeps_logits(greedy, min(len(jobs), self.gen_batch_size), max(limits, default=1))
+        if keep:  # generate returns its per-step raw logits with the sequences
+            gc.return_dict_in_generate, gc.output_logits = True, True
         model.eval()
         model.generation_config = copy.deepcopy(gc)  # nothing of the checkpoint's left to merge in
         try:
@@ -113,18 +125,34 @@ class HFEngine(GenEngine):
                 for i, p in enumerate(chunk):
                     ids[i, width - len(p):] = torch.tensor(p)
                     mask[i, width - len(p):] = 1
-                seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      generation_config=gc, synced_gpus=self.synced_gpus or None)
+                got = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                     generation_config=gc, synced_gpus=self.synced_gpus or None)
                 if dummy:
                     continue
+                seqs = got.sequences if keep else got
                 comps = seqs[:, width:].cpu()
+                lps = self._token_logprobs(got.logits, seqs[:, width:]) if keep else None
                 for i, p in enumerate(chunk):
                     c, trunc = cut_at_eos(comps[i], self.eos_ids, lim[i])
-                    out.append(Sample(list(p), c.clone(), None, trunc))
+                    out.append(Sample(list(p), c.clone(), None if lps is None else lps[i, :len(c)].clone(), trunc))
         finally:
             model.generation_config = saved
             model.train(was_training)
         return out
+
+    def _keeps_logits(self, greedy: bool, rows: int, steps: int) -> bool:
+        """Whether this call returns logprobs from generate's own logits (see LOGITS_BYTES)."""
+        if greedy or self.logprob_temperature is None:
+            return False
+        return rows * steps * self.model.config.get_text_config().vocab_size * 4 <= LOGITS_BYTES
+
+    def _token_logprobs(self, logits: tuple[torch.Tensor, ...], comps: torch.Tensor) -> torch.Tensor:
+        """(rows, steps) float32 logprob of each generated token under the raw logits at logprob_temperature:
+        common/logprobs.py's computation (float32, divided by T, log-softmax) on the logits generate computed."""
+        t = self.logprob_temperature
+        cols = [torch.log_softmax(x.float() / t, dim=-1).gather(1, comps[:, s:s + 1].to(x.device))
+                for s, x in enumerate(logits)]
+        return torch.cat(cols, dim=1).cpu() if cols else torch.zeros(comps.shape[0], 0)
 
     def weight_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
