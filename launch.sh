@@ -234,6 +234,10 @@ PIDS=(); declare -A NAMES=()  # every process started here, and its name (pid ->
 cleanup() {
   local code=$?
   trap - EXIT INT TERM
+  # A signal between `cmd &` and `PIDS+=($!)` runs this trap with that child not yet listed (seen under load:
+  # the trainer kept running, its tee holding our stderr, until the ranks gave up minutes later): every
+  # background job this shell started is stopped too.
+  local job; for job in $(jobs -p); do PIDS+=("$job"); done
   for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done
   # a stopped (SIGSTOP) process only sees the TERM once continued
   for pid in "${PIDS[@]}"; do kill -CONT -- "-$pid" 2>/dev/null || kill -CONT "$pid" 2>/dev/null || true; done

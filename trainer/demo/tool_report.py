@@ -14,18 +14,23 @@ def tool_summary(before: dict, after: dict, without: dict) -> dict:
             "accuracy_without_tools": without["accuracy"]}
 
 
-def tool_table(log: Callable[[str], None], before: dict, after: dict, without: dict) -> None:
+def before_after(log: Callable[[str], None], title: str, width: int, before: dict, after: dict, rows) -> None:
+    """The before/after/change table of both demos' reports: rows of (label, key, as a percentage)."""
     log("")
-    log(f"{'held-out (' + str(before['n']) + ' examples)':<36}{'before':>10}{'after':>10}{'change':>10}")
-    for name, key, pct in (("accuracy (with the calculator)", "accuracy", True),
-                           ("tool calls per completion", "tool_calls_per_completion", False),
-                           ("  accuracy when it calls", "accuracy_with_call", True),
-                           ("  accuracy by itself", "accuracy_own", True)):
+    log(f"{title:<{width}}{'before':>10}{'after':>10}{'change':>10}")
+    for name, key, pct in rows:
         b, f = before[key], after[key]
         if pct:
-            log(f"{name:<36}{100 * b:>9.1f}%{100 * f:>9.1f}%{100 * (f - b):>+10.1f}")
+            log(f"{name:<{width}}{100 * b:>9.1f}%{100 * f:>9.1f}%{100 * (f - b):>+10.1f}")
         else:
-            log(f"{name:<36}{b:>10.2f}{f:>10.2f}{f - b:>+10.2f}")
+            log(f"{name:<{width}}{b:>10.2f}{f:>10.2f}{f - b:>+10.2f}")
+
+
+def tool_table(log: Callable[[str], None], before: dict, after: dict, without: dict) -> None:
+    before_after(log, f"held-out ({before['n']} examples)", 36, before, after, (
+        ("accuracy (with the calculator)", "accuracy", True),
+        ("tool calls per completion", "tool_calls_per_completion", False),
+        ("  accuracy when it calls", "accuracy_with_call", True), ("  accuracy by itself", "accuracy_own", True)))
     log(f"{'accuracy without tools (SFT model)':<36}{100 * without['accuracy']:>9.1f}%")
 
 
@@ -39,14 +44,7 @@ def agent_summary(before: dict, after: dict) -> dict:
 
 
 def agent_table(log, before: dict, after: dict) -> None:
-    log("")
-    log(f"{'held-out (' + str(before['n']) + ' examples, the agent)':<40}{'before':>10}{'after':>10}{'change':>10}")
-    for name, key, pct in (("accuracy", "accuracy", True), ("endpoint calls per rollout", "calls_per_rollout", False),
-                           ("tool calls per completion", "tool_calls_per_completion", False),
-                           ("  accuracy when it calls", "accuracy_with_call", True),
-                           ("  accuracy by itself", "accuracy_own", True)):
-        b, f = before[key], after[key]
-        if pct:
-            log(f"{name:<40}{100 * b:>9.1f}%{100 * f:>9.1f}%{100 * (f - b):>+10.1f}")
-        else:
-            log(f"{name:<40}{b:>10.2f}{f:>10.2f}{f - b:>+10.2f}")
+    before_after(log, f"held-out ({before['n']} examples, the agent)", 40, before, after, (
+        ("accuracy", "accuracy", True), ("endpoint calls per rollout", "calls_per_rollout", False),
+        ("tool calls per completion", "tool_calls_per_completion", False),
+        ("  accuracy when it calls", "accuracy_with_call", True), ("  accuracy by itself", "accuracy_own", True)))
