@@ -177,7 +177,7 @@ CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 [ -n "$REF_URL" ] && PLAN_FLAGS+=(--no-ref)
 [ -n "$REF_MODEL" ] && PLAN_FLAGS+=(--ref-model "$REF_MODEL")
 [ -z "$PRINT_PLAN" ] && [ "$MODE" = train ] && PLAN_FLAGS+=(--check-torch)
-PLAN=$("$PY" -m common.placement.cli --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
+PLAN=$("$PY" -m common.placement.launch_plan --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
   --ref-dtype "$REF_DTYPE" -- "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
 eval "$PLAN"
 [ -n "$REF_MODEL" ] || REF_MODEL=$PLAN_REF_MODEL

@@ -1,5 +1,5 @@
 """The memory estimate (common/placement/memory_plan.py) against one CPU rank's measured peak: one DeepSpeed rank (gloo,
-world 1) builds the engine as trainer/engine.py does and takes one train_step on a synthetic batch whose rows are
+world 1) builds the engine as trainer/deepspeed_policy.py does, takes one train_step on a synthetic batch whose rows are
 all full length (prompt + completion, the estimate's worst case). The peak is the process's VmHWM (peak RSS)
 of the second step (Adam's states exist), reset before it (/proc/self/clear_refs 5), less the RSS before the
 model was loaded: over forward + backward and over the optimizer step apart (engine.step is wrapped to read it).
@@ -71,7 +71,7 @@ def main() -> None:
     from common.placement.memory_report import train_settings
     from common.settings.knobs import load_config
     from common.wire.protocol import ScoredBatch
-    from trainer.engine import build_engine, ds_config_for, init_deepspeed
+    from trainer.deepspeed_policy import build_engine, ds_config_for, init_deepspeed
     from trainer.objective.update import train_step
 
     model = str(qwen05b_dir(Path(a.cache))) if a.model == "qwen05b" else resolve_model_path(a.model)

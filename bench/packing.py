@@ -18,7 +18,7 @@ Shapes (completion lengths log-normal around `median` with `sigma`, capped at `m
 Tasks, each (shape, task) with its model built once:
 
   train  common/logprobs.sequence_logprobs forward + backward (entropy on, logp_chunk_tokens as GRPOConfig's,
-         gradient checkpointing as trainer/engine.py prepare_policy), the rows as one micro-batch
+         gradient checkpointing as trainer/deepspeed_policy.py prepare_policy), the rows as one micro-batch
   score  ref_server/scorer.Scorer.score_rows under inference_mode (ServerConfig's chunk_tokens and budget)
 
 each as padded (padding_free false), packed (true) and auto (common/pack_choice.py decides), the three modes
@@ -72,7 +72,7 @@ def build_model(name: str, a: argparse.Namespace, train: bool):
 
     from common.config import GRPOConfig
     from common.modeling import load_model, resolve_model_path
-    from trainer.engine import prepare_policy
+    from trainer.deepspeed_policy import prepare_policy
     torch.manual_seed(0)
     if name == "demo":
         model = load_model(resolve_model_path("tiny"), device="cpu", dtype=a.dtype, trainable=train)

@@ -29,7 +29,7 @@ def update(deepspeed, stage: int, optimizer: str) -> dict:
     from test_microbatch import LR, config, full_weights, make_batch, sgd_engine
 
     from common.modeling import load_model, resolve_model_path
-    from trainer.engine import ds_config_for, initialize
+    from trainer.deepspeed_policy import ds_config_for, initialize
     from trainer.objective.update import train_step
 
     torch.manual_seed(0)
@@ -59,7 +59,7 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    from trainer.engine import skip_shm_op
+    from trainer.deepspeed_policy import skip_shm_op
     skip_shm_op(deepspeed)  # as the trainer on CPU
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}

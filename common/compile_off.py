@@ -6,8 +6,8 @@ decorates, nowhere else), so the scope imports neither dynamo's compile machiner
 each time that is the first compile in the process) and a call later never traces or builds a kernel. The
 variable is set only inside the scope and restored after (the user's own value, or none), so every torch.compile
 outside it is as before. Used at a process's start, where no other thread compiles:
-- trainer/engine.py: around deepspeed.initialize, whose ZeRO code imports DeepSpeed's Muon optimizer module, which
-  compiles Muon's kernels (unless ds_config's optimizer is Muon);
+- trainer/deepspeed_policy.py: around deepspeed.initialize, whose ZeRO code imports DeepSpeed's Muon optimizer
+  module, which compiles Muon's kernels (unless ds_config's optimizer is Muon);
 - trainer/engines/vllm.py: around an eager vLLM engine's import and construction on CPU, whose sampler compiles a
   one-line rank count (a dynamo trace and a C++ build on the first call).
 """

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]

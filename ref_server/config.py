@@ -25,7 +25,7 @@ class ServerConfig(ModelLoading):
     (per-token reference logprobs) and hands the scored batches out FIFO.
     Flags take dashes or underscores (--max-queue = --max_queue); a bare boolean flag means true.
     The model loads with trust_remote_code / attn_implementation / revision / model_init_kwargs, the trainer's
-    options of those names (launch.sh passes the trainer's on: common/placement/cli.py PLAN_REF_ARGS)."""
+    options of those names (launch.sh passes the trainer's on: common/placement/launch_plan.py PLAN_REF_ARGS)."""
 
     model: str | None = knob(None, "Reference model: a Hugging Face id or local directory ('tiny' = the "
                                       "embedded tiny Qwen2). Required.")

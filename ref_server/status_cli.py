@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from common.run_record import START, describe, newest_run
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 from common.wire.client import RefClient, RefServerError
 from ref_server.status import format_table
 

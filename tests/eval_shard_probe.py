@@ -13,7 +13,7 @@ import torch
 from common.config import GRPOConfig
 from common.modeling import load_tokenizer
 from trainer.data.loading import load_examples
-from trainer.engine import build_engine
+from trainer.deepspeed_policy import build_engine
 from trainer.engines.hf import HFEngine
 from trainer.evaluate import evaluate
 from trainer.loop import run_eval

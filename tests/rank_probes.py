@@ -33,7 +33,7 @@ def main() -> None:
     import zero3_probe
     import zero3_update_probe
 
-    from trainer.engine import init_deepspeed
+    from trainer.deepspeed_policy import init_deepspeed
 
     model, out_dir = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # launcher: --local_rank=N
     cfg = zero3_probe.probe_config(model, ["dist_timeout", str(DIST_TIMEOUT)])

@@ -16,7 +16,7 @@ from tests.agent_doubles import ScriptedEngine, SpyEngine
 from tests.tool_doubles import spelled
 from trainer.agents import rollout_of, serve
 from trainer.agents.chat import prompt_ids
-from trainer.tools.loop import tool_suffix_ids
+from trainer.tools.multi_turn import tool_suffix_ids
 
 CALL = '<tool_call>\n{"name": "mul", "arguments": {"a": 12, "b": 34}}\n</tool_call>'
 MUL = {"type": "function", "function": {"name": "mul", "description": "Multiply.", "parameters": {

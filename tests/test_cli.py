@@ -1,5 +1,5 @@
-"""Every entry point reads what a user types the same way (issue 31, common/settings/cli.py): dashes or underscores in
-any option, no prefix abbreviation, errors in one line that name the close option."""
+"""Every entry point reads what a user types the same way (issue 31, common/settings/argparser.py): dashes or
+underscores in any option, no prefix abbreviation, errors in one line that name the close option."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import REPO, subprocess_env
 
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 
 
 def parser() -> ArgumentParser:
@@ -68,7 +68,7 @@ def test_launch_roles_demo_status_and_placement_take_both_spellings():
     (["-m", "ref_server.status_cli", "--ref_ur", "x"], "unknown option --ref_ur (did you mean --ref-url?)"),
     (["-m", "trainer.dist.hosts", "workers", "--ref-url", "u", "--run-dir", "d", "--first", "1"],
      "unknown option --first"),
-    (["-m", "common.placement.cli", "--workers", "1", "--", "--num_generation", "4"],
+    (["-m", "common.placement.launch_plan", "--workers", "1", "--", "--num_generation", "4"],
      "unknown option --num_generation (did you mean --num_generations?)"),
 ])
 def test_entry_points_refuse_a_near_name_in_one_line(cmd, want):
@@ -87,7 +87,7 @@ def test_entry_points_refuse_a_near_name_in_one_line(cmd, want):
     (["--model_init_kwargs", '{"torch_dtype": "bfloat16"}'], "model_init_kwargs may not set torch_dtype"),
 ])
 def test_launch_train_config_errors_are_one_line(trainer_args, want, tmp_path):
-    """Through launch.sh (common/placement/cli.py reads the trainer's options), before anything starts."""
+    """Through launch.sh (common/placement/launch_plan.py reads the trainer's options), before anything starts."""
     r = subprocess.run(["bash", str(REPO / "launch.sh"), "train", "--ref-model", "tiny", "--print-plan", "--",
                         *trainer_args], cwd=tmp_path, env=subprocess_env(GRPO_PYTHON=sys.executable,
                                                                          PYTHONPATH=str(REPO)),

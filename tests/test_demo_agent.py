@@ -38,7 +38,7 @@ def test_agent_renders_what_the_tool_sft_taught(tiny_model_dir, monkeypatch) -> 
     from trainer.demo.phases import _system_prompt
     from trainer.demo.tool_sft import assistant_turn_ids, sft_pairs_for
     from trainer.tools import ToolBox
-    from trainer.tools.loop import tool_suffix_ids
+    from trainer.tools.multi_turn import tool_suffix_ids
 
     cfg = _cfg()
     tok = load_tokenizer(str(tiny_model_dir))

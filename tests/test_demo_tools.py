@@ -1,6 +1,6 @@
 """The tool demo (`./launch.sh demo --tools`, issue 32): its task, its SFT traces, and the --quick run end to end.
 
-The traces must be the token sequences the tool loop builds (trainer/tools/loop.py), or SFT would teach a format
+The traces must be the token sequences the tool loop builds (trainer/tools/multi_turn.py), or SFT would teach a format
 the rollouts never produce; the end-to-end run checks summary.json's keys and that GRPO's batches came from the
 real processes with multi-turn rollouts (the worker uploaded batches; the ranks' metrics count tool calls).
 """
@@ -47,7 +47,7 @@ def test_reward_reads_only_the_models_answer() -> None:
 
 def test_traces_are_what_the_tool_loop_builds(tiny_model_dir) -> None:
     from trainer.demo.tool_sft import assistant_turn_ids, sft_pairs_for
-    from trainer.tools.loop import tool_suffix_ids
+    from trainer.tools.multi_turn import tool_suffix_ids
 
     tok = load_tokenizer(str(tiny_model_dir))
     toolbox = ToolBox.from_config(GRPOConfig(model="tiny", tools=["calculator"]), tok)

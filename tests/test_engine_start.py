@@ -1,12 +1,12 @@
-"""trainer/engine.py's start of a rank: DeepSpeed's Muon kernels are left uncompiled unless ds_config asks for Muon
-(their torch.compile at import cost every rank ~1 CPU-s of inductor import), and nothing after is affected."""
+"""trainer/deepspeed_policy.py's start of a rank: DeepSpeed's Muon kernels are left uncompiled unless ds_config asks for
+Muon (their torch.compile at import cost every rank ~1 CPU-s of inductor import), and nothing after is affected."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from trainer.engine import muon_left_uncompiled
+from trainer.deepspeed_policy import muon_left_uncompiled
 
 
 def kernel(x):

@@ -32,6 +32,6 @@ def test_gpu_check_runs_every_variant_within_its_deadline(tmp_path):
 
 
 def test_placement_sees_the_gpus_torch_sees():
-    from common.placement.cli import detect_gpus
+    from common.placement.launch_plan import detect_gpus
     gpus, how, _ = detect_gpus()
     assert len(gpus) == torch.cuda.device_count(), how

@@ -1,7 +1,9 @@
 """The house rules of issue 64 that a scan can check: bench/'s scripts import no circle (sibling-script imports
 included, as a script run from bench/ sees them), none is named like a project package (it would shadow it for
-every script run from bench/), `free_port` is defined once outside tests/, and no module in common/, ref_server/,
-trainer/ or bench/ is over 330 lines (small files, one concern each)."""
+every script run from bench/), `free_port` is defined once outside tests/, no module in common/, ref_server/,
+trainer/ or bench/ is over 330 lines (small files, one concern each), and names say what a module holds: no `X.py`
+beside an `Xs/` package (the DeepSpeed policy was trainer's `engine.py` beside the generation engines/), no
+`loop.py` or `cli.py` twice."""
 from __future__ import annotations
 
 import ast
@@ -54,3 +56,15 @@ def test_no_module_over_the_line_limit() -> None:
             if n > MAX_LINES:
                 long[str(path.relative_to(REPO))] = n
     assert long == {}
+
+
+def test_names_say_what_a_module_holds() -> None:
+    beside, seen = [], {"loop.py": [], "cli.py": []}
+    for folder in PACKAGES:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if (path.parent / f"{path.stem}s").is_dir():
+                beside.append(str(path.relative_to(REPO)))
+            if path.name in seen:
+                seen[path.name].append(str(path.relative_to(REPO)))
+    assert beside == [], "a module named like the package beside it"
+    assert seen == {"loop.py": ["trainer/loop.py"], "cli.py": ["trainer/demo/cli.py"]}

@@ -119,7 +119,7 @@ def test_the_tiny_models_shape_is_read_directly():
 
 
 def test_a_gpu_plan_of_a_local_model_imports_neither_torch_nor_transformers(tmp_path, qwen7b):
-    code = ("import sys; from common.placement.cli import main; "
+    code = ("import sys; from common.placement.launch_plan import main; "
             f"rc = main(['--workers', '1', '--', '--model', {str(qwen7b)!r}]); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')); "
             "assert rc == 0 and not bad, bad[:5]")
@@ -216,7 +216,7 @@ def test_print_plan_without_gpu_memory_prints_the_estimate_without_a_verdict(tmp
 
 
 def test_cpu_keeps_the_whole_batch_and_no_checkpointing(tmp_path):
-    from trainer.engine import ds_config_for, prepare_policy
+    from trainer.deepspeed_policy import ds_config_for, prepare_policy
     from trainer.memory_defaults import resolve_memory_defaults
     cfg = GRPOConfig(num_pre_Q=8, train_batch_groups=2).validate()
     assert cfg.micro_batch_size is None and cfg.gradient_checkpointing is None

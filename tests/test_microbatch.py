@@ -23,7 +23,7 @@ from conftest import find_free_port
 from common.config import GRPOConfig
 from common.modeling import load_model, resolve_model_path
 from common.wire.protocol import ScoredBatch
-from trainer.engine import ds_config_for, initialize, prepare_policy, skip_shm_op
+from trainer.deepspeed_policy import ds_config_for, initialize, prepare_policy, skip_shm_op
 from trainer.objective import microbatch
 from trainer.objective.grpo import entropy_mask, grpo_loss
 from trainer.objective.offpolicy import importance_weights
@@ -112,7 +112,7 @@ def tiny_float32():
 
 
 def init_gloo(deepspeed) -> None:
-    """deepspeed.init_distributed as the trainer calls it on CPU (trainer/engine.py init_deepspeed): without
+    """deepspeed.init_distributed as the trainer calls it on CPU (trainer/deepspeed_policy.py init_deepspeed): without
     DeepSpeed's shared-memory op, whose gcc build (minutes on a loaded machine) the trainer skips as well."""
     skip_shm_op(deepspeed)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -138,7 +138,8 @@ def dist():
 def sgd_engine(deepspeed, stage: int, grad_accum: int = 1, gradient_checkpointing: bool = False):
     """A real DeepSpeed engine on the tiny model at `stage`, plain SGD: 8-row batches in micro-batches of
     3 + 3 + 2, so DeepSpeed accumulates over 3 x grad_accum micro-batches per optimizer step. The model is made
-    ready as the trainer does (trainer/engine.py prepare_policy: train mode, gradient checkpointing if asked)."""
+    ready as the trainer does (trainer/deepspeed_policy.py prepare_policy: train mode, gradient checkpointing if
+    asked)."""
     cfg = config("seq_mean", "token", grad_accum=grad_accum)
     cfg.gradient_checkpointing = gradient_checkpointing
     ds = ds_config_for(cfg, on_gpu=False)

@@ -1,8 +1,9 @@
 """How the model loads (issue 31): trust_remote_code, attn_implementation, revision and model_init_kwargs reach
-every process that calls from_pretrained: the ranks (trainer/engine.py build_engine, one gloo rank), a genonly
+every process that calls from_pretrained: the ranks (trainer/deepspeed_policy.py build_engine, one gloo rank), a genonly
 worker's HF engine, the ref server process, `python -m trainer.evaluate`, and the ref server launch.sh starts
-(common/placement/cli.py hands it the trainer's options). The model is the tiny one with its own code (auto_map),
-which loads only with trust_remote_code; revisions come from a local Hugging Face cache (nothing downloads)."""
+(common/placement/launch_plan.py hands it the trainer's options). The model is the tiny one with its own code
+(auto_map), which loads only with trust_remote_code; revisions come from a local Hugging Face cache (nothing
+downloads)."""
 from __future__ import annotations
 
 import json
@@ -83,7 +84,7 @@ def test_genonly_worker_hf_engine_loads_with_the_options(custom_dir):
 
 @pytest.mark.multiproc  # a DeepSpeed rank process, twice (~10 CPU-s)
 def test_ranks_build_engine_loads_with_the_options(custom_dir, tmp_path):
-    """One real DeepSpeed rank (gloo) through trainer/engine.py build_engine (tests/update_probe.py)."""
+    """One real DeepSpeed rank (gloo) through trainer/deepspeed_policy.py build_engine (tests/update_probe.py)."""
     run = [sys.executable, str(REPO / "tests" / "update_probe.py"), str(custom_dir), str(tmp_path),
            "--all_steps", "1", "--beta", "0"]
 
@@ -127,7 +128,7 @@ def test_launch_hands_the_ref_server_the_trainers_options(capsys):
     """launch.sh evals placement_cli's PLAN_REF_ARGS into the ref server's command line."""
     import shlex
 
-    from common.placement.cli import main
+    from common.placement.launch_plan import main
     from ref_server.config import load_server_config
 
     assert main(["--workers", "0", "--", "--trust-remote-code", "true", "--revision", "v1",

@@ -106,7 +106,7 @@ def test_cuda_visible_devices_without_cuda_finds_no_gpu(monkeypatch):
 
     import torch
 
-    from common.placement.cli import detect_gpus
+    from common.placement.launch_plan import detect_gpus
     if shutil.which("nvidia-smi") or torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
@@ -219,7 +219,8 @@ def test_a_cpu_plan_imports_no_torch(tmp_path):
     if gpu_build() is not False:
         pytest.skip("torch here is a CUDA/ROCm build: the plan asks torch")
     env = subprocess_env(PYTHONPATH=str(REPO), PATH=f"{tmp_path}:/usr/bin:/bin")  # no nvidia-smi
-    code = ("import sys; from common.placement.cli import main; rc = main(['--workers', '1', '--', '--model', 'tiny'])"
+    code = ("import sys; from common.placement.launch_plan import main; "
+            "rc = main(['--workers', '1', '--', '--model', 'tiny'])"
             "; assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

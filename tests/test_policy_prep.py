@@ -1,4 +1,4 @@
-"""trainer/engine.py: prepare_policy's gradient checkpointing really recomputes (the model is in train mode);
+"""trainer/deepspeed_policy.py: prepare_policy's gradient checkpointing really recomputes (the model is in train mode);
 ds_config_for's precision comes from --bf16 over ds_config."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from conftest import REPO
 from common.config import GRPOConfig
 from common.logprobs import sequence_logprobs
 from common.modeling import load_model
-from trainer.engine import ds_config_for, prepare_policy
+from trainer.deepspeed_policy import ds_config_for, prepare_policy
 
 
 def _layer_calls_and_grads(model_dir, checkpointing: bool):

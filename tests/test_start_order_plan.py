@@ -9,7 +9,7 @@ import sys
 
 from conftest import REPO, subprocess_env
 
-from common.placement.cli import smi_uuids, visible_gpus
+from common.placement.launch_plan import smi_uuids, visible_gpus
 from common.placement.plan import plan_placement
 from trainer.run.start_order import WorkersStarting, started_workers
 

@@ -1,4 +1,4 @@
-"""The multi-turn tool loop (trainer/tools/loop.py) over a scripted engine: token exactness across turns (ids
+"""The multi-turn tool loop (trainer/tools/multi_turn.py) over a scripted engine: token exactness across turns (ids
 never re-tokenised), the tool turn as the chat template renders it, loss_mask / logprobs alignment, the token
 budget and the iteration limit, and a malformed / unknown / raising call as a counted tool message."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.tool_doubles import FakeToolBox, ScriptEngine, spelled
-from trainer.tools.loop import messages_extra, stats_extra, tool_rollouts, tool_suffix_ids
+from trainer.tools.multi_turn import messages_extra, stats_extra, tool_rollouts, tool_suffix_ids
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_an_engine_without_logprobs_gives_none(tok):
 def test_tool_metrics_keys_per_completion():
     from common.wire.protocol import ScoredBatch
     from trainer.run.step_metrics import batch_metrics
-    from trainer.tools.loop import add_tool_totals, tool_metric_keys
+    from trainer.tools.multi_turn import add_tool_totals, tool_metric_keys
 
     tools = stats_extra([{"calls": 2, "turns": 3, "failed": 1, "timed_out": 0, "malformed": 1, "seconds": 0.5,
                           "calls/calculator": 2},

@@ -18,7 +18,7 @@ from tests.tool_doubles import FakeToolBox, ScriptEngine  # noqa: E402
 from trainer.data.loading import Example  # noqa: E402
 from trainer.rewards.scoring import RewardScorer  # noqa: E402
 from trainer.rollout import encode_prompts, generate_batches  # noqa: E402
-from trainer.tools.loop import tool_suffix_ids  # noqa: E402
+from trainer.tools.multi_turn import tool_suffix_ids  # noqa: E402
 
 
 @pytest.fixture(scope="module")

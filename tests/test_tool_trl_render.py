@@ -1,6 +1,6 @@
 """Tool runs as TRL 1.16 runs them (issue 60), on the real Qwen vocabulary (tests/qwen_vocab.py) carrying the chat
-templates GRPOTrainer swaps in a tool run: two tool turns through the real tool loop (trainer/tools/loop.py, with a
-real ToolBox and its inline calculator; a scripted engine) give the token ids TRL's own code gives -- the prompt as
+templates GRPOTrainer swaps in a tool run: two tool turns through the real tool loop (trainer/tools/multi_turn.py, with
+a real ToolBox and its inline calculator; a scripted engine) give the token ids TRL's own code gives -- the prompt as
 GRPOTrainer._tokenize_prompts renders it, each tool suffix from TRL's _get_tool_suffix_ids (its source, run on a
 stand-in trainer: importing grpo_trainer costs ~10 s) -- with chat_template_kwargs in every render; each assistant
 turn is TRL's parse_response message (no call markup in its content).
@@ -26,7 +26,7 @@ from trainer.engines.base import GenEngine, Sample, budgets
 from trainer.rollout import encode_prompts
 from trainer.tools import ToolBox
 from trainer.tools.calculator import calculator
-from trainer.tools.loop import tool_rollouts
+from trainer.tools.multi_turn import tool_rollouts
 from trainer.tools.schemas import load_tools
 
 USER = [{"role": "user", "content": "What is (2+3)*4?"}]

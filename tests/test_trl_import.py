@@ -13,7 +13,7 @@ from conftest import REPO
 PROBE = """
 import json, os, sys
 os.environ.pop("VLLM_LOGGING_LEVEL", None)
-import trainer.tools, trainer.tools.loop, trainer.check  # noqa: F401 - what a tool run imports before it starts
+import trainer.tools, trainer.tools.multi_turn, trainer.check  # noqa: F401 - what a tool run imports before it starts
 before = "trl" in sys.modules
 from common.trl_import import trl_module
 ctu = trl_module("chat_template_utils")

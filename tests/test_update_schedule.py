@@ -10,7 +10,7 @@ import sys
 from conftest import REPO, find_free_port, subprocess_env
 
 from common.config import GRPOConfig
-from trainer.engine import lr_lambda
+from trainer.deepspeed_policy import lr_lambda
 from trainer.objective.update import starts_round
 
 

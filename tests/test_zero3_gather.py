@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
     from common.config import GRPOConfig
     from common.modeling import load_model
     from trainer.checkpoint import save_hf
-    from trainer.engine import init_deepspeed, initialize
+    from trainer.deepspeed_policy import init_deepspeed, initialize
     from trainer.publish import Publisher
 
     deepspeed, *_ = init_deepspeed(GRPOConfig(dist_timeout=120))

@@ -29,7 +29,7 @@ class Recording:
 
 
 def check(engine, tok, box, greedy: bool) -> dict:
-    from trainer.tools.loop import tool_rollouts, tool_suffix_ids
+    from trainer.tools.multi_turn import tool_rollouts, tool_suffix_ids
 
     prompt, _ = tool_sft.trace(box.schemas)
     p = tok(tok.apply_chat_template(prompt, tools=box.schemas, tokenize=False, add_generation_prompt=True),

@@ -11,7 +11,7 @@ import torch
 from common.config import GRPOConfig
 from common.settings.knobs import load_config
 from common.wire.protocol import ScoredBatch
-from trainer.engine import build_engine, init_deepspeed
+from trainer.deepspeed_policy import build_engine, init_deepspeed
 from trainer.objective.update import new_round, starts_round, train_update
 
 

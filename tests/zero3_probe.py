@@ -10,7 +10,7 @@ import torch
 
 from common.config import GRPOConfig
 from common.wire.protocol import ScoredBatch
-from trainer.engine import build_engine
+from trainer.deepspeed_policy import build_engine
 from trainer.objective.update import train_step
 
 

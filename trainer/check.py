@@ -17,7 +17,7 @@ One line per check, `ok` or `FAIL` with what is wrong; exit 1 when any fails:
              (trainer/check_tools.py)
     port     the ref server's port is free (when launch.sh starts the server)
     disk     the run directory's filesystem has room for checkpoints: at least twice the model's size
-The placement plan is checked by launch.sh itself (common/placement/cli.py), before these.
+The placement plan is checked by launch.sh itself (common/placement/launch_plan.py), before these.
 
     python -m trainer.check [--port P] [--run-dir D] [--ref-url URL] -- [trainer args]
 """

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from common.config import GRPOConfig
 from common.gc_pause import imports_without_gc
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 from common.settings.knobs import load_config, parse_bool, parse_dict
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def evaluate(model, tokenizer, examples: list[Example], *, system_prompt: str | 
 
     `model` is an HF model (wrapped in the HF engine) or any GenEngine (e.g. vLLM); greedy decoding
     ignores the checkpoint's generation_config (no repetition_penalty) either way.
-    toolbox (trainer/tools): the model may call tools (multi-turn, trainer/tools/loop.py; the prompt lists them);
+    toolbox (trainer/tools): the model may call tools (multi-turn, trainer/tools/multi_turn.py; the prompt lists them);
     "tool_calls" counts them and each sample shows its turns. Without one: single-turn, the accuracy without
     tools."""
     from tqdm import tqdm

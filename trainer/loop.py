@@ -27,8 +27,8 @@ from trainer import resume
 from trainer.batches import RANK_PRODUCER, BatchSource, UnusableBatches
 from trainer.checkpoint import save_hf, save_step, source_dtype
 from trainer.data import run_data
+from trainer.deepspeed_policy import build_engine, init_deepspeed
 from trainer.dist import comm, nodes
-from trainer.engine import build_engine, init_deepspeed
 from trainer.evaluate import CORRECTNESS_REWARDS
 from trainer.objective.update import metric_keys, new_round, starts_round, train_update
 from trainer.publish import Publisher

@@ -6,7 +6,7 @@
 Follow one batch: trainer/worker.py (or a rank itself, trainer/batches.py) samples a group
 (trainer/rollout.py), rewards it (trainer/rewards/) and uploads it; the ref server scores it with
 reference logprobs; trainer/loop.py takes it, computes the GRPO loss (trainer/objective/grpo.py) and steps
-the DeepSpeed engine (trainer/engine.py).
+the DeepSpeed engine (trainer/deepspeed_policy.py).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from trainer.dist.comm import all_reduce, all_reduce_int
 from trainer.engines import GenEngine, Sample
 from trainer.objective.grpo import group_advantages, has_spread, overlong_penalty
 from trainer.rewards.scoring import Group
-from trainer.tools.loop import messages_extra, stats_extra, tool_rollouts
+from trainer.tools.multi_turn import messages_extra, stats_extra, tool_rollouts
 
 
 @dataclass
@@ -39,7 +39,7 @@ class RolloutStats:
     seconds: float = 0.0
     rewards: list = field(default_factory=list)
     components: dict = field(default_factory=dict)
-    tools: dict = field(default_factory=dict)  # tool run: per-completion statistics (trainer/tools/loop.py)
+    tools: dict = field(default_factory=dict)  # tool run: per-completion statistics (trainer/tools/multi_turn.py)
     agent_faults: int = 0  # agent run: rollouts whose agent raised, timed out or never called (reward None)
     skipped_samples: list = field(default_factory=list)  # a few (completion, {reward: value}) of skipped groups
 
@@ -168,7 +168,7 @@ def sample_groups(engine: GenEngine, tokenizer, kept: list[tuple[Example, list[i
                   system_prompt: str | None = None, prompt_format: str = "auto", template_kwargs: dict | None = None,
                   snapshots: bool = False) -> tuple[list[Sample], list | None, list | None]:
     """n completions per prompt (prompt-major): one engine call, or with a ToolBox the multi-turn tool loop
-    (trainer/tools/loop.py); then also each completion's messages and tool statistics (else None, None).
+    (trainer/tools/multi_turn.py); then also each completion's messages and tool statistics (else None, None).
     system_prompt / prompt_format: how the prompts were rendered (encode_prompts), for a prompt that an
     environment's reset() extends. snapshots: each rollout's stats["environment"] is a copy of its environment
     instance after the episode (a reward takes TRL's `environments`; trainer/rewards/environments.py)."""

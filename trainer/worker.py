@@ -34,7 +34,7 @@ from trainer.run.stall import NothingToTrain, StallReporter
 from trainer.run.start_order import started_workers
 from trainer.runtime import make_client, setup_logging
 from trainer.tools import ToolBox
-from trainer.tools.loop import add_tool_totals
+from trainer.tools.multi_turn import add_tool_totals
 
 log = logging.getLogger("trainer")
 

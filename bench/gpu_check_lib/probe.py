@@ -60,7 +60,7 @@ def one_update(deepspeed, model_dir: str, stage: int, a) -> dict:
     """The weights' change (fp32, on the device) after one SGD update at `stage`."""
     from common.config import GRPOConfig
     from common.modeling import load_model
-    from trainer.engine import ds_config_for, initialize, prepare_policy
+    from trainer.deepspeed_policy import ds_config_for, initialize, prepare_policy
     from trainer.objective.update import new_round, train_update
     cfg = GRPOConfig(model=model_dir, num_pre_Q=ROWS, micro_batch_size=MICRO, max_new_tokens=a.completion,
                      grad_clip=1e9, beta=0.04, bf16=False, padding_free="true").validate()
@@ -98,7 +98,7 @@ def update_probe(a) -> dict:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if a.device == "cpu":  # gloo, as the trainer on CPU
-        from trainer.engine import skip_shm_op
+        from trainer.deepspeed_policy import skip_shm_op
         skip_shm_op(deepspeed)
     deepspeed.init_distributed(dist_backend="nccl" if a.device == "cuda" else "gloo")
     t0 = time.time()

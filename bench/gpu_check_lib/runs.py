@@ -128,7 +128,7 @@ def estimate(launch_err: str, model: Path, cmd: list[str], device: str) -> dict:
     source = "printed by launch.sh"
     if not lines:
         from common.config import GRPOConfig
-        from common.placement.cli import plan_for
+        from common.placement.launch_plan import plan_for
         from common.placement.memory_report import memory_report
         from common.settings.knobs import load_config
         cfg = load_config(GRPOConfig, cmd[cmd.index("--") + 1:], prog="trainer/main.py")

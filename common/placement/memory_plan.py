@@ -11,7 +11,7 @@ The formula (docs/gpus.md, "Memory estimate", derives each term and compares it 
     HF worker   = weights + max(KV cache of one generate call, its logprob forward of one group) + CUDA context
 
 Pure functions of a ModelShape and the run's settings; common/placement/memory_report.py reads the GPUs and prints it,
-trainer/engine.py picks the GPU defaults (`pick`) when a run was started without the launcher's pick.
+trainer/deepspeed_policy.py picks the GPU defaults (`pick`) when a run was started without the launcher's pick.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The launcher's memory estimate (common/placement/memory_plan.py) for a placement plan: each process's GPU
 memory, a fit verdict per GPU, and, where the user left micro_batch_size / gradient_checkpointing unset, the values
-the ranks get. common/placement/cli.py prints it (launch.sh train, also with --print-plan) and hands the picked
+the ranks get. common/placement/launch_plan.py prints it (launch.sh train, also with --print-plan) and hands the picked
 values to the trainer's command line.
 
 GPU memory comes from `nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits` (MiB per GPU, by
@@ -67,7 +67,7 @@ def _dtype_bytes(name: str | None) -> int:
 
 def train_settings(cfg, ds: dict, shape: ModelShape, world: int, workers: int, micro: int,
                    gc: bool) -> TrainSettings:
-    """The ranks' settings: GRPOConfig over ds_config (as trainer/engine.py's ds_config_for fills it)."""
+    """The ranks' settings: GRPOConfig over ds_config (as trainer/deepspeed_policy.py's ds_config_for fills it)."""
     zero = ds.get("zero_optimization", {})
     stage = cfg.zero_stage if cfg.zero_stage is not None else int(zero.get("stage", 0))
     bf16 = cfg.bf16 in (True, "auto") if cfg.bf16 is not None else ds.get("bf16", {}).get("enabled") in (True, "auto")

@@ -1,7 +1,7 @@
 """Which GPU(s) each process of a run gets: the ref server, every genonly worker, the DeepSpeed ranks.
 
 A pure function of the GPUs there are and the launcher's flags (launch.sh calls it through
-common/placement/cli.py, prints the plan and hands each process its CUDA_VISIBLE_DEVICES; the ref server shows
+common/placement/launch_plan.py, prints the plan and hands each process its CUDA_VISIBLE_DEVICES; the ref server shows
 it under "placement" in GET /status). The rules:
 
 - No GPU: the CPU plan (every process on CPU, `deepspeed --num_gpus N` CPU ranks, default 2).
@@ -45,7 +45,7 @@ class Placed:
     shares_gpu_with: tuple[str, ...] = ()
     waits_for_ranks: int = 0         # a vLLM worker sharing a GPU with the ranks: ranks to wait for (0 = none)
     # a worker's generation settings as resolved for its device (common/settings/gen_defaults.py), given to it as
-    # flags; ((name, value), ...), empty until common/placement/cli.py's plan_for fills it
+    # flags; ((name, value), ...), empty until common/placement/launch_plan.py's plan_for fills it
     gen: tuple[tuple[str, object], ...] = ()
     starts_after: tuple[str, ...] = ()  # a vLLM worker: earlier vLLM workers on its GPU(s), up before it starts
 

@@ -1,5 +1,5 @@
 """One resolver of the generation settings per device: the `auto` values of common/settings/generation_options.py
-become numbers, the same way for launch.sh's placement (common/placement/cli.py, --print-plan), the workers
+become numbers, the same way for launch.sh's placement (common/placement/launch_plan.py, --print-plan), the workers
 (trainer/worker.py), the ranks (trainer/main.py) and the engines (trainer/engines/).
 
     cfg, lines = resolve_generation(cfg, cuda=True, producer="worker", ranks=4, workers=1, gpu_share=None)

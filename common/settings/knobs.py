@@ -3,7 +3,7 @@
     cfg = load_config(GRPOConfig, ["--config", "configs/demo.json", "--lr", "1e-4"])
 
 Defaults <- JSON file (--config) <- CLI flags; an unknown key or a value of the wrong type is an error.
-Flags take dashes or underscores and are never abbreviated (common/settings/cli.py); entry points use
+Flags take dashes or underscores and are never abbreviated (common/settings/argparser.py); entry points use
 load_config_or_exit (one line, exit 2, on any config error). --help groups the fields by the class's
 HELP_SECTIONS. A class with `ACCEPTS_TRL_NAMES = True` (GRPOConfig) also takes TRL's names
 (common/settings/trl_aliases.py).
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from common.settings import trl_aliases
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 
 T = TypeVar("T")
 
@@ -229,7 +229,7 @@ def _prog(cls: type, prog: str | None) -> str | None:
 
 def load_config_or_exit(cls: type[T], argv: list[str] | None = None, prog: str | None = None, **kw: Any) -> T:
     """load_config for an entry point: a bad value, an unknown key in the file or a failed validation is one
-    line on stderr and exit 2, not a traceback (flag errors already are: common/settings/cli.py)."""
+    line on stderr and exit 2, not a traceback (flag errors already are: common/settings/argparser.py)."""
     try:
         return load_config(cls, argv, prog=prog, **kw)
     except (ValueError, FileNotFoundError) as e:

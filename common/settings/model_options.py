@@ -56,7 +56,7 @@ class ModelLoading:
 
     def cli_args(self) -> list[str]:
         """These options as flags for another process that loads the model (the ref server started by
-        launch.sh: common/placement/cli.py); only the ones set."""
+        launch.sh: common/placement/launch_plan.py); only the ones set."""
         out: list[str] = ["--trust_remote_code", "true"] if self.trust_remote_code else []
         for name in ("attn_implementation", "revision"):
             if getattr(self, name) is not None:

@@ -136,6 +136,6 @@ class RewardModels:
         return errors
 
     def reward_model_server_args(self) -> list[str]:
-        """The ref server's --reward_models flag (launch.sh passes it, common/placement/cli.py); [] when none."""
+        """The ref server's --reward_models flag (launch.sh passes it: common/placement/launch_plan.py); [] if none."""
         models = [{"path": m["path"], "name": m["name"], "tokenizer": m["tokenizer"]} for m in self.reward_models()]
         return ["--reward_models", json.dumps(models)] if models else []

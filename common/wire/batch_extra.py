@@ -38,7 +38,7 @@ def check_extra(extra: dict, rows: int) -> None:
             raise ExtraError("extra['components'] must be an object {reward name: [value per completion]}")
         for name, vals in comps.items():
             per_row(f"components.{name}", vals, lambda v: v is None or _number(v), "numbers or null")
-    if "tools" in extra:  # a tool run's per-completion statistics (trainer/tools/loop.py): the tools/... metrics
+    if "tools" in extra:  # a tool run's per-completion statistics (trainer/tools/multi_turn.py): the tools/... metrics
         tools = extra["tools"]
         if not isinstance(tools, dict):
             raise ExtraError("extra['tools'] must be an object {statistic: [number per completion]}")

@@ -7,7 +7,7 @@ and the model's reply parsed into an OpenAI assistant message.
     msg = Replies(tok, model).parse(ids, prefix_ids, tools)  # {"role", "content", "tool_calls"?}
 
 The model's own tokens are never re-tokenised: only the new messages are rendered, the way the tool loop renders a
-tool turn (trainer/tools/loop.py, TRL's `_get_tool_suffix_ids`): a dummy conversation ending in an assistant turn
+tool turn (trainer/tools/multi_turn.py, TRL's `_get_tool_suffix_ids`): a dummy conversation ending in an assistant turn
 (with the reply's real tool calls, whose names some templates print in the tool header), rendered with and without
 the new messages, and the new tail kept. Tool calls are parsed by the model family's response template
 (trainer/tools/templates.py) with transformers' `tokenizer.parse_response`, as the tool loop parses them.

@@ -8,7 +8,7 @@ are kept as they are, and appended with the loss masked: the template's turn end
 turn (a `length` or `stop`-string reply), and the new messages' tokens (trainer/agents/chat.py). Anything else (the
 agent rewrote or cut its history, changed its tools, or switched between chat and text completions) starts a new
 segment from the request's own rendering: never a re-tokenisation of sampled tokens. Each segment is one training
-row, a Sample as the tool loop makes it (trainer/tools/loop.py): prompt ids, completion ids, logprobs (0 on masked
+row, a Sample as the tool loop makes it (trainer/tools/multi_turn.py): prompt ids, completion ids, logprobs (0 on masked
 tokens; None when the engine gives none, as HF), the truncated flag, loss_mask True on sampled tokens only.
 """
 from __future__ import annotations

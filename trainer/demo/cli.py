@@ -40,7 +40,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 from trainer.demo.agent_phases import AGENT_SPEC, run_agent_eval, sft_config, show_agent_samples
 from trainer.demo.phases import Log, cold_start_sft, report, run_eval, run_training, show_samples
 from trainer.demo.tool_phases import run_tool_eval, show_tool_samples, tool_cold_start_sft
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = ArgumentParser(  # dashes or underscores, no abbreviations, one-line errors (common/settings/cli.py)
+    p = ArgumentParser(  # dashes or underscores, no abbreviations, one-line errors (common/settings/argparser.py)
         prog="./launch.sh demo", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="R1-Zero/R1 in miniature: tiny model -> cold-start SFT -> eval -> GRPO (ref server + "
                     "genonly worker + deepspeed ranks) -> eval, with summary.json and plot.png in the run "

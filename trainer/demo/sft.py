@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from common.modeling import load_model, load_tokenizer
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 from trainer.data.example import Example
 from trainer.rollout import encode_prompts
 

@@ -1,7 +1,7 @@
 """The tool demo's cold-start SFT data: worked solutions with and without a `calculator` call, as token ids.
 
 Each trace is tokenised the way a rollout builds it, so SFT teaches exactly the sequences the tool loop
-(trainer/tools/loop.py) will produce and read:
+(trainer/tools/multi_turn.py) will produce and read:
   - the assistant's turns are what the chat template renders for them (a call as `<tool_call>{...}</tool_call>`),
     ended by eos, loss on;
   - the tool turn is `tool_suffix_ids` of the real tool message (the calculator's own output, through the
@@ -14,7 +14,7 @@ import random
 from trainer.data.example import Example
 from trainer.demo.tool_task import TOOL, answer_text, own_solution, tool_call_message
 from trainer.rollout import encode_prompts
-from trainer.tools.loop import tool_suffix_ids
+from trainer.tools.multi_turn import tool_suffix_ids
 
 
 def assistant_turn_ids(tokenizer, message: dict) -> list[int]:

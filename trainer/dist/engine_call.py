@@ -12,7 +12,7 @@ bookkeeping that gradient accumulation depends on, and calling the modules direc
 - ZeRO-3's per-step reset of its parameter prefetcher, a pre-forward hook on the top module.
 
 `engine_forward(engine, fn)` runs `fn()` as the top module's forward for one `engine()` call, so all of it happens
-exactly as DeepSpeed does it, at every stage and for any engine (built by trainer/engine.py or by a test).
+exactly as DeepSpeed does it, at every stage and for any engine (built by trainer/deepspeed_policy.py or by a test).
 """
 from __future__ import annotations
 

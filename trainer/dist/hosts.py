@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from common.settings.cli import ArgumentParser, canonical
+from common.settings.argparser import ArgumentParser, canonical
 from common.wire.client import RefServerError
-from common.placement.cli import gpu_list
+from common.placement.launch_plan import gpu_list
 from trainer.dist.nodes import address_towards, interface_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: trainer/dist/hosts.py
@@ -161,7 +161,7 @@ def worker_plan(args: argparse.Namespace, cfg_args: list[str], extra: list[str])
     RUN_DIR/placement.json when the workers start."""
     from common.config import GRPOConfig
     from common.settings.knobs import load_config
-    from common.placement.cli import announce, check_torch, detect_gpus, named, plan_for
+    from common.placement.launch_plan import announce, check_torch, detect_gpus, named, plan_for
 
     cfg = load_config(GRPOConfig, [*cfg_args, *extra])
     gpus, how, names = detect_gpus()
@@ -175,7 +175,7 @@ def worker_plan(args: argparse.Namespace, cfg_args: list[str], extra: list[str])
 
 def workers(args: argparse.Namespace, extra: list[str], env: dict) -> int:
     """Start the workers (each logs to RUN_DIR/workerN.log), wait for all; a signal stops them all."""
-    from common.placement.cli import plan_line, worker_launch
+    from common.placement.launch_plan import plan_line, worker_launch
 
     cfg = ["--config", caller_path(args.config)] if args.config else []
     try:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from common.run_record import write_end, write_start
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 from trainer.dist.hosts import ROOT, caller_path, split_extra, trainer_args
 from trainer.dist.slurm_plan import AllocationError, Plan, make_plan, shared_marker, this_node
 from trainer.run.requeue import EXIT_REQUEUE, STOP_FILE, request_stop

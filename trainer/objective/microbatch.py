@@ -15,7 +15,7 @@ gradient equals the whole-batch gradient for every aggregation but TRL's bnpo:
     (GSPO's sequence ratio and truncated IS are per row: unchanged by a split by rows.)
 
 DeepSpeed accumulates: its gradient_accumulation_steps is grad_accum x micro-batches per step
-(trainer/engine.py), so engine.step() updates only after the step's last micro-batch, and engine.backward
+(trainer/deepspeed_policy.py), so engine.step() updates only after the step's last micro-batch, and engine.backward
 divides each loss by that count; we multiply it back by the micro-batch count (`backward_scale`), leaving
 grad_accum's own averaging over steps as it was.
 """

@@ -8,7 +8,7 @@ with grad_accum 2 and mu 2:
     step 2:                            pass 2 over B1, B2 - update -> v2   (ratio against pass 1's logps)
     step 3: fetch B3, B4 (policy <= v2) ...
 
-Steps, the LR schedule (trainer/engine.py), policy versions, staleness, publishes, metrics rows and
+Steps, the LR schedule (trainer/deepspeed_policy.py), policy versions, staleness, publishes, metrics rows and
 checkpoints all count updates. π_old is the trainer's first-pass logprobs (`old_logps: trainer`, the
 default) with the engine's logprobs used only for the importance-sampling correction (trainer/objective/offpolicy.py);
 `old_logps: engine` keeps the former objective (ratio against the engine's logprobs, no correction).
@@ -190,7 +190,7 @@ def _batch_step(engine, rnd: Round, i: int, cfg: GRPOConfig) -> dict:
         loss, em = _micro_loss(logps, ent, mb, rnd.old[i][j], rnd.weights[i][j], cfg)
         loss = loss * (rnd.scales[i] * mb.weight)
         engine.backward(loss * microbatch.backward_scale(len(micros)))
-        engine.step()  # an optimizer update only after the update's last micro-batch (trainer/engine.py)
+        engine.step()  # an optimizer update only after the update's last micro-batch (trainer/deepspeed_policy.py)
         seen.append((logps.detach(), ent, float(loss.detach())))
         kept.append(em)
     stats = _batch_stats(seen, kept, micros, rnd, i, gen, ref, cfg)

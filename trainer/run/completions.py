@@ -8,7 +8,7 @@ rewards saw it), rewards (function name -> value, null where a function did not 
 sum), advantage, policy_version and producer (the worker or rank that generated it). A tool run's rows also have
 tokens / model_tokens and `messages`: the completion as TRL logs it and its rewards got it (assistant turns as
 TRL's parse_response gives them, `content` without the call markup, the calls in `tool_calls`; the tool turns),
-for a group whose messages fit the batch's room on the wire (trainer/tools/loop.py messages_extra). An agent
+for a group whose messages fit the batch's room on the wire (trainer/tools/multi_turn.py messages_extra). An agent
 run's `completion` is its session's conversation after the first request's messages, a list of {role, content,
 tool_calls?} (trainer/agents/rollout.py).
 """

@@ -9,7 +9,7 @@ import torch
 from common.wire.protocol import ScoredBatch
 from trainer.dist import comm
 from trainer.lora.adapters import is_lora, trainable_summary
-from trainer.tools.loop import tool_metrics
+from trainer.tools.multi_turn import tool_metrics
 
 log = logging.getLogger("trainer")
 
@@ -54,7 +54,7 @@ def batch_metrics(b: ScoredBatch) -> dict:
     out.update(component_means(comps))  # reward/<name>: each function's mean where it applied
     out["reward_timeouts"] = float(sum(b.extra.get("reward_timeouts", [])))
     out["completion_len"] = float(b.completion_lens.float().mean())
-    if "tools" in b.extra:  # a tool run: tools/... per completion (trainer/tools/loop.py)
+    if "tools" in b.extra:  # a tool run: tools/... per completion (trainer/tools/multi_turn.py)
         out.update(tool_metrics(b.extra["tools"]))
     if "agent" in b.extra:  # an agent run: calls and training rows (segments) per rollout of the trained groups
         n = max(sum(b.extra["agent"]["rollouts"]), 1)

@@ -28,7 +28,7 @@ from trainer.run.step_metrics import (
     reward_stats,
     scored_rewards,
 )
-from trainer.tools.loop import add_tool_totals, tool_metric_keys
+from trainer.tools.multi_turn import add_tool_totals, tool_metric_keys
 
 
 def round_info(infos: list[dict]) -> dict:

@@ -1,4 +1,4 @@
-"""ToolBox: the tools of one run, as the rollout loop sees them (trainer/tools/loop.py calls it).
+"""ToolBox: the tools of one run, as the rollout loop sees them (trainer/tools/multi_turn.py calls it).
 
     box = ToolBox.from_config(cfg, tokenizer)        # None when the config has no tools
     prompt = tokenizer.apply_chat_template(messages, tools=box.schemas, **box.template_kwargs, ...)
@@ -44,7 +44,7 @@ class ToolBox:
         self.template: ToolTemplate | None = (tool_template(tokenizer, model, chat_template_kwargs)
                                               if tokenizer is not None and defs else None)
         self.family = self.template.family if self.template is not None else None
-        # every render of the run: the prompts (trainer/rollout.py), the tool suffixes (trainer/tools/loop.py)
+        # every render of the run: the prompts (trainer/rollout.py), the tool suffixes (trainer/tools/multi_turn.py)
         self.template_kwargs = (self.template.render_kwargs if self.template is not None
                                 else dict(chat_template_kwargs or {}))
         self.output_chars = int(output_chars)

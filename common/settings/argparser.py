@@ -1,6 +1,6 @@
 """The argument parser of every entry point: what a user types is read the same way everywhere.
 
-    from common.settings.cli import ArgumentParser
+    from common.settings.argparser import ArgumentParser
     p = ArgumentParser(prog="python -m trainer.evaluate")
 
 - Dashes and underscores are the same in an option's name: --max-new-tokens = --max_new_tokens (and

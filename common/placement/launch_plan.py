@@ -1,7 +1,7 @@
 """launch.sh's side of the placement plan (common/placement/plan.py): find the GPUs, read the run's config, print the
 plan, write it as JSON (the ref server shows it in GET /status) and hand launch.sh its shell variables.
 
-    python -m common.placement.cli --workers 1 [--gpus N] [--ref-device D] [--no-ref] [--worker-gpus 2,3]
+    python -m common.placement.launch_plan --workers 1 [--gpus N] [--ref-device D] [--no-ref] [--worker-gpus 2,3]
         [--rank-gpus 0,1] [--share-gpu] [--json RUN_DIR/placement.json] [--check-torch] -- TRAINER ARGS...
 
 stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_REF_ARGS[], PLAN_WORKER_ENV[],
@@ -28,7 +28,7 @@ from common.placement.cuda import device_count
 from common.placement.gen_choice import resolve_machine
 from common.placement.memory_report import Report, memory_report
 from common.placement.plan import Placed, Plan, describe, flag_word, plan_placement
-from common.settings.cli import ArgumentParser
+from common.settings.argparser import ArgumentParser
 from common.settings.gen_defaults import SHOWN, resolve_generation
 
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = ArgumentParser(prog="python -m common.placement.cli", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m common.placement.launch_plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; 2 on CPU)")
     p.add_argument("--ref-device", default="auto")
