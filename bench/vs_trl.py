@@ -32,7 +32,8 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
 
 --smoke (the suite's size): SFT 2 steps, 3 GRPO steps each side, 8 held-out problems, the first 64 train prompts
 written for TRL, TRL on 1 thread only (the suite's box is shared), our `launch.sh train` with --skip-checks and one
-rank (neither the checks nor a second rank is what a smoke run looks at; it is mostly start-up), and without
+rank and an HF worker (neither the checks, a second rank nor vLLM's ~25 CPU-s start-up is what a smoke run looks at:
+it is mostly start-up; vLLM workers have their own end-to-end tests), and without
 --run-dir a temporary run folder, removed at the end (nothing left in the checkout). --smoke never creates TRL's
 environment (the suite has no network): with this Python's own trl 1.16 it runs both sides; without it, it runs our
 side and exits 77 (the suite's "skipped: this machine lacks ...") with the reason as its last line.
@@ -108,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.smoke:
         a.eval_limit = SMOKE["eval_limit"]
         a.ranks = a.ranks or 1  # as bench/memory_qwen05b.py's smoke: a second rank's start-up measures nothing there
+        a.ours_args = f"--gen_backend hf {a.ours_args}"  # a later --gen_backend in --ours-args still wins
     if a.steps < 1 or a.eval_limit < 1:
         p.error("--steps and --eval-limit must be >= 1")
     if a.ranks is not None and a.ranks < 1:

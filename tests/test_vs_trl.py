@@ -67,6 +67,8 @@ def test_a_variant_of_our_side_reaches_the_config_and_the_launch(tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])[:2] == [None, []], out.stderr
     out = run("--ranks", "0")
     assert out.returncode == 2 and "--ranks must be >= 1" in out.stderr.splitlines()[-1]
+    out = run("--smoke", "--ours-args", "--gen_backend vllm")  # the smoke's HF worker, unless asked otherwise
+    assert json.loads(out.stdout.splitlines()[-1])[:2] == [1, ["--gen_backend", "hf", "--gen_backend", "vllm"]]
 
 
 def test_both_trl_settings_are_compared_and_the_cpu_is_named(monkeypatch):
