@@ -16,6 +16,7 @@ from common.config import GRPOConfig
 from common.placement.memory_plan import (
     FIT_SHARE,
     GIB,
+    KEPT_LOGITS_BYTES,
     ModelShape,
     TrainSettings,
     activation_bytes,
@@ -83,6 +84,21 @@ def test_an_hf_worker_counts_its_logprob_forward_as_the_gpu_run_measured():
     assert no_logps == {"weights": shape.params() * 2, "kv_cache": kv_cache_bytes(shape, 2, 8, 640)}
     big_call = hf_worker_parts(shape, 2, 4096, 640, group_rows=8, completion_len=128, chunk_tokens=1024)
     assert set(big_call) == {"weights", "kv_cache"}  # a large generate call's cache outgrows one group's forward
+
+
+def test_an_hf_worker_whose_logits_fit_counts_them_and_no_forward():
+    """Issue 62: where a call's float32 logits fit in KEPT_LOGITS_BYTES the HF engine takes the logprobs from them
+    (trainer/engines/hf.py reads the same bound), so the worker holds its KV cache and those logits, no forward."""
+    from trainer.engines import hf
+    assert hf.LOGITS_BYTES == KEPT_LOGITS_BYTES
+    tiny = ModelShape._from_dict({"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 512,
+                                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                  "vocab_size": 774, "tie_word_embeddings": True})
+    parts = hf_worker_parts(tiny, 4, 64, 160, group_rows=8, completion_len=32, chunk_tokens=1024)
+    assert parts == {"weights": tiny.params() * 4, "kv_cache": kv_cache_bytes(tiny, 4, 64, 160),
+                     "kept_logits": 64 * 32 * 774 * 4}
+    no_logps = hf_worker_parts(tiny, 4, 64, 160)  # compute_gen_logps false: no logits kept either
+    assert no_logps == {"weights": tiny.params() * 4, "kv_cache": kv_cache_bytes(tiny, 4, 64, 160)}
 
 
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,

@@ -8,7 +8,8 @@ The formula (docs/gpus.md, "Memory estimate", derives each term and compares it 
                   + ZeRO buffers + CUDA context and NCCL (RANK_CONTEXT)
     ref server  = weights (its dtype) + one forward's transients + CUDA context
     vLLM worker = vllm_gpu_memory_utilization x the GPU (what vLLM reserves; its weights must leave KV room)
-    HF worker   = weights + max(KV cache of one generate call, its logprob forward of one group) + CUDA context
+    HF worker   = weights + KV cache of one generate call + its kept logits (or, past 256 MiB of them, the
+                  larger of that cache and its logprob forward of one group) + CUDA context
 
 Pure functions of a ModelShape and the run's settings; common/placement/memory_report.py reads the GPUs and prints it,
 trainer/deepspeed_policy.py picks the GPU defaults (`pick`) when a run was started without the launcher's pick.
@@ -212,13 +213,22 @@ def ref_parts(shape: ModelShape, e: int, rows: int, seq_len: int, completion_len
                                + logits_bytes(shape, e, rows, completion_len, chunk_tokens, grad=False))}
 
 
+# An HF engine keeps a sampled call's float32 logits (rows x new tokens x vocab) for the behaviour logprobs when they
+# fit in this, and needs no logprob forward then (trainer/engines/hf.py imports it: one number for both, issue 62)
+KEPT_LOGITS_BYTES = 256 * 2**20
+
+
 def hf_worker_parts(shape: ModelShape, e: int, rows: int, seq_len: int, group_rows: int = 0, completion_len: int = 0,
                     chunk_tokens: int = 0) -> dict:
-    """An HF worker: its weights, then the larger of one generate call's KV cache (`rows` sequences) and, where it
-    computes the behaviour logprobs (compute_gen_logps: `group_rows` > 0), the forward that does (trainer/rollout.py
-    policy_logps: one group, the ref server's inference forward). They run one after the other. The first GPU run
-    measured the worker at 3.3 GiB where the KV cache alone gave 1.6 (docs/benchmarks.md, the GPU check)."""
+    """An HF worker: its weights and one generate call's KV cache (`rows` sequences); where it computes the behaviour
+    logprobs (compute_gen_logps: `group_rows` > 0), also the call's kept logits (generate's own, when they fit in
+    KEPT_LOGITS_BYTES), else the larger of that cache and the forward that computes them after generate
+    (trainer/rollout.py policy_logps: one group, the ref server's inference forward). The first GPU run measured
+    the worker at 3.3 GiB where the KV cache alone gave 1.6 (docs/benchmarks.md, the GPU check: the forward's case)."""
     kv = kv_cache_bytes(shape, e, rows, seq_len)
+    kept = rows * completion_len * shape.vocab * 4
+    if group_rows and kept <= KEPT_LOGITS_BYTES:
+        return {"weights": shape.params() * e, "kv_cache": kv, "kept_logits": kept}
     fwd = ref_parts(shape, e, group_rows, seq_len, completion_len, chunk_tokens)["activations"] if group_rows else 0
     return {"weights": shape.params() * e, **({"logprob_forward": fwd} if fwd > kv else {"kv_cache": kv})}
 

@@ -20,14 +20,16 @@ import torch
 
 from common.modeling import eos_ids as model_eos_ids
 from common.modeling import load_model, load_tokenizer
+from common.placement.memory_plan import KEPT_LOGITS_BYTES
 from common.settings.gen_defaults import on_cuda, resolve_generation, unresolved
 from trainer.dist.comm import all_reduce_int
 from trainer.engines.base import GenEngine, Sample, budgets, cut_at_eos, ignored_generation_settings
 
 log = logging.getLogger(__name__)
 # generate keeps every step's (rows, vocab) float32 logits until it returns: above this, a call samples without
-# them and the caller's forward computes the logprobs (Qwen2.5's vocab: 256 rows x 256 tokens would be 40 GB)
-LOGITS_BYTES = 256 * 2**20
+# them and the caller's forward computes the logprobs (Qwen2.5's vocab: 256 rows x 256 tokens would be 40 GB);
+# the memory plan counts the same bound
+LOGITS_BYTES = KEPT_LOGITS_BYTES
 
 
 def rows_that_fit(model, rows: int, seq_len: int, share: float = 0.5) -> int:
