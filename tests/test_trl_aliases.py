@@ -321,3 +321,22 @@ def test_model_init_kwargs_is_a_json_object_and_owned_keys_are_refused(tmp_path)
         load_config(GRPOConfig, ["--gen_backend", "vllm", "--model_init_kwargs", '{"use_cache": false}'])
     assert load_config(GRPOConfig, ["--gen_backend", "vllm", "--model_init_kwargs", '{"revision": "x"}']).revision \
         is None  # allowed with vLLM (it takes revision); the field stays unset, the options carry it
+
+
+def test_a_validation_error_names_the_knob_as_the_user_wrote_it(tmp_path):
+    """Issue 64: a user who wrote num_generations (file or command line) reads num_generations in the error, one
+    who wrote num_pre_Q reads num_pre_Q; plain-word names (model, data) are never rewritten in the prose."""
+    def error(argv):
+        with pytest.raises(ValueError) as e:
+            load_config(GRPOConfig, argv)
+        return str(e.value)
+
+    assert "num_generations must be >= 2" in error(["--num_generations", "1"])
+    assert "num_pre_Q must be >= 2" in error(["--num_pre_Q", "1"])
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"max_completion_length": 0}))
+    assert "max_completion_length must be >= 1" in error(["--config", str(f)])
+    assert "max_completion_length" not in error(["--config", str(f), "--max_new_tokens", "0"])  # ours on the CLI
+    msg = "config: model must be set; num_pre_Q must be >= 2"
+    assert trl_aliases.as_written(msg, {"model_name_or_path", "num_generations"}, {"model"}) == \
+        "config: model must be set; num_generations must be >= 2"

@@ -217,9 +217,15 @@ def load_config(cls: type[T], argv: list[str] | None = None, prog: str | None = 
         values = trl_aliases.merge(values, trl_aliases.resolve_for(cls, ns, "command line", frozenset(file_values)))
     else:
         values.update(ns)
-    cfg = from_dict(cls, values, source=str(cfg_file or "command line"))
-    validate = getattr(cfg, "validate", None)
-    return validate() if validate else cfg
+    try:
+        cfg = from_dict(cls, values, source=str(cfg_file or "command line"))
+        validate = getattr(cfg, "validate", None)
+        return validate() if validate else cfg
+    except ValueError as e:
+        if not _has_aliases(cls):
+            raise
+        names = {f.name for f in dataclasses.fields(cls)}  # a knob given under its TRL name is named so (issue 64)
+        raise ValueError(trl_aliases.as_written(str(e), set(file_values) | set(ns), names)) from None
 
 
 def _prog(cls: type, prog: str | None) -> str | None:

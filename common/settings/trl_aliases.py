@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 # TRL scale_rewards -> our advantage_mode (bools are TRL's older spelling).
@@ -240,3 +241,16 @@ def resolve_for(cls: type, values: dict, source: str, given_before: frozenset = 
     fields = dataclasses.fields(cls)
     defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
     return resolve(values, defaults, {f.name for f in fields}, source, given_before)
+
+
+# Our names that are also plain words in a message's prose: never rewritten to the TRL name
+_PROSE = {"model", "data", "resume", "revision"}
+
+
+def as_written(message: str, given: set[str], field_names: set[str]) -> str:
+    """A validation message with each knob the user gave under its TRL name (`given`: the names of a file's keys and
+    the command line's options) called by that name (`num_pre_Q must be >= 2` to a user who wrote num_generations)."""
+    for alias, (target, _, _) in ALIASES.items():
+        if alias in given and alias not in field_names and target not in given and target not in _PROSE:
+            message = re.sub(rf"(?<![\w.-]){re.escape(target)}(?![\w-])", alias, message)
+    return message
