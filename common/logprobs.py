@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from common.final_logits import LogitFn, final_logit_fn
-from common.packed_attention import install, packed_call_kwargs
+from common.packed_attention import install, packed_call_kwargs, shares_prompts
 from common.packing import Packed, check_packed_attention, pack_plan, pack_rows
 
 
@@ -227,9 +227,10 @@ def _packed_logprobs(model, body, head, input_ids, prompt_lens, completion_lens,
         p, at_rows = _dummy_pack(input_ids), torch.zeros(0, dtype=torch.long, device=input_ids.device)
     else:
         rows = rows.to(input_ids.device)
-        p = pack_rows(input_ids[rows], prompt_lens[rows], completion_lens[rows])
+        # a group's rows share their prompt's tokens where the kernel can (common/packing.py)
+        p = pack_rows(input_ids[rows], prompt_lens[rows], completion_lens[rows], share_prompts=shares_prompts(model))
         at_rows = rows[p.rows]  # the pack's row -> the micro-batch's row
-    extra = packed_call_kwargs(model, p.lens, p.input_ids.device)  # per-row attention, no N x N mask
+    extra = packed_call_kwargs(model, p.lens, p.input_ids.device, p.parents)  # per-row attention, no N x N mask
     hidden = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, **extra).last_hidden_state
     h = hidden[:, p.pred]  # (1, K, H): the state before each completion token, no padded position
     logps, ent = logprobs_from_hidden(h, head, p.targets[None], chunk_tokens, with_entropy, min_chunks, logit_fn)

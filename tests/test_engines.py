@@ -157,3 +157,24 @@ def test_hf_logprobs_from_generate_match_the_trainers_forward(tiny_model_dir, te
         assert all(s.logprobs is None for s in eng.generate(PROMPTS, 2, max_new_tokens=4))
     finally:
         hf.LOGITS_BYTES = old
+
+
+def test_a_groups_prompt_is_prefilled_once_and_decodes_as_alone(tiny_model_dir):
+    """n samples of a prompt share one prefill (issue 62): the body runs once over the distinct prompts (but their
+    last token), and what generate decodes from that repeated cache is what each prompt decodes alone (greedy,
+    left-padded prompts of different lengths, a call split across gen_batch_size chunks mid-group)."""
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = load_model(str(tiny_model_dir), dtype="float32")
+    eng = HFEngine(model, tok, [tok.eos_token_id], temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=5)
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)),
+                                                 with_kwargs=True)
+    try:
+        shared = eng.generate(PROMPTS, 3, max_new_tokens=12, greedy=True)
+    finally:
+        hook.remove()
+    # chunks of 5 rows: [p0 p0 p0 p1 p1] [p1 p2 p2 p2]: the first body call of each is the prefill of 2 prompts
+    assert seen[0] == (2, 5) and (2, 5) in seen[1:]
+    alone = [s for p in PROMPTS for s in eng.generate([p], 1, max_new_tokens=12, greedy=True)]
+    for i, s in enumerate(shared):
+        assert s.completion_ids.tolist() == alone[i // 3].completion_ids.tolist()

@@ -33,13 +33,18 @@ ROWS = 8
 LR = 1.0
 
 
-def make_batch(vocab: int, seed: int = 0) -> ScoredBatch:
+def make_batch(vocab: int, seed: int = 0, groups: int = 0) -> ScoredBatch:
+    """groups > 0: that many groups of rows sharing their first row's prompt, as GRPO's groups do."""
     g = torch.Generator().manual_seed(seed)
     plen = torch.tensor([3, 5, 4, 6, 3, 2, 5, 4]).roll(seed)
     clen = torch.tensor([7, 2, 9, 4, 1, 6, 3, 8]).roll(2 * seed)  # ragged: micro-batches have their own widths
+    if groups:
+        plen = plen[torch.arange(ROWS) // (ROWS // groups) * (ROWS // groups)]
     ids = torch.zeros(ROWS, int((plen + clen).max()), dtype=torch.long)
     for i in range(ROWS):
         ids[i, :plen[i] + clen[i]] = torch.randint(3, vocab, (int(plen[i] + clen[i]),), generator=g)
+        if groups and i % (ROWS // groups):
+            ids[i, :plen[i]] = ids[i - 1, :plen[i]]
     T = int(clen.max())
     return ScoredBatch(ids, plen, clen, torch.randn(ROWS, generator=g),
                        gen_logps=-torch.rand(ROWS, T, generator=g) * 2 - 6,
@@ -225,6 +230,22 @@ def test_grad_accum_batches_and_micro_batches_make_one_update(dist, stage, aggre
         assert stats["padding_share"] == 0.0
     else:  # rows grouped by length: 0.10 here, 0.26 in row order
         assert 0 < stats["padding_share"] < 0.2
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_shared_prompt_packs_make_the_float64_update(dist, stage, monkeypatch):
+    """Groups of 4 rows sharing a prompt, micro-batches of 3 (a group split across them), grad_accum 2: the packed
+    forwards pack each shared prompt once (common/packing.py share_prompts, issue 62) and the update is the float64
+    one, at ZeRO 0, 2 and 3."""
+    from common import logprobs
+    layouts = []
+    real = logprobs.pack_rows
+    monkeypatch.setattr(logprobs, "pack_rows", lambda *a, **kw: layouts.append(real(*a, **kw)) or layouts[-1])
+    cfg = config("seq_mean", "token", grad_accum=2, padding_free="true")
+    eng = sgd_engine(dist, stage, grad_accum=2, gradient_checkpointing=True)
+    batches = [make_batch(eng.module.config.vocab_size, seed, groups=2) for seed in (1, 2)]
+    check_update(dist, eng, batches, cfg, lambda: train_update(eng, new_round(batches, cfg, "cpu"), cfg))
+    assert any(p.parents is not None and -1 < max(p.parents) for p in layouts)
 
 
 @pytest.mark.parametrize("stage,aggregation,quantile,padding_free", [

@@ -8,6 +8,12 @@ from the logits generate already computed (its `output_logits`: the model's own 
 sampler setting), so the worker needs no second forward for them (issue 62); they match the trainer's forward
 to float rounding (tests/test_engines.py). Otherwise, and where a call's logits would exceed LOGITS_BYTES,
 logprobs=None: the caller computes them with the same forward the trainer uses (common/logprobs.py).
+
+A group's n samples share one prompt: its tokens but the last go through the model once per distinct prompt, and
+that KV cache is repeated for the group's rows (`_shared_prefill`), where generate would compute the same prompt n
+times (16 % of the demo worker's CPU was that prefill, issue 62). The sampled distribution is unchanged: the same
+logits to float rounding (greedy decodes equal, tests/test_engines.py). ZeRO-3 ranks generating together
+(synced_gpus) keep generate's own prefill: every rank must make the same module calls.
 """
 from __future__ import annotations
 
@@ -127,7 +133,9 @@ class HFEngine(GenEngine):
                 for i, p in enumerate(chunk):
                     ids[i, width - len(p):] = torch.tensor(p)
                     mask[i, width - len(p):] = 1
-                got = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                ids, mask = ids.to(device), mask.to(device)
+                cache = None if self.synced_gpus else _shared_prefill(model, ids, mask)
+                got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
                                      generation_config=gc, synced_gpus=self.synced_gpus or None)
                 if dummy:
                     continue
@@ -170,3 +178,26 @@ class HFEngine(GenEngine):
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"weights: {name} has shape {tuple(t.shape)}, model has {tuple(p.shape)}")
                 p.copy_(t.to(dtype=p.dtype, device=p.device))
+
+
+def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor):
+    """The KV cache of each row's prompt but its last token, computed once per distinct prompt of a run of equal
+    rows and repeated for them; None where no row shares its prompt with the next (nothing to save). generate
+    then feeds only the last prompt token (its cache_position starts past the cache), with the same positions
+    (from the left-padded attention mask) as its own prefill uses."""
+    if ids.shape[1] < 2:
+        return None
+    new = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    new[1:] = (ids[1:] != ids[:-1]).any(1)  # rows are grouped: a group's samples are consecutive
+    firsts = new.nonzero().squeeze(1)
+    if len(firsts) == ids.shape[0]:
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base's body
+    body = getattr(base, base.base_model_prefix)  # the decoder without the LM head: no logits for the prompt
+    m = mask[firsts, :-1]
+    pos = (m.cumsum(-1) - 1).clamp(min=0)
+    cache = body(input_ids=ids[firsts, :-1], attention_mask=m, position_ids=pos, use_cache=True).past_key_values
+    if not hasattr(cache, "batch_select_indices"):  # a cache type that cannot be re-indexed: generate's prefill
+        return None
+    cache.batch_select_indices(torch.cumsum(new.long(), 0) - 1)  # each row: its prompt's cache
+    return cache
