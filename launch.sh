@@ -28,7 +28,8 @@
 #                      after --, else runs/<timestamp>; relative to where you run this, never the checkout)
 #   --config FILE      trainer config JSON (passed to trainer/main.py and the workers)
 #   --workers N        genonly workers to start on this machine (default 1)
-#   --gpus N           trainer ranks on this machine (default 2 on CPU; on GPUs: the GPUs the others leave)
+#   --gpus N           trainer ranks on this machine (default on GPUs: the GPUs the others leave; on CPU 1 or 2,
+#                      as measured at the model's shape: common/placement/cpu_ranks.py, said in the plan)
 #   --worker-gpus L    GPU indices for the workers, in order, vllm_tensor_parallel_size each (e.g. 2,3; default:
 #                      the highest free GPUs)
 #   --rank-gpus L      GPU indices for the ranks (deepspeed --include localhost:L; default: the lowest free GPUs)
@@ -180,6 +181,7 @@ CFG_ARGS=(); [ -n "$CONFIG" ] && CFG_ARGS=(--config "$CONFIG")
 PLAN=$("$PY" -m common.placement.launch_plan --workers "$WORKERS" --ref-device "$REF_DEVICE" "${PLAN_FLAGS[@]}" \
   --ref-dtype "$REF_DTYPE" -- "${CFG_ARGS[@]}" "${EXTRA[@]}") || exit 2
 eval "$PLAN"
+EXTRA+=("${PLAN_ALL_ARGS[@]}")  # one CPU rank taking two ranks' step: train_batch_groups for every process
 [ -n "$REF_MODEL" ] || REF_MODEL=$PLAN_REF_MODEL
 # The run directory: --run-dir, else the output_dir the user gave, else runs/<timestamp>, all relative to where
 # the user runs this (never the checkout). A folder that already holds a run is used as --run-dir uses it.
@@ -192,7 +194,8 @@ if [ -n "$PRINT_PLAN" ]; then  # what each process would be started with, then n
   for w in $(seq 0 $((WORKERS - 1))); do
     [ "$WORKERS" -gt 0 ] && echo "worker$w: ${PLAN_WORKER_ENV[$w]:-(environment unchanged)} ${PLAN_WORKER_ARGS[$w]}"
   done
-  echo "trainer: deepspeed ${PLAN_DS[*]}${PLAN_TRAIN_ARGS[*]:+ ${PLAN_TRAIN_ARGS[*]}}"
+  TRAIN_SHOWN=("${PLAN_ALL_ARGS[@]}" "${PLAN_TRAIN_ARGS[@]}")
+  echo "trainer: deepspeed ${PLAN_DS[*]}${TRAIN_SHOWN[*]:+ ${TRAIN_SHOWN[*]}}"
   exit 0
 fi
 # The checks of trainer/check.py (config, model, data, rewards, port, disk): `check` stops here, `train` goes on

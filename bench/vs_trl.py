@@ -14,10 +14,11 @@ prompts and rewards, N steps of 64 completions each, CPU-seconds over every proc
    loss_type grpo, scale_rewards group, epsilon 0.2, adam betas (0.9, 0.99), max_grad_norm 1.0, fp32, no eval, no
    saving (the final model is saved once, for the evaluation below). Prompts: the train split templated exactly
    as our trainer templates it (a JSONL file); rewards: the project's `correct` + `format`.
-3. Ours: `launch.sh train --workers 1` with configs/demo.json (2 CPU ranks, the ref server, one worker), its `auto`
-   precision and engine as resolved on this machine (bf16 only where the CPU has it natively; HF or vLLM from the
-   measured table of common/placement/gen_choice.py; reported from the run's config.json), --eval_steps 0 (no
-   in-training eval: TRL runs none either), only the final model saved.
+3. Ours: `launch.sh train --workers 1` with configs/demo.json (the ref server, one worker, the CPU ranks launch.sh
+   chooses: common/placement/cpu_ranks.py), its `auto` precision and engine as resolved on this machine (bf16 only
+   where the CPU has it natively; HF or vLLM from the measured table of common/placement/gen_choice.py; reported
+   from the run's config.json), --eval_steps 0 (no in-training eval: TRL runs none either), only the final model
+   saved.
 4. Measured per run: CPU-seconds over ALL its processes (bench/vs_trl_lib/cpu_meter.py: the process tree sampled
    every 0.5 s, each process's user + system time; the larger of that sum and getrusage(RUSAGE_CHILDREN), each a
    lower bound of the truth), wall, steps per CPU-s, groups with reward spread trained per CPU-s (ours: the groups
@@ -90,7 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both",
                    help="run one side only (no ratios then; for profiling); default both")
     p.add_argument("--ranks", type=int, default=None,
-                   help="our trainer ranks (launch.sh --gpus N; default: launch.sh's, 2 on CPU; 1 with --smoke)")
+                   help="our trainer ranks (launch.sh --gpus N; default: launch.sh's, 1 or 2 on CPU as "
+                   "measured; 1 with --smoke)")
     p.add_argument("--ours-args", default="",
                    help="extra trainer arguments for our side, one string, after configs/demo.json's (e.g. "
                         "\"--Q_batch_size 16\"): to measure a variant; the default run is the issue's")
@@ -214,12 +216,13 @@ def run_ours(a, sft: str, out: Path) -> dict:
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "batches_from_workers" in r]
     if len(rows) != a.steps:
         raise SystemExit(f"[vs_trl] our run logged {len(rows)} steps of {a.steps}: cannot count groups")
-    cfg = demo_cfg(a)  # a training batch is train_batch_groups groups, each with reward spread
-    spread = cfg.train_batch_groups * sum(r["batches_from_workers"] + r["batches_from_ranks"] for r in rows)
     run_cfg = json.loads((out / "config.json").read_text())  # as rank 0 resolved it on this machine (auto values)
+    # a rank's training batch is train_batch_groups groups, each with reward spread (the run's: one CPU rank takes
+    # twice the groups of two, common/placement/cpu_ranks.py); the rows count every rank's batches
+    spread = run_cfg["train_batch_groups"] * sum(r["batches_from_workers"] + r["batches_from_ranks"] for r in rows)
     return dict(measured=m, steps=len(rows), spread_groups=spread, final=str(out / "final"),
                 reward_first=rows[0]["reward_mean"], reward_last=rows[-1]["reward_mean"],
-                resolved={k: run_cfg[k] for k in ("bf16", "vllm_dtype", "gen_backend")})
+                resolved={k: run_cfg[k] for k in ("bf16", "vllm_dtype", "gen_backend", "train_batch_groups")})
 
 
 def evaluate(model_dir: str, cfg, limit: int) -> float:

@@ -125,3 +125,39 @@ def test_launch_check_names_the_engine_auto_chose():
     cfg = load_config(GRPOConfig, DEMO)
     assert backend_words(cfg) == f"{choose_gen_backend(cfg, cuda=False)[0]} (gen_backend auto)"
     assert backend_words(load_config(GRPOConfig, [*DEMO, "--gen_backend", "hf"])) == "hf"
+
+
+def test_cpu_ranks_auto_follows_the_measured_table(monkeypatch):
+    """One CPU rank where it was measured cheaper (2 cores, the demo's shape, both CPU classes), taking two ranks'
+    groups; the former 2 ranks elsewhere (more cores, an unmeasured shape, a table where two were cheaper)."""
+    import common.placement.cpu_ranks as cr
+    cfg = load_config(GRPOConfig, [*DEMO, "--grad_accum", "2"])
+    for env in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        ranks, args, why = cr.auto_cpu_ranks(cfg, cores=2, env=env, flags=ZEN5)
+        c = cr.RANK_COSTS[cpu_class(env, ZEN5)][0]
+        assert c.one_cpu_s < c.two_cpu_s and c.one_wall_s < c.two_wall_s  # why the table says 1
+        assert (ranks, args) == (1, ["--train_batch_groups", "8"]), why
+        assert f"{cpu_class(env, ZEN5)} CPU" in why and "a step is still 16 groups" in why, why
+    assert cr.auto_cpu_ranks(cfg, cores=16, flags=ZEN5)[:2] == (2, [])
+    ranks, args, why = cr.auto_cpu_ranks(cfg, cores=2, flags=ZEN5, params=4.94e8)  # Qwen2.5-0.5B: not measured
+    assert (ranks, args) == (2, []) and "not measured" in why, why
+    monkeypatch.setattr(cr, "RANK_COSTS", {"avx512_bf16": (cr.RankCost("tiny", 1.15e6, 70.0, 80.0, 50.0, 60.0),)})
+    assert cr.auto_cpu_ranks(cfg, cores=2, flags=ZEN5)[:2] == (2, [])
+
+
+def test_print_plan_shows_the_cpu_rank_choice_and_gpus_wins(tmp_path):
+    """launch.sh train on CPU without --gpus: the plan's one line, one rank, every process told the step's groups;
+    --gpus 2: two ranks of the config's groups, nothing rescaled. One core (taskset), so the host is measured."""
+    def plan(*launch_args):
+        return subprocess.run(["taskset", "-c", "0", "bash", str(REPO / "launch.sh"), "train", *launch_args,
+                               "--print-plan", "--", *DEMO], cwd=tmp_path, capture_output=True, text=True,
+                              env=subprocess_env(GRPO_PYTHON=sys.executable, PYTHONPATH=str(REPO)), timeout=120,
+                              stdin=subprocess.DEVNULL)
+    r = plan()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "note: ranks auto: 1 (" in r.stderr and "train_batch_groups 4 -> 8" in r.stderr, r.stderr
+    assert "1 rank(s), deepspeed --num_gpus 1" in r.stderr, r.stderr
+    assert "trainer: deepspeed --num_gpus 1 --train_batch_groups 8" in r.stdout, r.stdout
+    r = plan("--gpus", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ranks auto" not in r.stderr and "trainer: deepspeed --num_gpus 2\n" in r.stdout, r.stdout + r.stderr

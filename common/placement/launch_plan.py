@@ -6,10 +6,12 @@ plan, write it as JSON (the ref server shows it in GET /status) and hand launch.
 
 stdout: bash assignments for launch.sh to eval (PLAN_REF_ENV, PLAN_REF_DEVICE, PLAN_REF_ARGS[], PLAN_WORKER_ENV[],
 PLAN_WORKER_ARGS[], PLAN_DS[], PLAN_TRAIN_ARGS[]: micro_batch_size/gradient_checkpointing picked to fit
-(common/placement/memory_report.py); PLAN_REF_MODEL: the config's ref_model or model, PLAN_OUTPUT_DIR: the
-output_dir the user gave, PLAN_JSON: RUN_DIR/placement.json's text); stderr: the plan and its memory estimate, for
-people. launch.sh reads the config only here: one Python start for both (each costs ~0.3 CPU-s). A worker host
-(`launch.sh workers`, trainer/dist/hosts.py) calls plan_for / announce / worker_launch from Python.
+(common/placement/memory_report.py); PLAN_ALL_ARGS[]: trainer args for every process (train_batch_groups when one
+CPU rank takes the step of two: common/placement/cpu_ranks.py); PLAN_REF_MODEL: the config's ref_model or model,
+PLAN_OUTPUT_DIR: the output_dir the user gave, PLAN_JSON: RUN_DIR/placement.json's text); stderr: the plan and its
+memory estimate, for people. launch.sh reads the config only here: one Python start for both (each costs ~0.3
+CPU-s). A worker host (`launch.sh workers`, trainer/dist/hosts.py) calls plan_for / announce / worker_launch
+from Python.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.placement.cpu_ranks import auto_cpu_ranks
 from common.placement.cuda import device_count
 from common.placement.gen_choice import resolve_machine
 from common.placement.memory_report import Report, memory_report
@@ -238,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = ArgumentParser(prog="python -m common.placement.launch_plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; 2 on CPU)")
+    p.add_argument("--gpus", type=int, default=None, help="DeepSpeed ranks (default: the GPUs left; on CPU 1 or 2, "
+                   "common/placement/cpu_ranks.py)")
     p.add_argument("--ref-device", default="auto")
     p.add_argument("--no-ref", action="store_true", help="the ref server runs elsewhere (--ref-url)")
     p.add_argument("--worker-gpus", type=gpu_list, default=None)
@@ -259,9 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         if a.gpus is not None and a.gpus < 1:
             raise ValueError(f"--gpus {a.gpus}: a run needs at least one rank")
         gpus, how, names = detect_gpus()
-        plan = named(plan_for(cfg, gpus, workers=a.workers, ranks=a.gpus, ref_device=a.ref_device,
+        ranks, batch_args, ranks_said = a.gpus, [], ()
+        if a.gpus is None and not gpus:  # CPU, no --gpus: one rank or two, as measured (common/placement/cpu_ranks.py)
+            ranks, batch_args, said = auto_cpu_ranks(cfg)
+            ranks_said = (said,)
+            cfg = load_config_or_exit(GRPOConfig, rest + batch_args, prog="trainer/main.py")
+        plan = named(plan_for(cfg, gpus, workers=a.workers, ranks=ranks, ref_device=a.ref_device,
                               start_ref=not a.no_ref, worker_gpus=a.worker_gpus, rank_gpus=a.rank_gpus,
                               share=a.share_gpu), names)
+        plan = dataclasses.replace(plan, notes=ranks_said + plan.notes)
         cfg = resolve_machine(cfg, cuda=bool(plan.gpus), probe_gpu=False)[0]  # as plan_for did (its notes say)
         if a.check_torch:
             check_torch(plan, how)
@@ -283,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     train_args = memory.trainer_args + (["--gen_wait_for_workers", ",".join(plan.ranks_wait_for)]
                                         if plan.ranks_wait_for else [])  # not generating while they start
     print(f"PLAN_TRAIN_ARGS=({' '.join(shlex.quote(x) for x in train_args)})")  # values picked to fit
+    print(f"PLAN_ALL_ARGS=({' '.join(shlex.quote(x) for x in batch_args)})")  # every process's: the step's groups
     print(f"PLAN_REF_MODEL={shlex.quote(ref_model)}\nPLAN_OUTPUT_DIR={shlex.quote(given_output_dir(rest))}\n"
           f"PLAN_JSON={shlex.quote(plan_json(plan, how))}")
     return 0

@@ -12,7 +12,7 @@ Default (CPU, the embedded tiny model):
      R1 format, stopped early so the model is able but imperfect;
   3. greedy held-out accuracy and format rate (before);
   4. pure GRPO through the real pipeline, `launch.sh train`: the ref server as its own process, a
-     genonly worker and the `deepspeed` trainer with 2 CPU ranks (configs/demo.json);
+     genonly worker and the `deepspeed` trainer, its CPU ranks as launch.sh chooses (configs/demo.json);
   5. the same evaluation (after), a before/after table, RUN_DIR/summary.json and RUN_DIR/plot.png.
 
 With --tools (issue 32) the same five phases teach tool use instead: the task is `ab*cd+e` (tool_task.py), beyond
@@ -121,7 +121,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help=f"Sequences per generate call in evaluation (default {DEFAULTS['eval_batch_size']} for the "
                         f"tiny demo, the config's gen_batch_size with --model).")
     p.add_argument("--workers", type=int, default=1, help="genonly workers (default 1).")
-    p.add_argument("--gpus", type=int, default=None, help="Trainer ranks (default 2 on CPU, all GPUs on CUDA).")
+    p.add_argument("--gpus", type=int, default=None, help="Trainer ranks (default: all GPUs on CUDA; on CPU 1 "
+                   "or 2 as launch.sh's plan measures, common/placement/cpu_ranks.py).")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of this process for SFT/eval on CPU (the ranks use 1 each). Default: "
                         "2 when the machine is idle (1-min load average < 1), else 1 - on busy cores a 2-thread "
@@ -187,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
         if a.threads is None:
             a.threads = min(2, os.cpu_count() or 1) if os.getloadavg()[0] < 1.0 else 1
         torch.set_num_threads(a.threads)
-        if a.gpus is None:
-            a.gpus = 2
     device = "auto"
 
     # The trainer config: file <- --model/--data <- demo overrides <- what the user put after `--`.
@@ -276,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     grpo_dir = run_dir / "grpo"
     log.banner(f"4/5 GRPO: {cfg.all_steps} steps, ref server + {a.workers} genonly worker(s) + deepspeed "
-               f"x{a.gpus or 'all GPUs'} (logs in {grpo_dir})")
+               f"x{a.gpus or ('all GPUs' if on_gpu else 'auto ranks')} (logs in {grpo_dir})")
     train_args = trainer_args + extra + ["--model", model_dir]  # the SFT model is also the reference
     if a.tiny:
         train_args += ["--save_steps", str(10 ** 9)]  # only the final model (saved at the last step anyway)
