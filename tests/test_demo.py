@@ -89,11 +89,16 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     assert any("eval_accuracy" in r for r in rows)
     assert all(r["kl"] >= 0 for r in rows if "kl" in r)
     assert (grpo / "final" / "config.json").is_file()
-    cfg = json.loads((grpo / "config.json").read_text())  # --quick: a quarter of a step's work, the same plumbing
-    assert (cfg["Q_batch_size"], cfg["train_batch_groups"], cfg["num_pre_Q"]) == (2, 1, 8), cfg
-    # configs/demo.json's bf16 / vllm_dtype / gen_backend auto, as resolved on this CPU (issue 62), recorded and said
+    # --quick: a quarter of a step's work, the same plumbing; one CPU rank takes two ranks' groups (ranks auto)
+    from common.placement.cpu_ranks import auto_cpu_ranks
     from common.placement.gen_choice import choose_gen_backend
     from common.settings.knobs import load_config
+    ranks = auto_cpu_ranks(load_config(GRPOConfig, ["--config", str(REPO / "configs" / "demo.json")]))[0]
+    cfg = json.loads((grpo / "config.json").read_text())
+    assert (cfg["Q_batch_size"], cfg["train_batch_groups"], cfg["num_pre_Q"]) == (2, 2 // ranks, 8), cfg
+    notes = json.loads((grpo / "placement.json").read_text())["notes"]
+    assert any(n.startswith(f"ranks auto: {ranks} ") for n in notes), notes
+    # configs/demo.json's bf16 / vllm_dtype / gen_backend auto, as resolved on this CPU (issue 62), recorded and said
     from common.settings.precision import native_bf16
     native = native_bf16()[0]
     demo = load_config(GRPOConfig, ["--config", str(REPO / "configs" / "demo.json")])
