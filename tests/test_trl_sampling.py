@@ -29,9 +29,10 @@ def test_hf_engine_samples_with_them(tiny_model_dir):
     cfg = load_config(GRPOConfig, ["--repetition_penalty", "1e6", "--min_p", "0.01", "--temperature", "1.0"])
     eng = HFEngine(model, tok, [tok.eos_token_id], temperature=1.0, top_p=1.0, top_k=0, gen_batch_size=8,
                    extra=cfg.sampling_extras())
-    gc = eng._clean_config(False, 8)
-    assert (gc.repetition_penalty, gc.min_p) == (1e6, 0.01)
-    assert eng._clean_config(True, 8).repetition_penalty == 1.0  # greedy eval: the argmax of the model alone
+    gc, procs = eng._clean_config(False, 8)  # extras: generate's own sampling, not the Gumbel-max fast path
+    assert (gc.do_sample, gc.repetition_penalty, gc.min_p, procs) == (True, 1e6, 0.01, None)
+    gc, procs = eng._clean_config(True, 8)
+    assert (gc.do_sample, gc.repetition_penalty, procs) == (False, 1.0, None)  # greedy eval: the model's argmax
     torch.manual_seed(0)
     prompt = tok("1 2 3 4")["input_ids"]
     for s in eng.generate([prompt], 4, max_new_tokens=12):  # a huge penalty: no token twice, none from the prompt

@@ -30,6 +30,7 @@ from common.placement.memory_plan import KEPT_LOGITS_BYTES
 from common.settings.gen_defaults import on_cuda, resolve_generation, unresolved
 from trainer.dist.comm import all_reduce_int
 from trainer.engines.base import GenEngine, Sample, budgets, cut_at_eos, ignored_generation_settings
+from trainer.engines.gumbel import gumbel_sampler, plain_sampler
 
 log = logging.getLogger(__name__)
 # generate keeps every step's (rows, vocab) float32 logits until it returns: above this, a call samples without
@@ -90,17 +91,21 @@ class HFEngine(GenEngine):
                    logprob_temperature=cfg.logprob_temperature() if cfg.compute_gen_logps else None)
 
     def _clean_config(self, greedy: bool, max_new_tokens: int):
+        """(generation config, logits processors): the plain sampler samples by Gumbel-max in generate's greedy
+        loop (trainer/engines/gumbel.py: the same distribution, a third of multinomial's CPU cost)."""
         from transformers import GenerationConfig
 
         # Explicit values for everything that shapes the distribution: transformers fills only unset (None)
         # fields from the model's config, and the model's config is swapped out anyway.
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=self.temperature,
-                                                       top_p=self.top_p, top_k=self.top_k)
+        gumbel = not greedy and plain_sampler(self.extra)
+        kw = dict(do_sample=False) if greedy or gumbel else dict(do_sample=True, temperature=self.temperature,
+                                                                 top_p=self.top_p, top_k=self.top_k)
         neutral = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)
-        return GenerationConfig(**kw, eos_token_id=self.eos_ids, pad_token_id=self.tok.pad_token_id,
-                                bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
-                                **{**neutral, **({} if greedy else self.extra)}, num_beams=1,
-                                use_cache=True, max_new_tokens=max_new_tokens)
+        gc = GenerationConfig(**kw, eos_token_id=self.eos_ids, pad_token_id=self.tok.pad_token_id,
+                              bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
+                              **{**neutral, **({} if greedy or gumbel else self.extra)}, num_beams=1,
+                              use_cache=True, max_new_tokens=max_new_tokens)
+        return gc, gumbel_sampler(self.temperature, self.top_k, self.top_p) if gumbel else None
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, *, max_new_tokens: int | list[int],
@@ -111,7 +116,7 @@ class HFEngine(GenEngine):
         jobs = [p for p in prompt_ids for _ in range(n)]
         out: list[Sample] = []
         was_training, saved = model.training, model.generation_config
-        gc = self._clean_config(greedy, max(limits, default=1))  # each row is cut to its own budget below
+        gc, procs = self._clean_config(greedy, max(limits, default=1))  # each row is cut to its own budget below
         # one choice for the whole call: every sample of a group has logprobs, or none has
         keep = self._keeps_logits(greedy, min(len(jobs), self.gen_batch_size), max(limits, default=1))
         if keep:  # generate returns its per-step raw logits with the sequences
@@ -135,8 +140,8 @@ class HFEngine(GenEngine):
                     mask[i, width - len(p):] = 1
                 ids, mask = ids.to(device), mask.to(device)
                 cache = None if self.synced_gpus else _shared_prefill(model, ids, mask)
-                got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                                     generation_config=gc, synced_gpus=self.synced_gpus or None)
+                got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=gc,
+                                     logits_processor=procs, synced_gpus=self.synced_gpus or None)
                 if dummy:
                     continue
                 seqs = got.sequences if keep else got
