@@ -85,9 +85,10 @@ def lora_run(toy_model, tmp_path_factory):
     # save_total_limit 0: every step_N adapter stays (the default keeps the newest 2). train_zero_spread: this run
     # checks metrics, sync, checkpoints and resume, not learning; without it a step waits until some group has
     # reward spread, which the saturating toy reward may never give again (test_lora_learns_toy_reward; one
-    # resumed step here once waited 160 s).
+    # resumed step here once waited 160 s). char_variety: a reward with spread in every group, so the adapter
+    # trains from step 1 whatever the seed's sampled stream (digit_fraction was 0 for all 6 steps of one stream)
     common = ("--Q_batch_size", "2", "--get_wait", "3", "--save_steps", "2", "--save_total_limit", "0", "--lr", "1e-2",
-              "--train_zero_spread", "true")
+              "--train_zero_spread", "true", "--reward_fns", "toy_rewards:char_variety")
     launch(run_dir, toy_model, 1, *common, "--all_steps", "4")
     launch(run_dir, toy_model, 1, *common, "--all_steps", "6", "--resume", "true")
     return run_dir
