@@ -1,5 +1,8 @@
 """Side by side with TRL 1.16's GRPOTrainer on the demo's work (issue 45): the same SFT checkpoint, the same arith
-prompts and rewards, N steps of 64 completions each, CPU-seconds over every process of each run.
+prompts and rewards, N steps each, CPU-seconds over every process of each run. A TRL step generates 64 completions
+(8 prompts x 8) and trains all 64, its groups without reward spread included (advantage 0: only their KL term acts);
+ours generates rounds of 64 and trains a step of 6 groups that have spread (48 completions; configs/demo.json's
+train_batch_groups 3 for two ranks, dynamic sampling), ~1.3 rounds a step.
 
     .venv/bin/python bench/vs_trl.py --steps 500 --seed 0     # the issue's run (~15 min idle on 2 cores)
     .venv/bin/python bench/vs_trl.py --smoke                  # a few steps each, 20 held-out problems

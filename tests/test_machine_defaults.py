@@ -136,8 +136,9 @@ def test_cpu_ranks_auto_follows_the_measured_table(monkeypatch):
         ranks, args, why = cr.auto_cpu_ranks(cfg, cores=2, env=env, flags=ZEN5)
         c = cr.RANK_COSTS[cpu_class(env, ZEN5)][0]
         assert c.one_cpu_s < c.two_cpu_s and c.one_wall_s < c.two_wall_s  # why the table says 1
-        assert (ranks, args) == (1, ["--train_batch_groups", "8"]), why
-        assert f"{cpu_class(env, ZEN5)} CPU" in why and "a step is still 16 groups" in why, why
+        g = cfg.train_batch_groups  # configs/demo.json's, written for two ranks: one rank takes 2 x g
+        assert (ranks, args) == (1, ["--train_batch_groups", str(2 * g)]), why
+        assert f"{cpu_class(env, ZEN5)} CPU" in why and f"a step is still {4 * g} groups" in why, why
     assert cr.auto_cpu_ranks(cfg, cores=16, flags=ZEN5)[:2] == (2, [])
     ranks, args, why = cr.auto_cpu_ranks(cfg, cores=2, flags=ZEN5, params=4.94e8)  # Qwen2.5-0.5B: not measured
     assert (ranks, args) == (2, []) and "not measured" in why, why
@@ -153,11 +154,12 @@ def test_print_plan_shows_the_cpu_rank_choice_and_gpus_wins(tmp_path):
                                "--print-plan", "--", *DEMO], cwd=tmp_path, capture_output=True, text=True,
                               env=subprocess_env(GRPO_PYTHON=sys.executable, PYTHONPATH=str(REPO)), timeout=120,
                               stdin=subprocess.DEVNULL)
+    g = load_config(GRPOConfig, DEMO).train_batch_groups  # configs/demo.json's, for two ranks
     r = plan()
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "note: ranks auto: 1 (" in r.stderr and "train_batch_groups 4 -> 8" in r.stderr, r.stderr
+    assert "note: ranks auto: 1 (" in r.stderr and f"train_batch_groups {g} -> {2 * g}" in r.stderr, r.stderr
     assert "1 rank(s), deepspeed --num_gpus 1" in r.stderr, r.stderr
-    assert "trainer: deepspeed --num_gpus 1 --train_batch_groups 8" in r.stdout, r.stdout
+    assert f"trainer: deepspeed --num_gpus 1 --train_batch_groups {2 * g}" in r.stdout, r.stdout
     r = plan("--gpus", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ranks auto" not in r.stderr and "trainer: deepspeed --num_gpus 2\n" in r.stdout, r.stdout + r.stderr

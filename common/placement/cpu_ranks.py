@@ -4,7 +4,7 @@ from what each cost at the model's shape on this kind of CPU (issue 62). `--gpus
     ranks, batch_args, why = auto_cpu_ranks(cfg, cores=2)   # (1, ["--train_batch_groups", "8"], "...")
 
 A step is ranks x train_batch_groups x grad_accum groups, and the CPU default was 2 ranks: configs (the demo's
-train_batch_groups 4: 8 groups of 8 a step) are written for it. One rank instead takes twice the groups
+train_batch_groups 3: 6 groups of 8 a step) are written for it. One rank instead takes twice the groups
 (train_batch_groups x 2), so the step a config describes is the same either way; the plan says so in one line.
 
 Why one rank can be cheaper: on 2 cores the ref server, a worker and two ranks share the cores, and the second rank
