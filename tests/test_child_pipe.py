@@ -4,6 +4,7 @@ child its own way (the tool executor: "died"; the reward caller: RuntimeError)."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -116,3 +117,31 @@ def test_a_reward_worker_that_dies_at_start_is_reaped_and_says_so(tmp_path, monk
         assert caller.proc is None  # reaped: nothing left to write to
     finally:
         caller.close()
+
+
+def test_a_group_sigterm_while_the_reward_worker_starts_does_not_kill_it(tmp_path) -> None:
+    """launch.sh ends a finished run with SIGTERM to each process group: a genonly worker that is starting its reward
+    worker (after a timeout killed the last one) must finish the round, not die because the signal reached the child
+    before the child's own handlers were set (CI: 'reward worker exited unexpectedly (code -15)')."""
+    (tmp_path / "reward.py").write_text("def r(completion, ground_truth):\n"
+                                        "    return float(completion == ground_truth)\n")
+    # the window: the worker's interpreter is up, its own handlers not yet set (~0.2 s of imports), made 3 s
+    (tmp_path / "sitecustomize.py").write_text("import os, time\nif os.environ.get('SLOW_START'):\n    time.sleep(3)\n")
+    script = ("import os, signal\n"
+              "from trainer.rewards.timeout import ProcessCaller\n"
+              "signal.signal(signal.SIGTERM, lambda *a: print('stop asked', flush=True))  # as trainer/worker.py\n"
+              "os.environ['SLOW_START'] = '1'  # for the reward worker only\n"
+              "print('starting', flush=True)\n"
+              "caller = ProcessCaller(['reward.py:r'], timeout=30.0)\n"
+              "print(caller.call_simple(0, [('7', '7'), ('6', '7')]), flush=True)\n"
+              "caller.close()\n")
+    path = os.pathsep.join([str(tmp_path), *(p for p in sys.path if p)])
+    env = {**os.environ, "GRPO_USER_DIR": str(tmp_path), "PYTHONPATH": path}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    assert proc.stdout.readline().strip() == "starting"
+    time.sleep(1.5)  # the reward worker is in sitecustomize's sleep
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "stop asked" in out and "([1.0, 0.0], [])" in out, out + err[-2000:]

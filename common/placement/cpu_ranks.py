@@ -1,7 +1,7 @@
 """How many trainer ranks a CPU run starts when the user names none (`launch.sh train` without --gpus): one or two,
 from what each cost at the model's shape on this kind of CPU (issue 62). `--gpus N` always wins.
 
-    ranks, batch_args, why = auto_cpu_ranks(cfg, cores=2)   # (1, ["--train_batch_groups", "8"], "...")
+    ranks, batch_args, why = auto_cpu_ranks(cfg, cores=2)   # (1, ["--train_batch_groups", "6"] for the demo, "...")
 
 A step is ranks x train_batch_groups x grad_accum groups, and the CPU default was 2 ranks: configs (the demo's
 train_batch_groups 3: 6 groups of 8 a step) are written for it. One rank instead takes twice the groups

@@ -172,8 +172,12 @@ class ProcessCaller:
         env = dict(os.environ)
         # The child imports the same modules by name: give it the parent's import path.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # Its own process group: launch.sh's SIGTERM to ours (a run that is done) must not reach it while it
+        # starts, before _serve ignores signals (it died with -15 there, mid-round); it ends on our kill, on stdin
+        # EOF, or by _watch_parent when we are gone.
         self.proc = subprocess.Popen([sys.executable, "-m", "trainer.rewards.timeout", json.dumps(self.specs)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
+                                     process_group=0)
         self._reader = JsonLineReader(self.proc.stdout)
         try:
             msg = self._read(STARTUP_TIMEOUT)
