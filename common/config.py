@@ -11,6 +11,19 @@ from typing import ClassVar, Literal
 
 from common.settings.agent_options import AgentOptions
 from common.settings.checks import LOSS_TYPES, ConfigChecks
+from common.settings.choices import (
+    AdvantageMode,
+    Aggregation,
+    GenBackend,
+    ISLevel,
+    ISMode,
+    LrSchedule,
+    OldLogps,
+    OnOffAuto,
+    PromptFormat,
+    VllmDtype,
+    WorkerDtype,
+)
 from common.settings.generation_options import GenerationOptions
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
@@ -103,21 +116,22 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
                                          "sampling correction, or as π_old with old_logps engine). False: none "
                                          "are computed; π_old is the trainer's first pass (ratio 1, then clipped "
                                          "over mu passes), no correction.")
-    advantage_mode: str = knob("grpo", "grpo (r-mean)/std, grpo_no_std (r-mean), grpo_batch_std (r - group mean) "
-                                       "/ std of the generation round's rewards (TRL scale_rewards=batch), raw (r) "
-                                       "or reinforce_pp (REINFORCE++-baseline, arXiv:2501.03262: r - group mean, "
-                                       "normalised over the whole step batch).")
-    aggregation: str = knob("seq_mean", "Loss aggregation: seq_mean (simple_GRPO), token_mean (= TRL bnpo), "
-                                        "dr_grpo, dapo (token sum / the global batch's token count) or luspo "
-                                        "(token sum per completion, mean over completions).")
+    advantage_mode: AdvantageMode = knob("grpo", "grpo (r-mean)/std, grpo_no_std (r-mean), grpo_batch_std (r - group "
+                                                 "mean) / std of the generation round's rewards (TRL "
+                                                 "scale_rewards=batch), raw (r) or reinforce_pp "
+                                                 "(REINFORCE++-baseline, arXiv:2501.03262: r - group mean, "
+                                                 "normalised over the whole step batch).")
+    aggregation: Aggregation = knob("seq_mean", "Loss aggregation: seq_mean (simple_GRPO), token_mean (= TRL bnpo), "
+                                                "dr_grpo, dapo (token sum / the global batch's token count) or luspo "
+                                                "(token sum per completion, mean over completions).")
     mu: int = knob(1, "Optimizer updates (steps) per generation round (TRL num_iterations): a round's batches are "
                       "trained for mu consecutive steps, clipped against their first pass.")
     mask_truncated: bool = knob(False, "Drop completions that hit max_new_tokens without EOS from the loss.")
     # --- optimisation ---------------------------------------------------------------
     lr: float = knob(1e-6, "Peak learning rate (AdamW).")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
-    lr_schedule: str = knob("constant", "constant, linear (decay to 0 at all_steps, TRL's default) or cosine; all "
-                                        "with linear warmup.")
+    lr_schedule: LrSchedule = knob("constant", "constant, linear (decay to 0 at all_steps, TRL's default) or cosine; "
+                                               "all with linear warmup.")
     warmup_steps: int = knob(0, "Linear warmup steps.")
     grad_clip: float = knob(1.0, "Gradient norm clip.")
     grad_accum: int = knob(1, "Training batches (each train_batch_groups groups) whose gradients make one optimizer "
@@ -143,12 +157,13 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
                                             "are filled from this config).")
     logp_chunk_tokens: int = knob(1024, "Positions per chunk in the per-token logprob computation "
                                         "(bounds the B x chunk x V logits held at once).")
-    padding_free: str = knob("auto", "Padding-free logprob forwards (the ranks' training forward and backward, the "
-                                     "generation-time logprob pass): a micro-batch's rows as ONE packed sequence, "
-                                     "position_ids restarting per row, attention confined to each row "
-                                     "(common/packing.py); false pads to the longest row and groups rows of similar "
-                                     "length into micro-batches. auto: per batch, whichever an estimate of the work "
-                                     "both ways says is less (common/pack_choice.py, docs/benchmarks.md).")
+    padding_free: OnOffAuto = knob("auto", "Padding-free logprob forwards (the ranks' training forward and backward, "
+                                           "the generation-time logprob pass): a micro-batch's rows as ONE packed "
+                                           "sequence, position_ids restarting per row, attention confined to each "
+                                           "row (common/packing.py); false pads to the longest row and groups rows "
+                                           "of similar length into micro-batches. auto: per batch, whichever an "
+                                           "estimate of the work both ways says is less (common/pack_choice.py, "
+                                           "docs/benchmarks.md).")
     pack_tokens: int = knob(4096, "padding_free: the most tokens (prompt + completion, summed over rows) of one packed "
                                   "forward; a micro-batch's rows go into packs of up to this many (a longer row "
                                   "alone), one forward each, the same logprobs and gradient. Bounds memory (and the "
@@ -188,18 +203,19 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
                                           "logged every 30 s while nothing trains).")
     save_total_limit: int = knob(2, "Keep the newest N HF step_* checkpoints and the newest N DeepSpeed state "
                                     "tags (older ones are deleted; `final` is never counted). 0 = keep all.")
-    worker_dtype: str = knob("auto", "genonly worker dtype: auto (bf16 on CUDA, float32 on CPU), bfloat16 or "
-                                     "float32. Rank 0 publishes weights in this dtype when it is not auto, so "
-                                     "bfloat16 halves the worker, the weight relay and each publish.")
+    worker_dtype: WorkerDtype = knob("auto", "genonly worker dtype: auto (bf16 on CUDA, float32 on CPU), bfloat16 or "
+                                             "float32. Rank 0 publishes weights in this dtype when it is not auto, "
+                                             "so bfloat16 halves the worker, the weight relay and each publish.")
     log_stall_every: float = knob(30.0, "While nothing trains (all groups skipped), log cumulative rollout "
                                         "counts every this many seconds.")
     # --- data, prompts and rewards (issue 13; reward_timeout from issue 16) ------------------------------
-    prompt_format: str = knob("auto", "How a prompt becomes model input: auto (messages where the prompt "
-                                      "column holds a message list, else chat), chat (question + system prompt "
-                                      "through the chat template), messages (the row's prompt is a [{role, "
-                                      "content}] conversation, templated as is), raw (the prompt string verbatim, "
-                                      "already templated, e.g. ReasonRL), r1zero (plain-text R1-Zero template, "
-                                      "base models). See trainer/data/prompt_formats.py.")
+    prompt_format: PromptFormat = knob("auto", "How a prompt becomes model input: auto (messages where the prompt "
+                                               "column holds a message list, else chat), chat (question + system "
+                                               "prompt through the chat template), messages (the row's prompt is a "
+                                               "[{role, content}] conversation, templated as is), raw (the prompt "
+                                               "string verbatim, already templated, e.g. ReasonRL), r1zero "
+                                               "(plain-text R1-Zero template, base models). See "
+                                               "trainer/data/prompt_formats.py.")
     prompt_column: str | None = knob(None, "Dataset column holding the prompt (default: detected: prompt, "
                                            "question or problem).")
     answer_column: str | None = knob(None, "Dataset column(s) holding the answer (default: detected: "
@@ -215,15 +231,17 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
                                        "counted. Rewards run in a worker process killed on timeout. 0 = "
                                        "in-process, no timeout.")
     # --- generation engine (vLLM) and train/inference mismatch ------------------------
-    gen_backend: str = knob("hf", "Generation engine of genonly workers and trainer.evaluate: hf "
-                                  "(transformers generate), vllm, or auto: on CPU the one measured cheaper at the "
-                                  "model's shape on this kind of CPU (common/placement/gen_choice.py), hf on CUDA. "
-                                  "Trainer ranks' own fallback rollouts and in-training eval stay on HF.")
+    gen_backend: GenBackend = knob("hf", "Generation engine of genonly workers and trainer.evaluate: hf "
+                                         "(transformers generate), vllm, or auto: on CPU the one measured cheaper at "
+                                         "the model's shape on this kind of CPU (common/placement/gen_choice.py), hf "
+                                         "on CUDA. Trainer ranks' own fallback rollouts and in-training eval stay on "
+                                         "HF.")
     top_k: int = knob(0, "Top-k sampling for rollouts (0 = off). Rollouts and eval sample exactly temperature/"
                          "top_p/top_k: the checkpoint's generation_config (repetition_penalty, ...) is ignored.")
-    vllm_dtype: str = knob("auto", "vLLM weights dtype: auto (on CPU the ranks' precision: bfloat16 with bf16 "
-                                   "true/auto-resolved true, else float32; on CUDA the checkpoint's), bfloat16, "
-                                   "float16 or float32 (float32 for exact logprob agreement with the trainer).")
+    vllm_dtype: VllmDtype = knob("auto", "vLLM weights dtype: auto (on CPU the ranks' precision: bfloat16 with bf16 "
+                                         "true/auto-resolved true, else float32; on CUDA the checkpoint's), "
+                                         "bfloat16, float16 or float32 (float32 for exact logprob agreement with the "
+                                         "trainer).")
     vllm_max_model_len: int | None = knob(None, "vLLM max model length (prompt + completion); default "
                                                 "max_prompt_length + max_new_tokens.")
     vllm_tensor_parallel_size: int = knob(1, "TRL name: GPUs one vLLM worker spans (vLLM's tensor_parallel_size, "
@@ -236,20 +254,22 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
     tis_cap: float | None = knob(None, "Deprecated: --tis_cap C = vllm_importance_sampling_mode token_truncate "
                                        "with vllm_importance_sampling_clip_max C (the former truncated IS).")
     # --- the objective: π_old, off-policy correction, loss family (issue 24) ----------
-    old_logps: str = knob("trainer", "π_old of the clipped ratio. trainer: the trainer's own first-pass logprobs of "
-                                     "the batch (TRL, GSPO paper: ratio 1 on the first pass, later mu passes clip "
-                                     "against it), the engine's logprobs used only for the importance-sampling "
-                                     "correction below. engine: the former objective, ratio against the sampling "
-                                     "engine's logprobs (stale, bf16), no correction; needs compute_gen_logps.")
+    old_logps: OldLogps = knob("trainer", "π_old of the clipped ratio. trainer: the trainer's own first-pass "
+                                          "logprobs of the batch (TRL, GSPO paper: ratio 1 on the first pass, later "
+                                          "mu passes clip against it), the engine's logprobs used only for the "
+                                          "importance-sampling correction below. engine: the former objective, ratio "
+                                          "against the sampling engine's logprobs (stale, bf16), no correction; "
+                                          "needs compute_gen_logps.")
     vllm_importance_sampling_correction: bool = knob(True, "TRL name. With old_logps trainer: weight each token's "
                                                            "policy term by rho = exp(π_old logp - engine logp), "
                                                            "correcting engine mismatch and staleness (any engine, "
                                                            "HF or vLLM), where the batch has engine logprobs.")
-    vllm_importance_sampling_mode: str = knob("sequence_mask", "TRL name: token_truncate, token_mask, "
-                                                               "sequence_truncate or sequence_mask. token_*: rho per "
-                                                               "token; sequence_*: exp(sum of the completion's log "
-                                                               "ratios) on all its tokens. *_truncate clamps rho to "
-                                                               "[clip_min, clip_max]; *_mask zeroes it outside.")
+    vllm_importance_sampling_mode: ISMode = knob("sequence_mask", "TRL name: token_truncate, token_mask, "
+                                                                  "sequence_truncate or sequence_mask. token_*: rho "
+                                                                  "per token; sequence_*: exp(sum of the "
+                                                                  "completion's log ratios) on all its tokens. "
+                                                                  "*_truncate clamps rho to [clip_min, clip_max]; "
+                                                                  "*_mask zeroes it outside.")
     vllm_importance_sampling_clip_max: float | None = knob(3.0, "TRL name: upper bound of rho (TRL's "
                                                                 "vllm_importance_sampling_cap is an alias).")
     vllm_importance_sampling_clip_min: float | None = knob(None, "TRL name: lower bound of rho (null = none).")
@@ -276,9 +296,9 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
     lora_dropout: float = knob(0.0, "Dropout on the LoRA input (training only).")
     lora_target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                      "Module names that get LoRA adapters (default: attention and MLP projections).")
-    importance_sampling_level: str = knob("token", "token: one ratio per token (GRPO). sequence: GSPO "
-                                                   "(arXiv:2507.18071), one length-normalised ratio per completion, "
-                                                   "clipped with gspo_eps_low/gspo_eps_high.")
+    importance_sampling_level: ISLevel = knob("token", "token: one ratio per token (GRPO). sequence: GSPO "
+                                                       "(arXiv:2507.18071), one length-normalised ratio per "
+                                                       "completion, clipped with gspo_eps_low/gspo_eps_high.")
     gspo_eps_low: float = knob(3e-4, "GSPO lower clip epsilon of the sequence ratio (paper: 3e-4).")
     gspo_eps_high: float = knob(4e-4, "GSPO upper clip epsilon of the sequence ratio (paper: 4e-4).")
     overlong_buffer: int = knob(0, "DAPO overlong shaping (arXiv:2503.14476): length of the soft punishment zone "

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.settings.knobs import build_parser, knob, load_config
+from common.settings.choices import OnOffAuto
+from common.settings.knobs import build_parser, knob, load_config, parse_choices
 from common.settings.model_options import ModelLoading
 
 TOKEN_ENV = "GRPO_REF_TOKEN"
@@ -50,10 +51,11 @@ class ServerConfig(ModelLoading):
                                           "max computed tokens in one forward (padded: rows x longest; "
                                           "padding_free: the rows' real tokens).")
     chunk_tokens: int = knob(256, "Positions per LM-head chunk in the logprob computation (bounds memory).")
-    padding_free: str = knob("auto", "Padding-free scoring: the rows of a forward as ONE packed sequence, no padded "
-                                     "token computed (common/packing.py); false pads each forward to its longest "
-                                     "row, rows grouped by length. auto: per scoring call, whichever an estimate "
-                                     "of the work both ways says is less (common/pack_choice.py).")
+    padding_free: OnOffAuto = knob("auto", "Padding-free scoring: the rows of a forward as ONE packed sequence, no "
+                                           "padded token computed (common/packing.py); false pads each forward to "
+                                           "its longest row, rows grouped by length. auto: per scoring call, "
+                                           "whichever an estimate of the work both ways says is less "
+                                           "(common/pack_choice.py).")
     max_get_wait: float = knob(10.0, "Cap in seconds on the long-poll of GET /get?wait=SECONDS.")
     retry_after: int = knob(1, "Seconds sent in Retry-After with 503 answers.")
     drain_timeout: float = knob(5.0, "On SIGTERM/SIGINT: after the batch being scored is done, keep answering "
@@ -85,13 +87,11 @@ class ServerConfig(ModelLoading):
             (min(self.max_get_wait, self.retry_after, self.drain_timeout) >= 0,
              "max_get_wait, retry_after and drain_timeout must be >= 0"),
             (self.stall_warn > 0, "stall_warn must be > 0"),
-            (str(self.padding_free).lower() in ("auto", "true", "false"),
-             f"padding_free must be auto, true or false, got {self.padding_free!r}"),
             (self.placement_file is None or Path(self.placement_file).is_file(),
              f"placement_file {self.placement_file} not found"),
             (all(isinstance(m, str) or (isinstance(m, dict) and m.get("path") and m.get("name"))
                  for m in self.reward_models), "reward_models entries must be paths or {path, name, tokenizer}"),
-        ] + self.loading_checks()
+        ] + self.loading_checks() + [(False, msg) for msg in parse_choices(self)]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"ref_server config: {msg}")

@@ -150,9 +150,9 @@ class _Scored:
 
 
 def score_key(b: RolloutBatch) -> tuple[bool, float]:
-    """Batches scored in one forward must agree on it: whether they need ref logprobs (extra['needs_ref'],
-    default true) and the temperature of those logprobs (extra['logp_temperature'], default 1 = raw)."""
-    return bool(b.extra.get("needs_ref", True)), float(b.extra.get("logp_temperature", 1.0))
+    """Batches scored in one forward must agree on it: whether they need ref logprobs (needs_ref, default true)
+    and the temperature of those logprobs (logp_temperature, default 1 = raw)."""
+    return b.needs_ref, float(b.logp_temperature)
 
 
 def _padded_tokens(group: list[RolloutBatch]) -> int:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere: the project's pa
 
 from common.config import GRPOConfig  # noqa: E402
 from common.settings import trl_aliases  # noqa: E402
-from common.settings.knobs import _base_type, _sections, _words  # noqa: E402
+from common.settings.knobs import _base_type, _is_choice, _sections, _words  # noqa: E402
 from ref_server.config import ServerConfig  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"
@@ -48,7 +48,9 @@ def _default(f: dataclasses.Field) -> str:
 def _type(cls: type, name: str) -> str:
     tp = typing.get_type_hints(cls)[name]
     optional = type(None) in typing.get_args(tp)
-    return _base_type(tp).__name__ + "".join(f" or {w}" for w in _words(tp)) + (" or null" if optional else "")
+    kind = ("one of " + ", ".join(_words(tp)) if _is_choice(tp) else
+            _base_type(tp).__name__ + "".join(f" or {w}" for w in _words(tp)))
+    return kind + (" or null" if optional else "")
 
 
 def _cell(text: str) -> str:

@@ -29,7 +29,7 @@ def check_scored(b: ScoredBatch, cfg: GRPOConfig, vocab_size: int) -> None:
         raise ProtocolError(f"scored batch {b.batch_id} has token ids beyond the policy vocab ({vocab_size})")
     if int(b.completion_lens.max()) > cfg.max_new_tokens:
         raise ProtocolError(f"scored batch {b.batch_id} has completions longer than max_new_tokens")
-    t = float(b.extra.get("logp_temperature", 1.0))  # its ref (and engine) logprobs are at this T
+    t = float(b.logp_temperature)  # its ref (and engine) logprobs are at this T
     if (cfg.beta > 0 or b.gen_logps is not None) and abs(t - cfg.logprob_temperature()) > 1e-9:
         raise ProtocolError(f"scored batch {b.batch_id} has logprobs at temperature {t}, this trainer computes "
                             f"its own at {cfg.logprob_temperature()} (temperature / logp_temperature differ "
@@ -209,7 +209,7 @@ class BatchSource:
                                        self.cfg, self.scorer, policy_version, self.producer_id, self.toolbox,
                                        epoch=self.sampler.progress(), agents=self.agents)
         info["gen_s"] += time.time() - t0
-        _merge_stats(gen, st)
+        gen.merge(st)
         self._doing("uploading its rollouts to the ref server {url}")
         for rb in batches:
             self.client.upload(rb)
@@ -230,13 +230,3 @@ class BatchSource:
                 return True
         return False
 
-
-def _merge_stats(acc: RolloutStats, st: RolloutStats) -> None:
-    for k in ("groups", "skipped_no_spread", "skipped_long_prompt", "completions", "completion_tokens", "seconds",
-              "reward_timeouts"):
-        setattr(acc, k, getattr(acc, k) + getattr(st, k))
-    acc.rewards.extend(st.rewards)
-    for k, v in st.components.items():
-        acc.components.setdefault(k, []).extend(v)
-    for k, v in st.tools.items():
-        acc.tools.setdefault(k, []).extend(v)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -42,6 +42,22 @@ class RolloutStats:
     tools: dict = field(default_factory=dict)  # tool run: per-completion statistics (trainer/tools/multi_turn.py)
     agent_faults: int = 0  # agent run: rollouts whose agent raised, timed out or never called (reward None)
     skipped_samples: list = field(default_factory=list)  # a few (completion, {reward: value}) of skipped groups
+
+    def merge(self, other: RolloutStats) -> RolloutStats:
+        """Add another round's statistics into these, the one way they combine (a rank's rounds of a step, a
+        step's fetches, a worker's totals): counts and seconds summed, per-completion lists joined, the two newest
+        skipped samples kept."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine.setdefault(k, []).extend(v)
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, f.name, mine + theirs)
+        del self.skipped_samples[:-2]
+        return self
 
 
 def encode_prompts(tokenizer, examples: list[Example], system_prompt: str | None, max_prompt_length: int,
@@ -284,9 +300,7 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
             logged_metrics = scorer.take_metrics() if pending is not None else dict(scored.metrics)
         extra = {"components": sc.components, "truncated": truncated, "reward_timeouts": [sc.timeouts],
                  "logged": sc.logged,  # TRL's log_extra
-                 "round_metrics": [{"round": round_id, "metrics": logged_metrics}],  # TRL's log_metric
-                 # what the ref server needs: the T of the logprobs, and whether to run the reference at all
-                 "logp_temperature": cfg.logprob_temperature(), "needs_ref": cfg.beta > 0}
+                 "round_metrics": [{"round": round_id, "metrics": logged_metrics}]}  # TRL's log_metric
         if cfg.overlong_buffer > 0:
             extra["overlong_penalty"] = penalty.tolist()
         if tools is not None:
@@ -308,7 +322,9 @@ def generate_batches(engine: GenEngine, tokenizer, examples: list[Example], cfg,
                              rewards=torch.nan_to_num(rewards, nan=0.0),  # the wire takes finite rewards
                              policy_version=version, producer_id=producer_id,
                              batch_id=uuid.uuid4().hex, extra=extra,
-                             loss_mask=loss_mask(group) if toolbox is not None or agents is not None else None)
+                             loss_mask=loss_mask(group) if toolbox is not None or agents is not None else None,
+                             # what the ref server needs: whether to run the reference at all, the T of the logprobs
+                             needs_ref=cfg.beta > 0, logp_temperature=cfg.logprob_temperature())
         if cfg.compute_gen_logps and group[0].logprobs is not None:
             batch.gen_logps = engine_logps(group)
             batch.extra["gen_logps_source"] = "engine"  # the trainer's mismatch metric compares against these

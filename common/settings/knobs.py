@@ -38,17 +38,59 @@ def knob(default: Any, help: str, **kw: Any) -> Any:
 
 
 def _base_type(tp: Any) -> Any:
-    """Optional[X] -> X; X | Literal["auto"] -> X; list -> list."""
+    """Optional[X] -> X; X | Literal["auto"] -> X; Literal["a", "b"] (a choice) -> str; list -> list."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None) and typing.get_origin(a) is not typing.Literal]
-        return args[0]
+        return args[0] if args else str
+    if origin is typing.Literal:
+        return str
     return origin or tp
 
 
 def _words(tp: Any) -> tuple[str, ...]:
-    """The literal words a field takes besides its type: X | Literal["auto"] -> ("auto",)."""
+    """The literal words a field takes besides its type: X | Literal["auto"] -> ("auto",); a choice's words."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
     return tuple(w for a in typing.get_args(tp) if typing.get_origin(a) is typing.Literal for w in typing.get_args(a))
+
+
+def _is_choice(tp: Any) -> bool:
+    """Literal["a", "b"] (or Optional of it): a string knob that takes only these words."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) in (
+        typing.Union, types.UnionType) else [tp]
+    return all(typing.get_origin(a) is typing.Literal for a in args)
+
+
+def _or(words: tuple[str, ...]) -> str:
+    return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+
+
+def parse_choices(cfg: Any) -> list[str]:
+    """Parse a config's multi-valued knobs once, from their types (issue 64): a choice (Literal["a", "b"]) must be
+    one of its words; a tri-state (bool | Literal["auto"]) takes true / false as booleans or strings ("true", as
+    configs wrote padding_free before it was typed) and is left a bool or the word. Rewrites the values in place;
+    returns one message per bad value. Runs in the class's validate(), so a config built in code is parsed as one
+    read from a file or the command line."""
+    errors = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        tp, value = hints[f.name], getattr(cfg, f.name)
+        words = _words(tp)
+        if not words or (value is None and type(None) in typing.get_args(tp)):
+            continue
+        if _is_choice(tp):
+            if value not in words:
+                errors.append(f"unknown {f.name} {value!r}; use {_or(words)}")
+        elif _base_type(tp) is bool and not isinstance(value, bool):
+            text = str(value).strip().lower()
+            if text in words:
+                setattr(cfg, f.name, text)
+            elif text in ("true", "false"):
+                setattr(cfg, f.name, text == "true")
+            else:
+                errors.append(f"{f.name} must be {_or(('true', 'false', *words))}, got {value!r}")
+    return errors
 
 
 def parse_bool(s: str) -> bool:
@@ -127,7 +169,8 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
             optional = type(None) in typing.get_args(tp)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             g.add_argument(f"--{f.name}", dest=f.name, type=_converter(tp, optional), default=argparse.SUPPRESS,
-                           metavar="|".join((_base_type(tp).__name__.upper(), *_words(tp))),
+                           metavar="|".join(_words(tp) if _is_choice(tp) else (_base_type(tp).__name__.upper(),
+                                                                                  *_words(tp))),
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
     if _has_aliases(cls):
         text = ("TRL's names, mapped to ours (common/settings/trl_aliases.py; docs/trl.md); giving both names of one "
@@ -156,6 +199,8 @@ def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
     if isinstance(value, str) and value in _words(tp):
         return value
     base = _base_type(tp)
+    if base is bool and _words(tp) and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"  # a tri-state written "true" (padding_free was a string knob)
     if isinstance(value, dict) and dict in typing.get_args(tp):  # str | dict | None: environment_factory's object
         return value
     if base is float and isinstance(value, int) and not isinstance(value, bool):
@@ -165,7 +210,8 @@ def _check_value(name: str, tp: Any, value: Any, source: str) -> Any:
     if base in (bool, int, float, str, list, dict):
         ok = isinstance(value, base) and not (base is int and isinstance(value, bool))
         if not ok:
-            want = base.__name__ + "".join(f" or {w!r}" for w in _words(tp)) + (" or null" if optional else "")
+            want = (" or ".join(repr(w) for w in _words(tp)) if _is_choice(tp) else
+                    base.__name__ + "".join(f" or {w!r}" for w in _words(tp))) + (" or null" if optional else "")
             raise ValueError(f"{source}: field {name!r} must be {want}, got {value!r} ({type(value).__name__})")
     return value
 

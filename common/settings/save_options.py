@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.settings.choices import SaveStrategy
 from common.settings.knobs import knob
-
-SAVE_STRATEGIES = ("steps", "no")
 
 
 @dataclass
 class Saving:
-    save_strategy: str = knob("steps", "TRL name: 'steps' saves a checkpoint every save_steps steps and at the end "
-                                       "(DeepSpeed state for --resume and an HF directory); 'no' saves nothing "
-                                       "(TRL's 'epoch'/'best' are not supported: a run is counted in steps).")
+    save_strategy: SaveStrategy = knob("steps", "TRL name: 'steps' saves a checkpoint every save_steps steps and at "
+                                                "the end (DeepSpeed state for --resume and an HF directory); 'no' "
+                                                "saves nothing (TRL's 'epoch'/'best' are not supported: a run is "
+                                                "counted in steps).")

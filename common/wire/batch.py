@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# What the ref server must know to score a batch: typed fields of the batch, carried in the message's `extra` JSON
+# under these names (the wire form docs/protocol.md gives producers; absent = the default).
+CONTROL_DEFAULTS = {"needs_ref": True, "logp_temperature": 1.0}
+
 
 @dataclass
 class RolloutBatch:
@@ -29,6 +33,24 @@ class RolloutBatch:
     # (B, T) bool, 1 = a token the policy sampled; 0 = a tool turn's token (in the sequence, out of the loss).
     # None = all ones (protocol-1 producers). Keyword-only, so it comes after every positional field, ScoredBatch's too.
     loss_mask: torch.Tensor | None = field(default=None, kw_only=True)
+    # False: the consumer trains with beta 0, the server runs no reference forward (and sends no ref_logps)
+    needs_ref: bool = field(default=True, kw_only=True)
+    # the temperature of gen_logps, and the one ref_logps are computed at (log_softmax(logits / T))
+    logp_temperature: float = field(default=1.0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        """A batch whose `extra` names a control field (a decoded message, or a producer writing the wire form):
+        the value moves to the typed field, so `extra` holds only data. Checked by validate_batch, as every field."""
+        if any(k in self.extra for k in CONTROL_DEFAULTS):
+            extra = dict(self.extra)
+            for k in CONTROL_DEFAULTS:
+                if k in extra:
+                    setattr(self, k, extra.pop(k))
+            self.extra = extra
+
+    def control_extra(self) -> dict:
+        """The control fields as the message's `extra` carries them: those that differ from the default."""
+        return {k: getattr(self, k) for k, default in CONTROL_DEFAULTS.items() if getattr(self, k) != default}
 
     @property
     def num_rows(self) -> int:
@@ -65,7 +87,7 @@ def collate(batches: list[RolloutBatch]) -> RolloutBatch:
 
     The result has the type of the first batch; an optional tensor survives only if every
     batch has it, except loss_mask, which is all ones (over each completion) where a batch has none.
-    Metadata of the first batch is kept, `extra` lists are concatenated.
+    Metadata of the first batch is kept (its control fields too), `extra` lists are concatenated.
     """
     if not batches:
         raise ValueError("collate needs at least one batch")
@@ -78,6 +100,7 @@ def collate(batches: list[RolloutBatch]) -> RolloutBatch:
         advantages=torch.cat([b.advantages for b in batches]),
         policy_version=min(b.policy_version for b in batches),
         producer_id=batches[0].producer_id, batch_id=batches[0].batch_id,
+        needs_ref=batches[0].needs_ref, logp_temperature=batches[0].logp_temperature,
     )
     names = ["gen_logps"] + (["ref_logps"] if isinstance(batches[0], ScoredBatch) else [])
     for name in names:

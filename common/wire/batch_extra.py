@@ -3,8 +3,9 @@
 
 Per-completion lists must have one entry per row: `truncated` (bools; mask_truncated reads it),
 `overlong_penalty` (numbers), each `components` list (numbers or null) and each `tools` list (numbers: a tool
-run's per-completion statistics). `logp_temperature` (a number > 0)
-is the temperature of the batch's logprobs, which the ref server uses for ref_logps; `needs_ref` (bool)
+run's per-completion statistics). On the wire `extra` also carries the batch's control fields, which decoding
+moves to typed fields of the batch (common/wire/batch.py) and check_control checks: `logp_temperature` (a number
+> 0) is the temperature of the batch's logprobs, which the ref server uses for ref_logps; `needs_ref` (bool)
 false tells the ref server to skip the reference forward (beta = 0).
 """
 from __future__ import annotations
@@ -55,7 +56,11 @@ def check_extra(extra: dict, rows: int) -> None:
     if "agent_faults" in extra and not (isinstance(extra["agent_faults"], list)
                                         and all(_number(x) for x in extra["agent_faults"])):
         raise ExtraError("extra['agent_faults'] must be a list of numbers (per batch)")
-    if "logp_temperature" in extra and not (_number(extra["logp_temperature"]) and extra["logp_temperature"] > 0):
-        raise ExtraError(f"extra['logp_temperature'] must be a number > 0, got {extra['logp_temperature']!r}")
-    if "needs_ref" in extra and not isinstance(extra["needs_ref"], bool):
-        raise ExtraError(f"extra['needs_ref'] must be true or false, got {extra['needs_ref']!r}")
+
+
+def check_control(needs_ref, logp_temperature) -> None:
+    """The batch's control fields (common/wire/batch.py; `extra` keys on the wire)."""
+    if not (_number(logp_temperature) and logp_temperature > 0):
+        raise ExtraError(f"extra['logp_temperature'] must be a number > 0, got {logp_temperature!r}")
+    if not isinstance(needs_ref, bool):
+        raise ExtraError(f"extra['needs_ref'] must be true or false, got {needs_ref!r}")

@@ -8,7 +8,7 @@ import math
 import torch
 
 from common.wire.batch import RolloutBatch, ScoredBatch
-from common.wire.batch_extra import ExtraError, check_extra
+from common.wire.batch_extra import ExtraError, check_control, check_extra
 
 # Hard limits that hold whatever the model: they bound what a decoder will allocate.
 MAX_ROWS = 4096
@@ -109,6 +109,7 @@ def validate_batch(b: RolloutBatch, vocab_size: int | None = None, max_seq_len: 
         raise ProtocolError("policy_version must be a non-negative integer")
     try:
         check_extra(b.extra, B)
+        check_control(b.needs_ref, b.logp_temperature)
     except ExtraError as e:
         raise ProtocolError(str(e)) from None
 

@@ -64,7 +64,7 @@ def _encode(b: RolloutBatch, kind: str, extra_tensors: dict) -> bytes:
         "policy_version": str(int(b.policy_version)),
         "producer_id": str(b.producer_id),
         "batch_id": str(b.batch_id),
-        "extra": json.dumps(b.extra, separators=(",", ":")),
+        "extra": json.dumps({**b.extra, **b.control_extra()}, separators=(",", ":")),
     }
     return _serialize(tensors, meta)
 

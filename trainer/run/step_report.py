@@ -38,9 +38,7 @@ def round_info(infos: list[dict]) -> dict:
     for info in infos:
         for k in out:
             out[k] += info[k]
-        for k, v in vars(info["own_gen"]).items():
-            if isinstance(v, (int, float)):
-                setattr(own, k, getattr(own, k) + v)
+        own.merge(info["own_gen"])  # its tool statistics too (they reach the /status totals)
     return {**out, "own_gen": own}
 
 
