@@ -56,6 +56,7 @@ def genonly(cfg: GRPOConfig) -> None:
     tok = load_tokenizer(model_path, cfg.load_options())
     ref_host = urlparse(cfg.ref_server.split(",")[0]).hostname  # named by the address that reaches the server
     client = make_client(cfg, f"worker{cfg.worker_id}", "worker", host=host_label(ref_host))
+    client.give_up = lambda: stop["now"]  # stopping: no backoff against a server launch.sh stopped with us
     client.wait_ready(timeout=300)
     examples = run_data.train_examples(cfg)
     sampler = PromptSampler(examples, seed=cfg.seed + 1000 + cfg.worker_id)
@@ -119,6 +120,8 @@ def genonly(cfg: GRPOConfig) -> None:
             log.error("generation engine died, worker exits: %s", e)
             raise SystemExit(3) from e
         except RefServerError as e:  # the client already retried with backoff; keep going, say so
+            if stop["now"]:  # asked to stop: the server went with the run (the client did not retry)
+                break
             log.warning("ref server problem, retrying next round: %s", e)
             time.sleep(1.0)
             continue

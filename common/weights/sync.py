@@ -184,6 +184,9 @@ class WeightSync:
                 if isinstance(e, RefServerError) and e.status not in (0, 503):
                     raise
                 keep = "no weights yet" if self.version is None else f"v{self.version}"
+                if self.client is not None and self.client.give_up():  # the process is stopping: no retries
+                    log.info("weights download failed (%s) while stopping; keeping %s", e, keep)
+                    return None
                 if attempt == retries:
                     log.error("weights download failed %d times (%s); keeping %s, trying again later",
                               retries + 1, e, keep)

@@ -24,7 +24,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import requests
@@ -81,6 +81,9 @@ class RefClient:
         self._unreachable: set[str] = set()  # urls whose current outage included a connection failure
         self.outages = 0  # times a server became unreachable (not merely busy): what it held may be lost
         self.identity: dict[str, str] = {}  # X-GRPO-* headers naming this participant (set_identity)
+        # While this says true, a failed request is not retried: a worker asked to stop (launch.sh stops the
+        # server with it) must not spend its last seconds in backoff against a server that is gone.
+        self.give_up: Callable[[], bool] = lambda: False
 
     def set_identity(self, participant_id: str, role: str, host: str | None = None) -> None:
         """Name this process in every request, for the server's heartbeat table (ref_server/status.py)."""
@@ -160,7 +163,7 @@ class RefClient:
                 else:
                     self._mark_up(url)
                     return url, r
-            if not retry:
+            if not retry or self.give_up():
                 raise RefServerError(0 if retry_after is None else 503, problem, url)
             if failures > self.max_retries:
                 raise RefServerError(0, f"gave up after {self.max_retries} retries: {problem}", url)
