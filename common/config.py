@@ -16,9 +16,7 @@ from common.settings.choices import (
     Aggregation,
     GenBackend,
     ISLevel,
-    ISMode,
     LrSchedule,
-    OldLogps,
     OnOffAuto,
     PromptFormat,
     VllmDtype,
@@ -27,6 +25,7 @@ from common.settings.choices import (
 from common.settings.generation_options import GenerationOptions
 from common.settings.knobs import knob
 from common.settings.model_options import ModelLoading
+from common.settings.objective_options import ObjectiveOptions
 from common.settings.save_options import Saving
 from common.settings.sections import SECTIONS
 from common.settings.spin import SpinLimits
@@ -36,8 +35,8 @@ from common.settings.trl_options import TRLOptions
 
 
 @dataclass
-class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, GenerationOptions, StartOrder, SpinLimits,
-                 Saving, ConfigChecks):
+class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, GenerationOptions, ObjectiveOptions,
+                 StartOrder, SpinLimits, Saving, ConfigChecks):
     """Every option of the trainer ranks and the genonly workers (common/config.py). Defaults <- the JSON
     file given by --config <- flags. TRL GRPOConfig names are accepted too (listed at the end; docs/trl.md).
     validate() and the rules it checks: common/settings/checks.py; more fields: the mixins of common/settings/."""
@@ -46,7 +45,7 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
     HELP_SECTIONS: ClassVar[list] = SECTIONS  # --help groups (common/settings/sections.py)
     # (trust_remote_code, attn_implementation, revision, model_init_kwargs: common/settings/model_options.py;
     # tools, environment_factory, max_tool_calling_iterations, tool_timeout, tool_output_chars: tool_options.py;
-    # save_strategy: save_options.py)
+    # save_strategy: save_options.py; old_logps, the IS correction, loss_type and its family: objective_options.py)
 
     # --- model and data -------------------------------------------------------------
     model: str = knob("tiny", "Policy model: a Hugging Face id or local directory. 'tiny' builds/caches the "
@@ -253,42 +252,6 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
                                                 "'auto' or a core list like '0-1' pins them.")
     tis_cap: float | None = knob(None, "Deprecated: --tis_cap C = vllm_importance_sampling_mode token_truncate "
                                        "with vllm_importance_sampling_clip_max C (the former truncated IS).")
-    # --- the objective: π_old, off-policy correction, loss family (issue 24) ----------
-    old_logps: OldLogps = knob("trainer", "π_old of the clipped ratio. trainer: the trainer's own first-pass "
-                                          "logprobs of the batch (TRL, GSPO paper: ratio 1 on the first pass, later "
-                                          "mu passes clip against it), the engine's logprobs used only for the "
-                                          "importance-sampling correction below. engine: the former objective, ratio "
-                                          "against the sampling engine's logprobs (stale, bf16), no correction; "
-                                          "needs compute_gen_logps.")
-    vllm_importance_sampling_correction: bool = knob(True, "TRL name. With old_logps trainer: weight each token's "
-                                                           "policy term by rho = exp(π_old logp - engine logp), "
-                                                           "correcting engine mismatch and staleness (any engine, "
-                                                           "HF or vLLM), where the batch has engine logprobs.")
-    vllm_importance_sampling_mode: ISMode = knob("sequence_mask", "TRL name: token_truncate, token_mask, "
-                                                                  "sequence_truncate or sequence_mask. token_*: rho "
-                                                                  "per token; sequence_*: exp(sum of the "
-                                                                  "completion's log ratios) on all its tokens. "
-                                                                  "*_truncate clamps rho to [clip_min, clip_max]; "
-                                                                  "*_mask zeroes it outside.")
-    vllm_importance_sampling_clip_max: float | None = knob(3.0, "TRL name: upper bound of rho (TRL's "
-                                                                "vllm_importance_sampling_cap is an alias).")
-    vllm_importance_sampling_clip_min: float | None = knob(None, "TRL name: lower bound of rho (null = none).")
-    loss_type: str | None = knob(None, "TRL's loss_type (objective + aggregation): grpo (clip, seq_mean), bnpo "
-                                       "(clip, token_mean), dr_grpo, dapo (clip, global token mean), cispo "
-                                       "(MiniMax-M1: -sg(min(r, eps_high)) A logp, dapo aggregation; eps_high is "
-                                       "the absolute cap, e.g. 5), sapo (soft gate, seq_mean), luspo (GSPO with "
-                                       "length scaling: use importance_sampling_level sequence). null = the clipped "
-                                       "objective with `aggregation`. Sets aggregation; a different explicit "
-                                       "aggregation is an error.")
-    sapo_temperature_pos: float = knob(1.0, "TRL name: SAPO gate temperature for positive advantages.")
-    sapo_temperature_neg: float = knob(1.05, "TRL name: SAPO gate temperature for negative advantages.")
-    top_entropy_quantile: float = knob(1.0, "TRL name: train the policy term only on the completion tokens in this "
-                                            "top quantile of entropy (as TRL: cut per micro-batch over every rank; "
-                                            "0.2 = the 80/20 rule of arXiv:2506.01939). 1 = all tokens, 0 = the "
-                                            "highest only.")
-    off_policy_mask_threshold: float | None = knob(None, "TRL name (DeepSeek-V3.2 off-policy sequence masking): "
-                                                         "drop completions with negative advantage whose mean "
-                                                         "per-token KL(engine || policy) exceeds this. null = off.")
     # --- LoRA and GRPO variants (issue 14) -------------------------------------------
     lora_r: int = knob(0, "LoRA rank (peft). 0 = full fine-tuning. > 0: only the adapters train; workers get "
                           "adapter-only weight syncs; checkpoints are adapters plus a merged model at the end.")

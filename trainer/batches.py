@@ -12,7 +12,8 @@ from trainer.agents.rollout import AgentRollouts
 from trainer.dist.comm import all_reduce_int
 from trainer.engines.hf import HFEngine
 from trainer.objective.update import truncated_mask
-from trainer.rollout import RolloutStats, generate_batches
+from trainer.rollout import generate_batches
+from trainer.run.rollout_stats import RolloutStats
 from trainer.run.stall import StallReporter
 from trainer.run.start_order import WorkersStarting
 

@@ -140,7 +140,8 @@ def genonly(cfg: GRPOConfig) -> None:
         resume.write_json(state_path, resume.capture(sampler))
         if rounds % 10 == 0:
             log.info("round %d: %d batches uploaded, %d groups skipped (no spread) so far; %.1f completions/s this "
-                     "round", rounds, uploaded, skipped, st.completions / max(st.seconds, 1e-9))
+                     "round; generated %d tokens in %.1f s", rounds, uploaded, skipped,
+                     st.completions / max(st.seconds, 1e-9), gen_tokens, gen_s)  # the totals, also if killed later
     scorer.close()
     if toolbox is not None:
         toolbox.close()

@@ -81,9 +81,8 @@ class RefClient:
         self._unreachable: set[str] = set()  # urls whose current outage included a connection failure
         self.outages = 0  # times a server became unreachable (not merely busy): what it held may be lost
         self.identity: dict[str, str] = {}  # X-GRPO-* headers naming this participant (set_identity)
-        # While this says true, a failed request is not retried: a worker asked to stop (launch.sh stops the
-        # server with it) must not spend its last seconds in backoff against a server that is gone.
-        self.give_up: Callable[[], bool] = lambda: False
+        # While true, a failed request is not retried: a worker asked to stop (launch.sh stops the server too) must
+        self.give_up: Callable[[], bool] = lambda: False  # not spend its last seconds in backoff against it
 
     def set_identity(self, participant_id: str, role: str, host: str | None = None) -> None:
         """Name this process in every request, for the server's heartbeat table (ref_server/status.py)."""

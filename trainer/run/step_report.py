@@ -13,9 +13,9 @@ import time
 import torch
 
 from trainer.batches import RANK_PRODUCER
-from trainer.rollout import RolloutStats
 from trainer.run.completions import completion_rows, gather_rows
 from trainer.run.requeue import agreed
+from trainer.run.rollout_stats import RolloutStats
 from trainer.run.step_metrics import (
     MAX_KEYS,
     MEAN_KEYS,
