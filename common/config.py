@@ -202,9 +202,10 @@ class GRPOConfig(ModelLoading, TRLOptions, ToolOptions, AgentOptions, Generation
                                           "logged every 30 s while nothing trains).")
     save_total_limit: int = knob(2, "Keep the newest N HF step_* checkpoints and the newest N DeepSpeed state "
                                     "tags (older ones are deleted; `final` is never counted). 0 = keep all.")
-    worker_dtype: WorkerDtype = knob("auto", "genonly worker dtype: auto (bf16 on CUDA, float32 on CPU), bfloat16 or "
-                                             "float32. Rank 0 publishes weights in this dtype when it is not auto, "
-                                             "so bfloat16 halves the worker, the weight relay and each publish.")
+    worker_dtype: WorkerDtype = knob("auto", "genonly worker dtype: auto (bf16 on CUDA; on CPU the ranks' precision: "
+                                             "bfloat16 with bf16 true or auto-resolved true, else float32), "
+                                             "bfloat16 or float32. Rank 0 publishes weights in this dtype when it is "
+                                             "not auto, so bfloat16 halves the worker, the relay and each publish.")
     log_stall_every: float = knob(30.0, "While nothing trains (all groups skipped), log cumulative rollout "
                                         "counts every this many seconds.")
     # --- data, prompts and rewards (issue 13; reward_timeout from issue 16) ------------------------------

@@ -46,6 +46,19 @@ def test_bf16_auto_resolves_per_cpu_with_the_fixed_log_line():
                                                                                  "AVX-512 BF16 on this CPU)"), line
 
 
+def test_worker_dtype_auto_follows_the_ranks_on_cpu():
+    """The HF worker in bf16 where the ranks are (natively; 0.45x its float32 CPU at the demo's shape), float32
+    elsewhere; an explicit worker_dtype and CUDA's auto are kept."""
+    cfg = load_config(GRPOConfig, DEMO)
+    out, line = resolve_precision(cfg, cuda=False, env={}, flags=ZEN5)
+    assert out.worker_dtype == "bfloat16" and line.endswith("; worker_dtype auto: bfloat16"), line
+    out, line = resolve_precision(cfg, cuda=False, env={"ATEN_CPU_CAPABILITY": "avx2"}, flags=ZEN5)
+    assert out.worker_dtype == "auto" and line.endswith("; worker_dtype auto: float32"), line
+    explicit = load_config(GRPOConfig, [*DEMO, "--worker_dtype", "float32"])
+    assert resolve_precision(explicit, cuda=False, env={}, flags=ZEN5)[0].worker_dtype == "float32"
+    assert resolve_precision(GRPOConfig(bf16=True), cuda=True)[0].worker_dtype == "auto"
+
+
 def test_explicit_precision_wins_and_null_keeps_ds_config(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     cfg = load_config(GRPOConfig, [*DEMO, "--bf16", "true", "--vllm_dtype", "float16"])

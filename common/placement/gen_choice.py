@@ -31,22 +31,25 @@ class Cost:
     unit: str
 
 
-# Measured on a 2-core AMD EPYC (Zen 5, AVX-512 BF16), 2026-12-02 at 8c4360c (docs/benchmarks.md, "gen_backend
-# auto"): "avx512_bf16" natively (bf16 ranks and vLLM worker, HF worker in float32: what auto resolves to there),
-# "avx2" with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (float32). tiny: the demo's whole run (every process)
-# per training step of 64 completions, steady state: (90-step run - 30-step run) / 60 (bench/vs_trl.py --only ours).
-# The issue's AVX2-only EPYC agrees: HF 347.0 vs vLLM 404.8 CPU-s over 150 steps. qwen05b: the engine's CPU-s per
-# 1,000 generated tokens, 1 thread, 16 sequences a call (bench/generation.py --models qwen05b --prompts 2 --hf-dtype
-# float32), random weights in Qwen2.5-0.5B's shape; HF's figure leaves out the logprob forward it also needs.
+# tiny: measured on a 2-core AMD EPYC (Zen 5, AVX-512 BF16), 2026-12-04 at 409cbad (docs/benchmarks.md, "gen_backend
+# auto"): "avx512_bf16" natively (bf16 ranks, the vLLM worker and the HF worker in bf16: what auto resolves to
+# there), "avx2" with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (float32). The demo's whole run (every
+# process) per training step (6 groups of 8 with spread), steady state: (90-step run - 30-step run) / 60
+# (bench/vs_trl.py --only ours), the mean of two pairs. Natively the HF worker in float32 (worker_dtype auto's
+# choice until then) cost 0.63. The issue's AVX2-only EPYC agreed: HF 347.0 vs vLLM 404.8 CPU-s over 150 steps.
+# qwen05b (2026-12-02 at 8c4360c): the engine's CPU-s per 1,000 generated tokens, 1 thread, 16 sequences a call
+# (bench/generation.py --models qwen05b --prompts 2 --hf-dtype float32), random weights in Qwen2.5-0.5B's shape;
+# HF's figure leaves out the logprob forward it also needs, and is float32 on both classes (HF in bf16 at this
+# shape not measured).
 TINY = dict(shape="tiny (the demo, 32 new tokens)", params=1.15e6, new_tokens=32,
             unit="CPU-s per training step, all processes")
 Q05_SHORT = dict(shape="Qwen2.5-0.5B, 32 new tokens", params=4.94e8, new_tokens=32,
                  unit="CPU-s per 1,000 generated tokens")
 Q05_LONG = dict(Q05_SHORT, shape="Qwen2.5-0.5B, 256 new tokens", new_tokens=256)
 COSTS: dict[str, tuple[Cost, ...]] = {
-    "avx512_bf16": (Cost(**TINY, hf=0.57, vllm=0.32), Cost(**Q05_SHORT, hf=33.4, vllm=8.6),
+    "avx512_bf16": (Cost(**TINY, hf=0.46, vllm=0.60), Cost(**Q05_SHORT, hf=33.4, vllm=8.6),
                     Cost(**Q05_LONG, hf=27.7, vllm=7.8)),
-    "avx2": (Cost(**TINY, hf=0.74, vllm=0.88), Cost(**Q05_SHORT, hf=32.3, vllm=19.9),
+    "avx2": (Cost(**TINY, hf=0.55, vllm=0.65), Cost(**Q05_SHORT, hf=32.3, vllm=19.9),
              Cost(**Q05_LONG, hf=26.1, vllm=15.6)),
 }
 

@@ -8,7 +8,9 @@ On a CPU, bf16 pays only where the CPU multiplies bf16 natively (AVX-512 BF16 or
 ATEN_CPU_CAPABILITY below avx512, or ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16, keeps torch's kernels off those
 instructions, so they count as none. On CUDA, bf16 auto is DeepSpeed's own `auto` (bf16 where the GPU has it).
 vllm_dtype auto follows the ranks on CPU (bfloat16 with bf16, else float32: the trainer's exact logprobs); on CUDA
-it stays vLLM's auto (the checkpoint's dtype). No torch imported for a CPU (the placement CLI runs this too).
+it stays vLLM's auto (the checkpoint's dtype). worker_dtype auto (the HF worker, and what rank 0 publishes in)
+follows them on CPU the same way: bfloat16 with bf16, else auto (float32 on CPU); on CUDA it stays auto (bf16 where
+the GPU has it). No torch imported for a CPU (the placement CLI runs this too).
 """
 from __future__ import annotations
 
@@ -62,9 +64,11 @@ def resolve_precision(cfg, *, cuda: bool, env=None, flags: set[str] | None = Non
             "has bf16" if torch.cuda.is_bf16_supported() else "has no bf16")
     elif bf16 == AUTO:
         bf16, why = native_bf16(env, flags)
-    vllm_dtype = cfg.vllm_dtype
+    vllm_dtype, worker_dtype = cfg.vllm_dtype, cfg.worker_dtype
     if vllm_dtype == AUTO and not cuda:
         vllm_dtype = "bfloat16" if bf16 is True else "float32"
+    if worker_dtype == AUTO and not cuda and bf16 is True:  # the HF worker too: 0.45x its float32 CPU (benchmarks)
+        worker_dtype = "bfloat16"
     given = {True: "true", False: "false", None: "null", AUTO: AUTO}[cfg.bf16]
     if bf16 is None:  # ds_config's bf16.enabled decides (DeepSpeed's auto: bf16 on GPUs that have it)
         word, why = "ds_config's bf16.enabled", f"{cfg.ds_config}"
@@ -73,4 +77,6 @@ def resolve_precision(cfg, *, cuda: bool, env=None, flags: set[str] | None = Non
     line = f"precision: {word} (bf16 {given}: {why})"
     if cfg.vllm_dtype == AUTO and not cuda:
         line += f"; vllm_dtype auto: {vllm_dtype}"
-    return dataclasses.replace(cfg, bf16=bf16, vllm_dtype=vllm_dtype), line
+    if cfg.worker_dtype == AUTO and not cuda:
+        line += f"; worker_dtype auto: {'bfloat16' if worker_dtype == 'bfloat16' else 'float32'}"
+    return dataclasses.replace(cfg, bf16=bf16, vllm_dtype=vllm_dtype, worker_dtype=worker_dtype), line
