@@ -113,8 +113,8 @@ def main() -> None:
     p.add_argument("--models", default="tiny,qwen05b", help="comma list of tiny, qwen05b")
     p.add_argument("--new-tokens", default="64,256", help="comma list of completion lengths")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (both engines)")
-    p.add_argument("--hf-dtype", default=None, help="the HF engine's dtype when it differs from --dtype (an HF worker "
-                   "on CPU loads float32, worker_dtype auto, beside a bf16 vLLM worker)")
+    p.add_argument("--hf-dtype", default=None, help="the HF engine's dtype when it differs from --dtype (e.g. an HF "
+                   "worker in float32, worker_dtype float32, beside a bf16 vLLM worker)")
     p.add_argument("--engines", default="hf,vllm", help="comma list of hf, vllm (ratios need both)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per engine and length (median reported)")

@@ -47,7 +47,7 @@ def test_bf16_auto_resolves_per_cpu_with_the_fixed_log_line():
 
 
 def test_worker_dtype_auto_follows_the_ranks_on_cpu():
-    """The HF worker in bf16 where the ranks are (natively; 0.45x its float32 CPU at the demo's shape), float32
+    """The HF worker in bf16 where the ranks are (natively: the demo's run 0.73x the CPU-s of a float32 one), float32
     elsewhere; an explicit worker_dtype and CUDA's auto are kept."""
     cfg = load_config(GRPOConfig, DEMO)
     out, line = resolve_precision(cfg, cuda=False, env={}, flags=ZEN5)

@@ -4,7 +4,6 @@ them is one line naming the knob, and no module compares a knob against its own 
 """
 from __future__ import annotations
 
-import typing
 from typing import Literal
 
 AdvantageMode = Literal["grpo", "grpo_no_std", "grpo_batch_std", "raw", "reinforce_pp"]
@@ -21,7 +20,3 @@ SaveStrategy = Literal["steps", "no"]
 # A tri-state: true, false or auto (decided at start); JSON true/false, or the strings as configs wrote them.
 OnOffAuto = bool | Literal["auto"]
 
-
-def words(choice: typing.Any) -> tuple[str, ...]:
-    """The words of a choice type: words(GenBackend) == ("hf", "vllm", "auto")."""
-    return typing.get_args(choice)

@@ -67,7 +67,8 @@ def resolve_precision(cfg, *, cuda: bool, env=None, flags: set[str] | None = Non
     vllm_dtype, worker_dtype = cfg.vllm_dtype, cfg.worker_dtype
     if vllm_dtype == AUTO and not cuda:
         vllm_dtype = "bfloat16" if bf16 is True else "float32"
-    if worker_dtype == AUTO and not cuda and bf16 is True:  # the HF worker too: 0.45x its float32 CPU (benchmarks)
+    if worker_dtype == AUTO and not cuda and bf16 is True:  # the HF worker too: the demo's run 0.73x the CPU-s
+        # of a float32 HF worker natively (docs/benchmarks.md, "gen_backend auto")
         worker_dtype = "bfloat16"
     given = {True: "true", False: "false", None: "null", AUTO: AUTO}[cfg.bf16]
     if bf16 is None:  # ds_config's bf16.enabled decides (DeepSpeed's auto: bf16 on GPUs that have it)

@@ -23,8 +23,8 @@ class RolloutStats:
 
     def merge(self, other: RolloutStats) -> RolloutStats:
         """Add another round's statistics into these, the one way they combine (a rank's rounds of a step, a
-        step's fetches, a worker's totals): counts and seconds summed, per-completion lists joined, the two newest
-        skipped samples kept."""
+        step's fetches): counts and seconds summed, per-completion lists joined, the two newest skipped samples
+        kept."""
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, dict):
